@@ -1,0 +1,120 @@
+"""The environment recorded with every run: GPU, driver, CUDA, library versions, git, PCIe, clocks."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001 - a missing optional library is just "unknown"
+        return None
+
+
+def nvml_info(index: int = 0) -> dict:
+    """PCIe link, clocks and power limit read from NVML; empty when there is no NVIDIA driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return {}
+    info: dict = {}
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        reads = {
+            "pcie_gen": lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
+            "pcie_width": lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(h),
+            "pcie_max_gen": lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h),
+            "pcie_max_width": lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(h),
+            "sm_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+            "max_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+            "power_limit_w": lambda: pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0,
+            "memory_total_gib": lambda: pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30,
+        }
+        for key, read in reads.items():
+            try:
+                info[key] = read()
+            except pynvml.NVMLError:
+                info[key] = None
+    finally:
+        pynvml.nvmlShutdown()
+    return info
+
+
+def pcie_ceiling_gbps(gen: int | None, width: int | None) -> float | None:
+    """Theoretical one-direction PCIe payload rate in GB/s (128b/130b encoding from Gen3 on)."""
+    per_lane_gtps = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
+    if not gen or not width or gen not in per_lane_gtps:
+        return None
+    encoding = 0.8 if gen <= 2 else 128 / 130
+    return per_lane_gtps[gen] * encoding * width / 8
+
+
+def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
+    """(device memory used by everyone, memory used by this process) in GiB, from NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return None, None
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
+        mine = None
+        try:
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                    mine = p.usedGpuMemory / 2**30
+        except pynvml.NVMLError:
+            pass
+        return used, mine
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def collect() -> dict:
+    import torch
+
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(0)
+        env["device_count"] = torch.cuda.device_count()
+        env.update(nvml_info(0))
+    else:
+        env["device_name"] = "cpu"
+        env["device_count"] = 0
+        env["cpu_model"] = platform.processor() or platform.machine()
+    return env

@@ -1,0 +1,277 @@
+"""Experiment files (TOML) → a validated Experiment → a list of sweep points.
+
+Everything that can be wrong with an experiment is found here, before anything runs, and
+reported as one ``ExperimentError`` that names the file, the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import models as model_registry
+from harness.switches import SWITCHES, resolve
+
+MIN_WARMUP_STEPS = 3
+MIN_MEASURED_STEPS = 10
+LAUNCHERS = ("process",)  # "torchrun" slots in here (harness/launchers.py)
+DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
+DTYPES = ("bf16", "fp32")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class ExperimentError(ValueError):
+    """A malformed experiment file. The message names the file, the key and the valid choices."""
+
+    def __init__(self, path: str | Path, key: str, problem: str, choices: Any = None):
+        self.path, self.key, self.problem, self.choices = str(path), key, problem, choices
+        msg = f"{path}: [{key}] {problem}"
+        if choices is not None:
+            msg += f" (valid: {', '.join(map(str, choices))})"
+        super().__init__(msg)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    distribution: str = "lognormal"
+    median_doc_len: int = 300
+    sigma: float = 1.0
+    min_doc_len: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One timed run. Everything a fresh process needs to run it, and nothing else."""
+
+    experiment: str
+    model: str
+    seq_len: int
+    batch_size: int
+    variant: str
+    switches: dict[str, Any]
+    gpus: int
+    repeat: int
+    warmup_steps: int
+    measured_steps: int
+    lora_rank: int
+    dtype: str
+    device: str
+    data: DataSpec
+    launcher: str = "process"
+    timeout_s: float = 900.0
+    baseline_variant: str = ""
+
+    @property
+    def point_id(self) -> str:
+        """Stable identity for resume: what is measured, not how long we wait for it."""
+        key = asdict(self)
+        key.pop("timeout_s")
+        blob = json.dumps(key, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def label(self) -> str:
+        return f"{self.model} T={self.seq_len} bs={self.batch_size} {self.variant} r{self.repeat}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SweepPoint":
+        raw = json.loads(text)
+        raw["data"] = DataSpec(**raw["data"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    path: str
+    description: str
+    models: list[str]
+    seq_lens: list[int]
+    batch_size: int
+    gpus: int
+    variants: dict[str, dict[str, Any]]
+    baseline_variant: str
+    warmup_steps: int
+    measured_steps: int
+    repeats: int
+    lora_rank: int
+    dtype: str
+    device: str
+    launcher: str
+    timeout_s: float
+    bandwidth: bool
+    data: DataSpec = field(default_factory=DataSpec)
+
+    def points(self) -> list[SweepPoint]:
+        """Ordered so each model's points run together and variants are interleaved per length,
+        which keeps side-by-side comparisons close in time."""
+        out = []
+        for repeat in range(self.repeats):
+            for model in self.models:
+                for seq_len in self.seq_lens:
+                    for vname, settings in self.variants.items():
+                        out.append(
+                            SweepPoint(
+                                experiment=self.name,
+                                model=model,
+                                seq_len=seq_len,
+                                batch_size=self.batch_size,
+                                variant=vname,
+                                switches=resolve(settings),
+                                gpus=self.gpus,
+                                repeat=repeat,
+                                warmup_steps=self.warmup_steps,
+                                measured_steps=self.measured_steps,
+                                lora_rank=self.lora_rank,
+                                dtype=self.dtype,
+                                device=self.device,
+                                data=self.data,
+                                launcher=self.launcher,
+                                timeout_s=self.timeout_s,
+                                baseline_variant=self.baseline_variant,
+                            )
+                        )
+        return out
+
+
+_TOP_KEYS = {"experiment", "data", "variants"}
+_EXPERIMENT_KEYS = {
+    "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
+    "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
+    "baseline", "bandwidth",
+}
+_DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
+
+
+def _check_keys(path, where: str, table: Any, valid: set[str]) -> None:
+    if not isinstance(table, dict):
+        raise ExperimentError(path, where, f"must be a table, got {type(table).__name__}")
+    for key in table:
+        if key not in valid:
+            raise ExperimentError(path, f"{where}.{key}" if where else key, "unknown key", sorted(valid))
+
+
+def _int(path, key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ExperimentError(path, key, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise ExperimentError(path, key, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _int_list(path, key: str, value: Any, minimum: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise ExperimentError(path, key, f"must be a non-empty list of integers, got {value!r}")
+    return [_int(path, f"{key}[{i}]", v, minimum) for i, v in enumerate(value)]
+
+
+def _choice(path, key: str, value: Any, choices) -> Any:
+    if value not in choices:
+        raise ExperimentError(path, key, f"{value!r} is not a valid choice", choices)
+    return value
+
+
+def load(path: str | Path) -> Experiment:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExperimentError(path, "-", "file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ExperimentError(path, "-", f"not valid TOML: {e}") from None
+    return parse(raw, path)
+
+
+def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
+    _check_keys(path, "", raw, _TOP_KEYS)
+    if "experiment" not in raw:
+        raise ExperimentError(path, "experiment", "missing table")
+    exp = raw["experiment"]
+    _check_keys(path, "experiment", exp, _EXPERIMENT_KEYS)
+    for required in ("name", "models", "seq_lens"):
+        if required not in exp:
+            raise ExperimentError(path, f"experiment.{required}", "missing required key")
+
+    name = exp["name"]
+    if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
+        raise ExperimentError(path, "experiment.name", f"must be a non-empty name without spaces or slashes, got {name!r}")
+
+    models = exp["models"]
+    if not isinstance(models, list) or not models:
+        raise ExperimentError(path, "experiment.models", "must be a non-empty list of model names", model_registry.names())
+    canon = []
+    for i, m in enumerate(models):
+        try:
+            canon.append(model_registry.get(m).name)
+        except KeyError:
+            raise ExperimentError(path, f"experiment.models[{i}]", f"unknown model {m!r}", model_registry.names()) from None
+
+    seq_lens = _int_list(path, "experiment.seq_lens", exp["seq_lens"], 16)
+    batch_size = _int(path, "experiment.batch_size", exp.get("batch_size", 1), 1)
+    gpus = _int(path, "experiment.gpus", exp.get("gpus", 1), 1)
+    warmup = _int(path, "experiment.warmup_steps", exp.get("warmup_steps", MIN_WARMUP_STEPS), MIN_WARMUP_STEPS)
+    measured = _int(path, "experiment.measured_steps", exp.get("measured_steps", MIN_MEASURED_STEPS), MIN_MEASURED_STEPS)
+    repeats = _int(path, "experiment.repeats", exp.get("repeats", 1), 1)
+    lora_rank = _int(path, "experiment.lora_rank", exp.get("lora_rank", 16), 1)
+    dtype = _choice(path, "experiment.dtype", exp.get("dtype", "bf16"), DTYPES)
+    device = _choice(path, "experiment.device", exp.get("device", "auto"), DEVICES)
+    launcher = _choice(path, "experiment.launcher", exp.get("launcher", "process"), LAUNCHERS)
+    if gpus > 1 and launcher == "process":
+        raise ExperimentError(path, "experiment.gpus", f"{gpus} GPUs per point needs a multi-GPU launcher", LAUNCHERS[1:] or ["(none registered yet)"])
+    timeout_s = exp.get("timeout_s", 900)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ExperimentError(path, "experiment.timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
+    bandwidth = exp.get("bandwidth", True)
+    if not isinstance(bandwidth, bool):
+        raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
+
+    # Impossible shapes: caught here rather than as a crash inside a point.
+    for m in canon:
+        spec = model_registry.get(m)
+        if lora_rank > spec.hidden_size:
+            raise ExperimentError(path, "experiment.lora_rank", f"rank {lora_rank} exceeds {m}'s hidden size {spec.hidden_size}")
+        for t in seq_lens:
+            if t > spec.max_position_embeddings:
+                raise ExperimentError(path, "experiment.seq_lens", f"{t} exceeds {m}'s max_position_embeddings {spec.max_position_embeddings}")
+
+    data_raw = raw.get("data", {})
+    _check_keys(path, "data", data_raw, _DATA_KEYS)
+    data = DataSpec(
+        distribution=_choice(path, "data.distribution", data_raw.get("distribution", "lognormal"), DISTRIBUTIONS),
+        median_doc_len=_int(path, "data.median_doc_len", data_raw.get("median_doc_len", 300), 1),
+        sigma=float(data_raw.get("sigma", 1.0)),
+        min_doc_len=_int(path, "data.min_doc_len", data_raw.get("min_doc_len", 1), 1),
+        seed=_int(path, "data.seed", data_raw.get("seed", 0), 0),
+    )
+    if data.sigma < 0:
+        raise ExperimentError(path, "data.sigma", f"must be >= 0, got {data.sigma}")
+    if data.min_doc_len > min(seq_lens):
+        raise ExperimentError(path, "data.min_doc_len", f"{data.min_doc_len} exceeds the shortest row ({min(seq_lens)} tokens)")
+
+    variants_raw = raw.get("variants", {"default": {}})
+    if not isinstance(variants_raw, dict) or not variants_raw:
+        raise ExperimentError(path, "variants", "must hold at least one named table, e.g. [variants.stock]")
+    variants: dict[str, dict[str, Any]] = {}
+    for vname, settings in variants_raw.items():
+        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES))
+        for key, value in settings.items():
+            _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
+        variants[vname] = dict(settings)
+
+    baseline = exp.get("baseline", next(iter(variants)))
+    _choice(path, "experiment.baseline", baseline, list(variants))
+
+    return Experiment(
+        name=name, path=str(path), description=str(exp.get("description", "")), models=canon,
+        seq_lens=seq_lens, batch_size=batch_size, gpus=gpus, variants=variants,
+        baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
+        lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
+        timeout_s=float(timeout_s), bandwidth=bandwidth, data=data,
+    )

@@ -1,0 +1,208 @@
+"""Registry of real model shapes (public configs) and their tiny CPU twins.
+
+Nothing is downloaded: models are built from configs with random, properly initialized weights,
+directly on the target device (bf16 on GPU). LoRA comes from peft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    tiny: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family in ("qwen3_moe", "gpt_oss")
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.extra.get("num_local_experts", 0))
+
+    @property
+    def experts_per_token(self) -> int:
+        return int(self.extra.get("num_experts_per_tok", 0))
+
+    def config(self):
+        """A transformers config for this shape."""
+        import transformers
+
+        cls = {
+            "llama": transformers.LlamaConfig,
+            "qwen3": transformers.Qwen3Config,
+            "qwen3_moe": transformers.Qwen3MoeConfig,
+            "gpt_oss": transformers.GptOssConfig,
+        }[self.family]
+        kw = dict(
+            num_hidden_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            use_cache=False,
+        )
+        kw.update(self.extra)
+        return cls(**kw)
+
+
+def _tiny(spec: ModelSpec) -> ModelSpec:
+    """Same architecture (family, GQA ratio, tying, MoE routing, sinks, sliding window), toy size."""
+    kv = 2
+    heads = kv * max(1, spec.num_attention_heads // spec.num_key_value_heads)
+    heads = min(heads, 8)
+    extra = dict(spec.extra)
+    if spec.family == "qwen3_moe":
+        extra.update(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if spec.family == "gpt_oss":
+        extra.update(num_local_experts=8, num_experts_per_tok=2, sliding_window=32)
+        extra["layer_types"] = ["sliding_attention", "full_attention"]
+    return ModelSpec(
+        name=f"{spec.name}-tiny",
+        family=spec.family,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=64 if spec.family == "gpt_oss" else 128,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        extra=extra,
+        tiny=True,
+    )
+
+
+_GPT_OSS = dict(
+    sliding_window=128,
+    attention_bias=True,
+    swiglu_limit=7.0,
+    rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False,
+    },
+)
+
+_REAL = [
+    ModelSpec("llama-3.2-1b", "llama", 16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True,
+              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    ModelSpec("llama-3.1-8b", "llama", 32, 4096, 14336, 32, 8, 128, 128256,
+              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    ModelSpec("qwen3-0.6b", "qwen3", 28, 1024, 3072, 16, 8, 128, 151936, 40960, tie_word_embeddings=True,
+              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ModelSpec("qwen3-8b", "qwen3", 36, 4096, 12288, 32, 8, 128, 151936, 40960,
+              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ModelSpec("qwen3-14b", "qwen3", 40, 5120, 17408, 40, 8, 128, 151936, 40960,
+              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ModelSpec("qwen3-32b", "qwen3", 64, 5120, 25600, 64, 8, 128, 151936, 40960,
+              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ModelSpec("qwen3-30b-a3b", "qwen3_moe", 48, 2048, 6144, 32, 4, 128, 151936, 40960,
+              extra=dict(num_local_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                         norm_topk_prob=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ModelSpec("gpt-oss-20b", "gpt_oss", 24, 2880, 2880, 64, 8, 64, 201088,
+              extra=dict(num_local_experts=32, num_experts_per_tok=4,
+                         layer_types=["sliding_attention", "full_attention"] * 12, **_GPT_OSS)),
+    ModelSpec("gpt-oss-120b", "gpt_oss", 36, 2880, 2880, 64, 8, 64, 201088,
+              extra=dict(num_local_experts=128, num_experts_per_tok=4,
+                         layer_types=["sliding_attention", "full_attention"] * 18, **_GPT_OSS)),
+]
+
+REGISTRY: dict[str, ModelSpec] = {}
+for _s in _REAL:
+    REGISTRY[_s.name] = _s
+    REGISTRY[f"{_s.name}-tiny"] = _tiny(_s)
+
+
+def names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get(name: str) -> ModelSpec:
+    """Look a model up by name, case-insensitively (``Qwen3-0.6B`` and ``qwen3-0.6b`` are one)."""
+    key = str(name).lower()
+    if key not in REGISTRY:
+        raise KeyError(name)
+    return REGISTRY[key]
+
+
+def lora_config(spec: ModelSpec, rank: int, *, attention_only_for_moe: bool = True):
+    """peft LoRA: all linear projections on dense models; on MoE models the attention
+    projections plus the experts' fused gate_up_proj/down_proj via ``target_parameters``."""
+    from peft import LoraConfig
+
+    if spec.is_moe:
+        return LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+
+
+def build(
+    spec: ModelSpec,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str = "sdpa",
+    experts_implementation: str | None = None,
+    lora_rank: int | None = 16,
+    gradient_checkpointing: bool = True,
+    checkpoint_fn=None,
+    seed: int = 0,
+):
+    """Build ``spec`` with random initialized weights directly on ``device``, optionally with LoRA.
+
+    Returns the (peft-wrapped) model in train mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from harness.switches import stock_attn_for
+
+    attn_implementation = stock_attn_for(spec.family, attn_implementation)
+    config = spec.config()
+    if experts_implementation is not None and spec.is_moe:
+        config._experts_implementation = experts_implementation
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if checkpoint_fn is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            # transformers routes every layer through this function
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_fn)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if lora_rank:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(spec, lora_rank))
+    model.train()
+    return model

@@ -1,0 +1,250 @@
+"""One sweep point, run inside its own fresh process: build, warm up, time, record one row.
+
+The hot loop reads top to bottom: forward, backward, optimizer, each bracketed by a timer mark
+(a CUDA event, no host sync). Losses stay on the device until the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+from harness import env as envmod
+from harness import flops as flopsmod
+from harness import models as model_registry
+from harness.data import make_batch
+from harness.experiment import SweepPoint
+from harness.timing import PhaseTimer, percentiles
+
+PROGRESS_PREFIX = "@@progress "
+# Test hook for point isolation: "<variant>=oom|error|crash[,...]" makes that variant's points fail
+# the way a real run can (a raised CUDA OOM, an exception, or a hard process death).
+FAULT_ENV = "PACKBENCH_FAULT"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("experiment asks for device 'cuda' but no CUDA GPU is visible")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _progress(**fields) -> None:
+    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
+
+
+def _base_row(point: SweepPoint, spec) -> dict:
+    return {
+        "kind": "step",
+        "point_id": point.point_id,
+        "experiment": point.experiment,
+        "model": point.model,
+        "family": spec.family,
+        "num_layers": spec.num_hidden_layers,
+        "seq_len": point.seq_len,
+        "batch_size": point.batch_size,
+        "variant": point.variant,
+        "baseline_variant": point.baseline_variant,
+        "switches": point.switches,
+        "gpus": point.gpus,
+        "repeat": point.repeat,
+        "warmup_steps": point.warmup_steps,
+        "measured_steps": point.measured_steps,
+        "lora_rank": point.lora_rank,
+        "dtype": point.dtype,
+    }
+
+
+def run_point(point: SweepPoint) -> dict:
+    """Run ``point`` and return its result row. OOM and other failures become rows too."""
+    spec = model_registry.get(point.model)
+    row = _base_row(point, spec)
+    t0 = time.perf_counter()
+    try:
+        _inject_fault(point)
+        row.update(_measure(point, spec))
+        row["status"], row["message"] = "ok", ""
+    except torch.OutOfMemoryError as e:
+        row["status"], row["message"] = "oom", str(e).splitlines()[0][:500]
+    except Exception as e:  # noqa: BLE001 - any failure of one point is a result, not a crash
+        row["status"] = "error"
+        row["message"] = f"{type(e).__name__}: {e}"[:500]
+        row["traceback"] = traceback.format_exc()[-4000:]
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def _inject_fault(point: SweepPoint) -> None:
+    import os
+    import signal
+
+    faults = dict(item.partition("=")[::2] for item in os.environ.get(FAULT_ENV, "").split(",") if item)
+    fault = faults.get(point.variant)
+    if fault == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 TiB (injected)")
+    if fault == "error":
+        raise RuntimeError("injected failure")
+    if fault == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _measure(point: SweepPoint, spec) -> dict:
+    device = resolve_device(point.device)
+    dtype = DTYPES[point.dtype]
+    sw = point.switches
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    model = model_registry.build(
+        spec,
+        device=device,
+        dtype=dtype,
+        attn_implementation=sw["attn_implementation"],
+        experts_implementation=sw.get("experts_implementation"),
+        lora_rank=point.lora_rank,
+        gradient_checkpointing=sw["gradient_checkpointing"],
+        seed=point.data.seed,
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda")
+
+    n_steps = point.warmup_steps + point.measured_steps
+    batches = [
+        make_batch(point.data, point.seq_len, point.batch_size, spec.vocab_size, step=i).to(device)
+        for i in range(n_steps)
+    ]
+    timer = PhaseTimer(("forward", "backward", "optimizer"), device)
+    losses = []
+    last_end = None
+    for i, batch in enumerate(batches):
+        if i == point.warmup_steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            timer.discard()
+            losses.clear()
+        timer.start_step()
+        out = model(
+            input_ids=batch.input_ids,
+            labels=batch.labels,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+        timer.mark()
+        out.loss.backward()
+        timer.mark()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.mark()
+        losses.append(out.loss.detach())
+        last_end = _report_progress(i, n_steps, timer, last_end)
+
+    times = timer.results_ms()
+    losses_f = torch.stack(losses).float().cpu().tolist()
+    measured = batches[point.warmup_steps:]
+    return {
+        **_memory(device),
+        **_throughput(point, times),
+        **_flops(point, spec, model, measured, times, device),
+        "forward_ms": percentiles(times["forward"]),
+        "backward_ms": percentiles(times["backward"]),
+        "optimizer_ms": percentiles(times["optimizer"]),
+        "step_ms": percentiles(times["step"]),
+        "loss": losses_f,
+        "num_docs": [b.num_docs for b in measured],
+        "sum_len": [b.sum_len for b in measured],
+        "sum_len_sq": [b.sum_len_sq for b in measured],
+        "trainable_params": sum(p.numel() for p in trainable),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "device_type": device.type,
+        "attn_implementation_used": model.config._attn_implementation,
+        "dtype_used": str(dtype).replace("torch.", ""),
+    }
+
+
+def _report_progress(i: int, n_steps: int, timer: PhaseTimer, last_end):
+    """Emit the latest finished step time without forcing a sync: a CUDA event is only read
+    once ``query()`` says the device has passed it."""
+    marks = timer._steps[-1]
+    if not timer.cuda:
+        _progress(step=i + 1, of=n_steps, last_step_ms=(marks[-1] - marks[0]) * 1e3)
+        return None
+    prev = last_end
+    if prev is not None and prev[1].query():
+        _progress(step=i, of=n_steps, last_step_ms=prev[0].elapsed_time(prev[1]))
+    else:
+        _progress(step=i + 1, of=n_steps, last_step_ms=None)
+    return (marks[0], marks[-1])
+
+
+def _throughput(point: SweepPoint, times: dict) -> dict:
+    step_s = percentiles(times["step"])["p50"] / 1e3
+    return {
+        "steps_per_s": 1.0 / step_s,
+        "tokens_per_s": point.batch_size * point.seq_len / step_s,
+    }
+
+
+def _memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None,
+                "nvml_device_used_gib": None, "nvml_process_gib": None}
+    used, mine = envmod.nvml_memory_gib(torch.cuda.current_device())
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "nvml_device_used_gib": used,
+        "nvml_process_gib": mine,
+    }
+
+
+def _flops(point, spec, model, measured, times, device) -> dict:
+    frozen, adapter = flopsmod.matmul_params(model, spec.num_experts, spec.experts_per_token)
+    windows = flopsmod.layer_windows(spec.config())
+    per_step = [
+        flopsmod.step_flops(
+            tokens=b.sum_len, frozen_params=frozen, adapter_params=adapter,
+            doc_lengths=[l for r in b.lengths for l in r], layer_windows=windows,
+            num_heads=spec.num_attention_heads, head_dim=spec.head_dim,
+            recompute=point.switches["gradient_checkpointing"],
+        )
+        for b in measured
+    ]
+    model_flops = sum(f.model_flops for f in per_step) / len(per_step)
+    hw_flops = sum(f.hardware_flops for f in per_step) / len(per_step)
+    out = {"model_flops_per_step": model_flops, "hardware_flops_per_step": hw_flops,
+           "flops_per_step": model_flops, "mfu": None, "hfu": None, "mfu_note": ""}
+    if device.type != "cuda":
+        out["mfu_note"] = "no GPU peak on CPU"
+        return out
+    name = torch.cuda.get_device_name(device)
+    peak = flopsmod.peak_flops(name)
+    if peak is None:
+        out["mfu_note"] = f"unknown bf16 peak for {name!r}; add it to harness/flops.py"
+        return out
+    step_s = percentiles(times["step"])["p50"] / 1e3
+    out["mfu"] = model_flops / step_s / peak
+    out["hfu"] = hw_flops / step_s / peak
+    out["peak_flops"] = peak
+    return out
+
+
+def main(spec_path: str, out_path: str) -> int:
+    """Entry of the child process: read the point, run it, write the row as JSON."""
+    with open(spec_path) as f:
+        point = SweepPoint.from_json(f.read())
+    row = run_point(point)
+    row["env"] = envmod.collect()
+    with open(out_path, "w") as f:
+        json.dump(row, f, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

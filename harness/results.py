@@ -1,0 +1,124 @@
+"""Result rows: one JSON object per line under ``results/<experiment>/<gpu_slug>.jsonl``.
+
+Writes are atomic: the whole file is rewritten to a temporary sibling, fsynced and renamed over
+the old one under an exclusive lock, so a sweep killed at any instant leaves either the old file
+or the new one, never a torn line. Reports and gates read only these files.
+
+Row schema (``schema`` = 1). Every row has:
+    schema, kind ("step" | "bandwidth"), experiment, gpu_slug, device_name, status ("ok" | "oom" |
+    "error"), message (str, empty when ok), env (dict, see harness.env), recorded_at (ISO-8601 UTC).
+A ``step`` row (one sweep point) adds:
+    point_id, model, family, seq_len, batch_size, variant, baseline_variant, switches (dict),
+    gpus, repeat, warmup_steps, measured_steps, lora_rank, dtype, num_layers,
+    and when ok:
+    forward_ms / backward_ms / optimizer_ms / step_ms: {"p20", "p50", "p80", "samples": [...]},
+    steps_per_s, tokens_per_s, loss (list, one per measured step),
+    peak_allocated_gib, peak_reserved_gib, nvml_device_used_gib, nvml_process_gib (None on CPU),
+    flops_per_step, model_flops_per_step, hardware_flops_per_step, mfu, hfu (None with
+    mfu_note when the peak is unknown), num_docs, sum_len, sum_len_sq (per measured batch, lists),
+    trainable_params, total_params, wall_s.
+A ``bandwidth`` row adds:
+    direction ("h2d"), memory ("pinned" | "pageable"), size_bytes, gbps {"p20","p50","p80","samples"},
+    pcie_ceiling_gbps (None if unknown), pcie_gen, pcie_width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+SCHEMA_VERSION = 1
+FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
+
+
+def gpu_slug(device_name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` → ``nvidia-h100-80gb-hbm3``; ``cpu`` stays ``cpu``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return slug or "unknown"
+
+
+def results_path(root: str | Path, experiment: str, slug: str) -> Path:
+    return Path(root) / experiment / f"{slug}.jsonl"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """All complete rows of one file. A line that is not valid JSON is reported, never dropped silently."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: corrupt result row ({e}); fix or remove that line") from None
+    return rows
+
+
+def _write_atomic(path: Path, rows: Iterable[dict]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True, default=_json_default) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _json_default(obj):
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def append_row(path: str | Path, row: dict, *, replace_point: bool = False) -> None:
+    """Append ``row`` atomically. With ``replace_point`` the older rows of the same point_id go."""
+    path = Path(path)
+    row = {"schema": SCHEMA_VERSION, **row}
+    with _locked(path):
+        rows = read_rows(path)
+        if replace_point and row.get("point_id"):
+            rows = [r for r in rows if r.get("point_id") != row["point_id"]]
+        rows.append(row)
+        _write_atomic(path, rows)
+
+
+def finished_point_ids(path: str | Path) -> set[str]:
+    return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED}
+
+
+def load_experiment_rows(root: str | Path, experiment: str) -> list[dict]:
+    """Every row of every GPU type for one experiment."""
+    rows = []
+    for path in sorted((Path(root) / experiment).glob("*.jsonl")):
+        rows.extend(read_rows(path))
+    return rows

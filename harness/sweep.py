@@ -1,0 +1,156 @@
+"""Experiment → points → one fresh process per point → rows appended to results/.
+
+A rerun resumes: points already finished (ok or oom) in the results file are skipped unless
+``overwrite`` is set. Rows are written one at a time, atomically, as each point ends, so a sweep
+killed midway loses only the point in flight.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness import results as res
+from harness.env import REPO_ROOT
+from harness.experiment import Experiment
+from harness.launchers import for_point
+
+
+@dataclass
+class SweepSummary:
+    results_path: Path
+    ran: int = 0
+    skipped: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+def detect_device_name(requested: str) -> str:
+    """The device a sweep will run on, named without creating a CUDA context in this process
+    (that would hold GPU memory for the whole sweep)."""
+    if requested == "cpu":
+        return "cpu"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() > 0:
+                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+                return name.decode() if isinstance(name, bytes) else name
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
+        pass
+    if requested == "cuda":
+        raise RuntimeError("experiment asks for device 'cuda' but no NVIDIA GPU is visible")
+    return "cpu"
+
+
+class Progress:
+    """One status line: point i/n, its label, the step within it, the last step time and the ETA."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.stream = total, stream
+        self.tty = stream.isatty()
+        self.done = 0
+        self.t0 = time.monotonic()
+        self.label = ""
+
+    def start(self, index: int, label: str) -> None:
+        self.index, self.label = index, label
+        self._line(f"[{index}/{self.total}] {label}  starting", final=not self.tty)
+
+    def step(self, info: dict) -> None:
+        if not self.tty:
+            return
+        last = info.get("last_step_ms")
+        last_s = f"{last:8.1f} ms" if last is not None else "      … ms"
+        self._line(f"[{self.index}/{self.total}] {self.label}  step {info['step']}/{info['of']}  last {last_s}  ETA {self._eta()}")
+
+    def finish(self, status: str, row: dict) -> None:
+        self.done += 1
+        p50 = (row.get("step_ms") or {}).get("p50")
+        extra = f"p50 {p50:.1f} ms" if p50 is not None else row.get("message", "")[:80]
+        self._line(f"[{self.index}/{self.total}] {self.label}  {status}  {extra}  ETA {self._eta()}", final=True)
+
+    def _eta(self) -> str:
+        if not self.done:
+            return "?"
+        left = (time.monotonic() - self.t0) / self.done * (self.total - self.done)
+        return f"{int(left // 60)}m{int(left % 60):02d}s"
+
+    def _line(self, text: str, final: bool = False) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_bandwidth_rows(experiment: str, timeout_s: float = 600) -> list[dict]:
+    """The H2D benchmark in its own process, like every other measurement."""
+    with tempfile.TemporaryDirectory(prefix="packbench-bw-") as tmp:
+        out = os.path.join(tmp, "bw.json")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run(
+            [sys.executable, "-m", "harness", "bandwidth", "--json", out],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+        )
+        if proc.returncode != 0 or not os.path.exists(out):
+            return [{"kind": "bandwidth", "status": "error", "experiment": experiment,
+                     "message": (proc.stderr or proc.stdout)[-500:]}]
+        with open(out) as f:
+            payload = json.load(f)
+    rows = payload["rows"]
+    for r in rows:
+        r["experiment"] = experiment
+        r["env"] = payload["env"]
+    return rows
+
+
+def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, progress: bool = True) -> SweepSummary:
+    device_name = detect_device_name(exp.device)
+    slug = res.gpu_slug(device_name)
+    path = res.results_path(results_root, exp.name, slug)
+    summary = SweepSummary(results_path=path)
+    log_dir = Path(results_root) / exp.name / "logs" / slug
+
+    existing = res.read_rows(path)  # fails loudly on a corrupt file before anything runs
+    done = set() if overwrite else res.finished_point_ids(path)
+
+    if exp.bandwidth and device_name != "cpu":
+        have_bw = any(r.get("kind") == "bandwidth" and r.get("status") == "ok" for r in existing)
+        if overwrite or not have_bw:
+            for row in run_bandwidth_rows(exp.name):
+                row.update(gpu_slug=slug, device_name=device_name, recorded_at=_now())
+                res.append_row(path, row)
+
+    points = exp.points()
+    todo = [p for p in points if p.point_id not in done]
+    summary.skipped = len(points) - len(todo)
+    bar = Progress(len(todo)) if progress else None
+    if bar and summary.skipped:
+        sys.stderr.write(f"resuming: {summary.skipped} of {len(points)} points already in {path}\n")
+    for i, point in enumerate(todo, 1):
+        if bar:
+            bar.start(i, point.label())
+        row = for_point(point).run(point, log_dir / f"{point.point_id}.log", bar.step if bar else None)
+        row.update(gpu_slug=slug, device_name=device_name, recorded_at=_now())
+        row.setdefault("env", {})
+        res.append_row(path, row, replace_point=True)
+        summary.ran += 1
+        summary.statuses[row["status"]] = summary.statuses.get(row["status"], 0) + 1
+        if bar:
+            bar.finish(row["status"], row)
+    return summary

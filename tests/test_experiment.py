@@ -1,0 +1,97 @@
+"""Experiment files: valid ones expand into points; every malformed one fails before anything
+runs, with one error naming the file, the key and the valid choices."""
+
+import pytest
+
+from harness import experiment
+from harness.experiment import ExperimentError
+
+VALID = """
+[experiment]
+name = "t"
+models = ["Qwen3-0.6B-tiny", "llama-3.2-1b-tiny"]
+seq_lens = [64, 128]
+batch_size = 2
+[variants.a]
+attn_implementation = "sdpa"
+[variants.b]
+attn_implementation = "eager"
+gradient_checkpointing = false
+"""
+
+
+def test_valid_file_expands_to_points(write_toml):
+    exp = experiment.load(write_toml(VALID))
+    points = exp.points()
+    assert len(points) == 2 * 2 * 2
+    assert exp.models == ["qwen3-0.6b-tiny", "llama-3.2-1b-tiny"]  # canonical names
+    assert exp.baseline_variant == "a"  # first variant by default
+    b = [p for p in points if p.variant == "b"][0]
+    assert b.switches["gradient_checkpointing"] is False
+    assert points[0].switches["gradient_checkpointing"] is True  # default filled in
+    assert len({p.point_id for p in points}) == len(points)
+    # identity is stable and survives a JSON round trip to the child process
+    again = experiment.load(write_toml(VALID)).points()
+    assert [p.point_id for p in again] == [p.point_id for p in points]
+    assert experiment.SweepPoint.from_json(points[3].to_json()) == points[3]
+
+
+def test_timeout_does_not_change_point_identity(write_toml):
+    a = experiment.load(write_toml(VALID)).points()
+    b = experiment.load(write_toml(VALID.replace('batch_size = 2', 'batch_size = 2\ntimeout_s = 5'))).points()
+    assert [p.point_id for p in a] == [p.point_id for p in b]
+
+
+@pytest.mark.parametrize(
+    "edit, key, fragment",
+    [
+        (("name = \"t\"", "name = \"t\"\nbogus = 1"), "experiment.bogus", "valid: "),
+        (("Qwen3-0.6B-tiny", "qwen9-tiny"), "experiment.models[0]", "gpt-oss-20b"),
+        (('attn_implementation = "sdpa"', 'attn_implementation = "flash9"'), "variants.a.attn_implementation", "flex_attention"),
+        (('attn_implementation = "sdpa"', 'turbo = true'), "variants.a.turbo", "gradient_checkpointing"),
+        (("seq_lens = [64, 128]", "seq_lens = []"), "experiment.seq_lens", "non-empty"),
+        (("seq_lens = [64, 128]", "seq_lens = [64, \"x\"]"), "experiment.seq_lens[1]", "integer"),
+        (("seq_lens = [64, 128]", "seq_lens = [64, 10000000]"), "experiment.seq_lens", "max_position_embeddings"),
+        (("batch_size = 2", "batch_size = 0"), "experiment.batch_size", ">= 1"),
+        (("batch_size = 2", "batch_size = 2\nwarmup_steps = 1"), "experiment.warmup_steps", ">= 3"),
+        (("batch_size = 2", "batch_size = 2\nmeasured_steps = 5"), "experiment.measured_steps", ">= 10"),
+        (("batch_size = 2", "batch_size = 2\nlora_rank = 100000"), "experiment.lora_rank", "hidden size"),
+        (("batch_size = 2", "batch_size = 2\ngpus = 2"), "experiment.gpus", "multi-GPU launcher"),
+        (("batch_size = 2", "batch_size = 2\nbaseline = \"zzz\""), "experiment.baseline", "valid: a, b"),
+        (("batch_size = 2", "batch_size = 2\ndtype = \"fp8\""), "experiment.dtype", "bf16"),
+    ],
+)
+def test_malformed_file_names_file_key_and_choices(write_toml, edit, key, fragment):
+    path = write_toml(VALID.replace(*edit))
+    with pytest.raises(ExperimentError) as info:
+        experiment.load(path)
+    msg = str(info.value)
+    assert str(path) in msg
+    assert f"[{key}]" in msg
+    assert fragment in msg
+
+
+def test_not_toml(write_toml):
+    path = write_toml("[experiment\nname=")
+    with pytest.raises(ExperimentError, match="not valid TOML") as info:
+        experiment.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ExperimentError, match="file not found"):
+        experiment.load(tmp_path / "nope.toml")
+
+
+def test_missing_required_key(write_toml):
+    with pytest.raises(ExperimentError, match=r"\[experiment.models\] missing"):
+        experiment.load(write_toml('[experiment]\nname = "x"\nseq_lens = [64]\n'))
+
+
+def test_shipped_experiments_parse():
+    from harness.cli import EXPERIMENTS
+
+    files = sorted(EXPERIMENTS.glob("*.toml"))
+    assert {f.name for f in files} >= {"smoke-cpu.toml", "smoke-gpu.toml"}
+    for f in files:
+        assert experiment.load(f).points()

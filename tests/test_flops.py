@@ -1,0 +1,71 @@
+"""FLOPs arithmetic against a hand-checked case, and MFU peak lookup that refuses to guess."""
+
+import pytest
+import torch
+
+from harness import flops, models
+
+
+def test_attended_pairs_matches_brute_force():
+    for length in (1, 5, 17, 64):
+        for window in (None, 1, 4, 16, 100):
+            i = torch.arange(length)
+            mask = (i[None, :] <= i[:, None])
+            if window is not None:
+                mask &= (i[:, None] - i[None, :]) < window
+            assert flops.attended_pairs(length, window) == int(mask.sum()), (length, window)
+
+
+def test_step_flops_hand_checked():
+    # tokens 10; N_frozen 100, N_adapter 10; docs 4 and 6; one full layer, one window-3 layer.
+    # pairs: full 10 + 21 = 31; window 3: (6 + 3) + (6 + 9) = 24; total 55
+    # attention fwd = 4 * heads 2 * dim 4 * 55 = 1760
+    # linear fwd = 2 * 110 * 10 = 2200; linear bwd = 2*100*10 + 4*10*10 = 2400
+    # model = 2200 + 2400 + 3 * 1760 = 9880; with recompute + 2200 + 1760 = 13840
+    f = flops.step_flops(tokens=10, frozen_params=100, adapter_params=10, doc_lengths=[4, 6],
+                         layer_windows=[None, 3], num_heads=2, head_dim=4, recompute=True)
+    assert f.attention_fwd_flops == 1760
+    assert f.model_flops == 9880
+    assert f.hardware_flops == 13840
+    g = flops.step_flops(tokens=10, frozen_params=100, adapter_params=10, doc_lengths=[4, 6],
+                         layer_windows=[None, 3], num_heads=2, head_dim=4, recompute=False)
+    assert g.hardware_flops == g.model_flops == 9880
+
+
+def test_peak_lookup_refuses_unknown():
+    assert flops.peak_flops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4e12)
+    assert flops.peak_flops("NVIDIA H200") == pytest.approx(989.4e12)
+    assert flops.peak_flops("NVIDIA H100 PCIe") == pytest.approx(756e12)
+    assert flops.peak_flops("Imaginary GPU 9000") is None
+
+
+def test_matmul_params_lora_and_moe_share():
+    spec = models.get("qwen3-30b-a3b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
+    frozen, adapter = flops.matmul_params(m, spec.num_experts, spec.experts_per_token)
+    trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    assert 0 < adapter < trainable  # expert LoRA counts only at the routed share k/E
+    expert = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n and not p.requires_grad)
+    embed = spec.vocab_size * spec.hidden_size
+    # frozen = dense matmul weights + k/E of the expert weights (the embedding is not a matmul, untied)
+    dense = sum(p.numel() for n, p in m.named_parameters()
+                if p.dim() >= 2 and not p.requires_grad and ".experts." not in n and "embed_tokens" not in n)
+    assert frozen == dense + expert * spec.experts_per_token // spec.num_experts
+    assert embed not in (frozen, adapter)
+
+
+def test_tied_embedding_counted_once_as_output_projection():
+    spec = models.get("qwen3-0.6b-tiny")  # tied
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=None, gradient_checkpointing=False)
+    m.requires_grad_(False)
+    frozen, adapter = flops.matmul_params(m)
+    assert adapter == 0
+    linear = sum(p.numel() for n, p in m.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n)
+    assert frozen == linear + spec.vocab_size * spec.hidden_size
+
+
+def test_full_finetune_counts_everything_as_trained():
+    spec = models.get("llama-3.2-1b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=None, gradient_checkpointing=False)
+    frozen, adapter = flops.matmul_params(m)
+    assert frozen == 0 and adapter > 0

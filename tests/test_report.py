@@ -1,0 +1,171 @@
+"""Reports are rebuilt from results/ alone; these tests build one from a small fixture of rows
+(tests/fixtures/results/demo: an H100 file and a CPU file) and check what a reader would see."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import report
+
+FIXTURE_RESULTS = Path(__file__).parent / "fixtures" / "results"
+H100 = "nvidia-h100-80gb-hbm3"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def demo_readme(tmp_path_factory) -> Path:
+    return report.build_report(FIXTURE_RESULTS, "demo", tmp_path_factory.mktemp("reports"))
+
+
+def _section(text: str, heading: str) -> str:
+    """The markdown from ``heading`` up to the next heading of the same or a higher level."""
+    level = heading.split(" ")[0]
+    start = text.index(heading)
+    rest = text[start + len(heading):]
+    nxt = re.search(rf"^#{{1,{len(level)}}} ", rest, flags=re.M)
+    return heading + (rest[: nxt.start()] if nxt else rest)
+
+
+def _h100(text: str) -> str:
+    return _section(text, f"## NVIDIA H100 80GB HBM3 (`{H100}`)")
+
+
+def test_readme_written_with_title_and_gpu_sections(demo_readme):
+    text = demo_readme.read_text()
+    assert demo_readme.name == "README.md" and demo_readme.parent.name == "demo"
+    assert text.startswith("# Benchmark report: demo\n")
+    assert "10 ok step points" in text and "2 failed" in text and "6 bandwidth points" in text
+    # Two GPU types in the rows → one section each, in sorted slug order.
+    assert text.index("## cpu (`cpu`)") < text.index(f"## NVIDIA H100 80GB HBM3 (`{H100}`)")
+
+
+def test_results_table_rows(demo_readme):
+    h100 = _h100(demo_readme.read_text())
+    # qwen3-0.6b T=8192 flex: step p50 287.5 ms → 1000/287.5 = 3.48 steps/s, 8192/0.2875 = 28,494 tok/s.
+    line = next(l for l in h100.splitlines() if l.startswith("| qwen3-0.6b | 8192 | 1 | flex | 0 | 287.5 ["))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5] == "287.5 [283.5–295.0]"
+    assert cells[6:9] == ["100.6", "172.5", "14.4"]  # forward / backward / optimizer p50
+    assert cells[9:11] == ["3.48", "28,494"]
+    assert cells[11:13] == ["6.40", "7.30"]  # peak allocated / reserved GiB
+    assert cells[13].endswith("%") and cells[14].endswith("%")
+    assert cells[15] == "1.04"  # p80/p20 = 295.0 / 283.5
+    # Baseline first within each (model, seq_len).
+    rows = [l for l in h100.splitlines() if l.startswith("| qwen3-0.6b | 2048 |")]
+    assert [r.split("|")[4].strip() for r in rows[:2]] == ["sdpa", "flex"]
+
+
+def test_speedup_table_matches_hand_computed_ratio(demo_readme):
+    h100 = _h100(demo_readme.read_text())
+    speedup = _section(h100, "### Speedup vs baseline")
+    assert f"{412.0 / 287.5:.2f}×" == "1.43×"
+    assert "| qwen3-0.6b | 8192 | 1 | 0 | sdpa | flex | 412.0 | 287.5 | 1.43× |" in speedup
+    assert "| llama-3.2-1b | 2048 | 1 | 0 | sdpa | flex | 150.0 | 120.0 | 1.25× |" in speedup
+    # The oom/error points at T=32768 have no pair, so they never enter the speedup table.
+    assert "32768" not in speedup
+
+
+def test_speedup_frame_matches_on_point_identity():
+    rows = report.res.load_experiment_rows(FIXTURE_RESULTS, "demo")
+    sp = report.speedup_frame(report.steps_frame(rows))
+    assert len(sp) == 5  # 4 H100 pairs + 1 CPU pair; a CPU point is never paired with an H100 one
+    got = sp[(sp.gpu_slug == H100) & (sp.model == "qwen3-0.6b") & (sp.seq_len == 8192)]
+    assert got["speedup"].item() == pytest.approx(412.0 / 287.5)
+
+
+def test_failed_points_listed_with_messages(demo_readme):
+    failed = _section(_h100(demo_readme.read_text()), "### Failed points")
+    oom = "| step | llama-3.2-1b | 32768 | 1 | sdpa | 0 | oom | CUDA out of memory. Tried to allocate 16.00 GiB."
+    assert oom in failed
+    error = next(l for l in failed.splitlines() if "| error |" in l)
+    # The message's own pipes are escaped so the table keeps its columns, and it is truncated.
+    assert "RuntimeError: flex_attention kernel failed \\| block mask shape" in error
+    assert error.rstrip(" |").endswith("…")
+    assert "x" * 150 not in error
+    assert _section(demo_readme.read_text(), "## cpu (`cpu`)").count("### Failed points\n\nNone.") == 1
+
+
+def test_every_embedded_png_exists_and_is_valid(demo_readme):
+    text = demo_readme.read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    names = ("step-time", "phase-split", "peak-memory", "speedup", "h2d-bandwidth")
+    expected = {f"{H100}-{name}.png" for name in names}
+    assert expected <= set(links)
+    for link in links:
+        path = demo_readme.parent / link
+        assert path.is_file(), link
+        data = path.read_bytes()
+        assert len(data) > 1000 and data[:8] == PNG_SIGNATURE, link
+
+
+def test_bandwidth_section(demo_readme):
+    bw = _section(_h100(demo_readme.read_text()), "### Host → device bandwidth")
+    # 53.5 GB/s of the Gen5 x16 ceiling 63.02 GB/s = 84.9%.
+    assert "| pinned | 256 MiB | 53.50 [53.13–54.20] | 85% |" in bw
+    assert "| pageable | 1 MiB | 9.00 [8.94–9.12] | 14% |" in bw
+    cpu = _section(demo_readme.read_text(), "## cpu (`cpu`)")
+    assert "No bandwidth rows for this GPU type." in cpu
+
+
+def test_methodology_from_env(demo_readme):
+    method = _section(_h100(demo_readme.read_text()), "### Methodology")
+    for needle in ("NVIDIA H100 80GB HBM3 (device count 1)", "Driver 570.86.15", "CUDA 12.8",
+                   "torch 2.10.0+cu128", "transformers 5.0.0", "peft 0.18.0", "git 0123456789ab.",
+                   "PCIe link Gen5 x16", "3 warm-up steps", "10 measured steps", "1 repeat(s)",
+                   report.STATISTIC, "ratios of medians measured side by side in one run"):
+        assert needle in method, needle
+    cpu_method = _section(_section(demo_readme.read_text(), "## cpu (`cpu`)"), "### Methodology")
+    assert "Driver unknown" in cpu_method and "git 0123456789ab (dirty)" in cpu_method
+
+
+def test_unknown_experiment_raises(tmp_path):
+    with pytest.raises(ValueError, match="no result rows for experiment 'nope'"):
+        report.build_report(FIXTURE_RESULTS, "nope", tmp_path)
+
+
+def test_rebuild_is_deterministic(tmp_path):
+    first = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
+    (tmp_path / "demo" / "stale.png").write_bytes(PNG_SIGNATURE)
+    again = report.build_report(FIXTURE_RESULTS, "demo", tmp_path)
+    assert again.read_text() == first
+    assert not (tmp_path / "demo" / "stale.png").exists()  # plots no longer linked are removed
+
+
+def test_cpu_only_results(tmp_path):
+    results = tmp_path / "results"
+    (results / "cpu-only").mkdir(parents=True)
+    shutil.copy(FIXTURE_RESULTS / "demo" / "cpu.jsonl", results / "cpu-only" / "cpu.jsonl")
+    readme = report.build_report(results, "cpu-only", tmp_path / "reports")
+    text = readme.read_text()
+    assert "## cpu (`cpu`)" in text and "NVIDIA" not in text
+    assert "n/a (no GPU peak on CPU)" in text  # MFU/HFU
+    assert "No device memory peaks recorded (CPU run)." in text
+    assert "| llama-3.2-1b-tiny | 256 | 1 | 0 | sdpa | eager | 42.0 | 56.0 | 0.75× |" in text
+    assert not (readme.parent / "cpu-peak-memory.png").exists()
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (readme.parent / link).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_build_all_skips_folders_without_rows(tmp_path):
+    results = tmp_path / "results"
+    (results / "tiny").mkdir(parents=True)
+    shutil.copy(FIXTURE_RESULTS / "demo" / "cpu.jsonl", results / "tiny" / "cpu.jsonl")
+    (results / "logs-only" / "logs").mkdir(parents=True)  # a sweep that never wrote a row
+    paths = report.build_all(results, tmp_path / "reports")
+    assert paths == [tmp_path / "reports" / "tiny" / "README.md"]
+    assert report.build_all(tmp_path / "missing", tmp_path / "reports") == []
+
+
+def test_registered_section_runs_per_gpu_type(tmp_path, monkeypatch):
+    def saving(df_steps, df_bw, rows, out_dir):
+        return f"### Predicted vs measured saving\n\n{len(df_steps['point_id'].unique())} points"
+
+    # Plots are covered above; leaving them out keeps this test fast.
+    monkeypatch.setattr(report, "SECTIONS", [report.section_results, saving])
+    text = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
+    assert text.count("### Predicted vs measured saving") == 2
+    assert "### Predicted vs measured saving\n\n8 points" in _h100(text)

@@ -1,0 +1,122 @@
+"""Sweeps: each point in its own process; a crash or OOM in one point becomes a row and the
+sweep goes on; a rerun resumes; a sweep killed midway loses nothing already written."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import experiment, results as res, sweep
+from harness.env import REPO_ROOT
+
+EXP = """
+[experiment]
+name = "iso"
+models = ["llama-3.2-1b-tiny"]
+seq_lens = [32]
+device = "cpu"
+dtype = "fp32"
+lora_rank = 2
+timeout_s = 120
+bandwidth = false
+[data]
+median_doc_len = 8
+[variants.good]
+attn_implementation = "sdpa"
+[variants.boom]
+attn_implementation = "eager"
+[variants.oom]
+attn_implementation = "eager"
+gradient_checkpointing = false
+[variants.dies]
+attn_implementation = "sdpa"
+gradient_checkpointing = false
+"""
+
+
+def _rows(tmp_path):
+    return res.read_rows(res.results_path(tmp_path / "results", "iso", "cpu"))
+
+
+def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monkeypatch):
+    exp = experiment.load(write_toml(EXP))
+    # One process per point: each faulty variant fails in its own way, the good one still runs.
+    monkeypatch.setenv("PACKBENCH_FAULT", "boom=error,oom=oom,dies=crash")
+    summary = sweep.run(exp, tmp_path / "results", progress=False)
+    rows = {r["variant"]: r for r in _rows(tmp_path)}
+    assert summary.ran == 4 and summary.statuses == {"ok": 1, "error": 2, "oom": 1}
+    assert rows["good"]["status"] == "ok" and rows["good"]["step_ms"]["p50"] > 0
+    assert len(rows["good"]["loss"]) == 10 and len(rows["good"]["step_ms"]["samples"]) == 10
+    assert rows["boom"]["status"] == "error" and "injected failure" in rows["boom"]["message"]
+    assert "Traceback" in rows["boom"]["traceback"]
+    assert rows["oom"]["status"] == "oom" and "out of memory" in rows["oom"]["message"]
+    assert rows["dies"]["status"] == "error" and "SIGKILL" in rows["dies"]["message"]
+
+    # resume: the error and the crash are retried, the ok and the oom are not
+    monkeypatch.delenv("PACKBENCH_FAULT")
+    again = sweep.run(exp, tmp_path / "results", progress=False)
+    assert again.skipped == 2 and again.ran == 2
+    rows = {r["variant"]: r for r in _rows(tmp_path)}
+    assert len(_rows(tmp_path)) == 4
+    assert rows["boom"]["status"] == rows["dies"]["status"] == "ok" and rows["oom"]["status"] == "oom"
+
+
+def test_overwrite_reruns_and_replaces(tmp_path, write_toml):
+    exp = experiment.load(write_toml(EXP.split("[variants.boom]")[0]))
+    sweep.run(exp, tmp_path / "results", progress=False)
+    before = _rows(tmp_path)
+    again = sweep.run(exp, tmp_path / "results", overwrite=True, progress=False)
+    after = _rows(tmp_path)
+    assert again.ran == 1 and len(after) == 1
+    assert after[0]["point_id"] == before[0]["point_id"] and after[0]["step_ms"] != before[0]["step_ms"]
+
+
+def test_timeout_kills_point(tmp_path, write_toml, monkeypatch):
+    exp = experiment.load(write_toml(EXP.replace("timeout_s = 120", "timeout_s = 1").split("[variants.boom]")[0]))
+    s = sweep.run(exp, tmp_path / "results", progress=False)
+    (row,) = _rows(tmp_path)
+    assert s.ran == 1 and row["status"] == "error" and "timed out" in row["message"]
+
+
+def test_killed_midway_then_resumed(tmp_path, write_toml):
+    path = write_toml(EXP.split("[variants.boom]")[0] + """
+[variants.b]
+attn_implementation = "eager"
+[variants.c]
+attn_implementation = "sdpa"
+gradient_checkpointing = false
+""")
+    results = tmp_path / "results"
+    out = res.results_path(results, "iso", "cpu")
+    cmd = [sys.executable, "-m", "harness", "sweep", str(path), "--results", str(results), "--no-report", "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.exists() and len(res.read_rows(out)) >= 1):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the point in flight
+    proc.wait()
+    written = res.read_rows(out)  # still a valid file
+    assert 1 <= len(written) < 3
+    first_ids = {r["point_id"] for r in written}
+
+    exp = experiment.load(path)
+    summary = sweep.run(exp, results, progress=False)
+    assert summary.skipped == len(written)
+    rows = res.read_rows(out)
+    assert len(rows) == 3 and len({r["point_id"] for r in rows}) == 3
+    assert first_ids <= {r["point_id"] for r in rows}
+    assert all(r["status"] == "ok" for r in rows)
+
+
+def test_corrupt_results_stop_the_sweep_before_it_runs(tmp_path, write_toml):
+    exp = experiment.load(write_toml(EXP))
+    out = res.results_path(tmp_path / "results", "iso", "cpu")
+    out.parent.mkdir(parents=True)
+    out.write_text("{broken\n")
+    with pytest.raises(ValueError, match="corrupt result row"):
+        sweep.run(exp, tmp_path / "results", progress=False)
+    assert out.read_text() == "{broken\n"
