@@ -93,6 +93,17 @@ def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
         pynvml.nvmlShutdown()
 
 
+def git_state() -> dict:
+    """The commit measured. A copy of the tree without .git (as on the lent GPU machines) takes
+    it from PACKBENCH_GIT_SHA / PACKBENCH_GIT_DIRTY set by whoever shipped the tree."""
+    sha = _git("rev-parse", "HEAD")
+    if sha is not None:
+        return {"git_sha": sha, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    dirty = os.environ.get("PACKBENCH_GIT_DIRTY")
+    return {"git_sha": os.environ.get("PACKBENCH_GIT_SHA"),
+            "git_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}
+
+
 def collect() -> dict:
     import torch
 
@@ -105,8 +116,7 @@ def collect() -> dict:
         "peft": _version("peft"),
         "triton": _version("triton"),
         "cuda": torch.version.cuda,
-        "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **git_state(),
         "cpu_count": os.cpu_count(),
     }
     if torch.cuda.is_available():

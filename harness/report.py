@@ -446,6 +446,7 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
         f"{len(repeats) if repeats else 'unknown'} repeat(s); dtype {_values(r.get('dtype') for r in steps)}, "
         f"LoRA rank {_values(r.get('lora_rank') for r in steps)}.",
         f"Statistic: {STATISTIC}.",
+        "The Python garbage collector is collected, frozen and disabled for the measured steps.",
         "Speedups are ratios of medians measured side by side in one run, on the same GPU type.",
     ]
     return "### Methodology\n\n" + " ".join(parts)
