@@ -112,6 +112,8 @@ def _measure(point: SweepPoint, spec) -> dict:
         gradient_checkpointing=sw["gradient_checkpointing"],
         seed=point.data.seed,
     )
+    optim_applied = _enable_optim(model, sw)
+    # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda")
 
@@ -172,8 +174,24 @@ def _measure(point: SweepPoint, spec) -> dict:
         "total_params": sum(p.numel() for p in model.parameters()),
         "device_type": device.type,
         "attn_implementation_used": model.config._attn_implementation,
+        "optim": optim_applied,
         "dtype_used": str(dtype).replace("torch.", ""),
     }
+
+
+def _enable_optim(model, switches: dict) -> dict:
+    """Apply each optim module the variant configures; stock variants configure none."""
+    import importlib
+
+    from harness.switches import optim_settings
+
+    applied = {}
+    for modname, settings in optim_settings(switches).items():
+        mod = importlib.import_module(modname)
+        mod.enable(model, **settings)
+        describe = getattr(mod, "describe", None)
+        applied[modname] = describe(model) if describe else settings
+    return applied
 
 
 def _report_progress(i: int, n_steps: int, timer: PhaseTimer, last_end):

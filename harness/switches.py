@@ -1,15 +1,21 @@
 """The switches a sweep variant may set, with their valid values.
 
-A variant in an experiment file is a named table of switch settings. Each switch is declared
-here once, with its choices and its default, so that a malformed experiment fails before
-anything runs and the error can list the valid choices. Adding an optimization means adding
-its switches here and applying them in ``harness.point``.
+A variant in an experiment file is a named table of switch settings. Stock-transformers
+switches are declared here; each ``optim`` module declares its own (``SWITCHES``) and they are
+merged in below, so a malformed experiment fails before anything runs and the error can list
+the valid choices.
+
+A variant that sets none of an optim module's switches runs stock transformers for that part:
+that is how the peer baselines are measured side by side with the optimizations.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
+
+OPTIM_MODULES = ("optim.packing", "optim.offload", "optim.moe")
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,8 @@ class Switch:
     help: str
     # Only meaningful for some model families (None: all).
     families: tuple[str, ...] | None = None
+    # The optim module that owns this switch (None: a stock transformers setting).
+    module: str | None = None
 
 
 SWITCHES: dict[str, Switch] = {
@@ -48,10 +56,35 @@ SWITCHES: dict[str, Switch] = {
 }
 
 
+def _merge_optim_switches() -> None:
+    for modname in OPTIM_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:  # that optimization is not part of this checkout
+                continue
+            raise
+        for name, sw in mod.SWITCHES.items():
+            SWITCHES[name] = Switch(name, tuple(sw.choices), sw.default, sw.help, module=modname)
+
+
+_merge_optim_switches()
+
+
 def resolve(settings: dict[str, Any]) -> dict[str, Any]:
-    """Fill defaults for every switch a variant leaves out."""
-    out = {name: sw.default for name, sw in SWITCHES.items()}
+    """Fill defaults for the stock switches a variant leaves out; optim switches stay as set."""
+    out = {name: sw.default for name, sw in SWITCHES.items() if sw.module is None}
     out.update(settings)
+    return out
+
+
+def optim_settings(switches: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The optim modules a point enables, each with the switches the variant set for it."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in switches.items():
+        module = SWITCHES[name].module if name in SWITCHES else None
+        if module:
+            out.setdefault(module, {})[name] = value
     return out
 
 

@@ -1,0 +1,317 @@
+"""MoE experts: grouped routing, grouped_mm experts and split LoRA (gpt-oss, Qwen3-MoE).
+
+    import optim.moe
+    model = optim.moe.enable(model)                       # auto backend, split LoRA, router frozen
+    model = optim.moe.enable(model, moe_backend="sorted", moe_lora="merged")
+
+Backends (``moe_backend``, env ``OPTIM_MOE_BACKEND``) are registered in transformers' experts
+interface as ``optim_<backend>`` and selected through ``config._experts_implementation``, so the
+model code is untouched:
+
+- ``loop``: per-expert ``torch.where`` (the seeds' reference; E host syncs per layer);
+- ``sorted``: stable argsort + one count per expert, contiguous slices (1 host sync per layer);
+- ``grouped_mm``: the same grouping feeding ``grouped_mm`` with device offsets (no host sync);
+- ``auto``: ``grouped_mm`` on CUDA SM90+ where the kernel exists, else ``sorted``; decided per
+  call from the device of the activations.
+
+Split LoRA (``moe_lora="split"``): peft's ``target_parameters`` LoRA on ``experts.gate_up_proj`` /
+``experts.down_proj`` normally parametrizes the weight as W + s·B·A for all E experts on every
+forward. In split mode the peft ``ParamWrapper`` modules stay in place (same parameters, same
+state-dict keys, so ``save_pretrained``/``from_pretrained`` keep working) but, instead of
+parametrizing, hand their factors to the experts forward, which adds s·(X·A_e)·B_e on the routed
+rows only. ``moe_lora="merged"`` keeps peft's behaviour (our backends then read the parametrized
+weight). The router is frozen unless ``moe_train_router=True``.
+
+Only torch, transformers and peft are imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from optim import _moe_ops as ops
+from optim.switches import Switch
+
+try:  # peft is optional: without it there is simply no LoRA to split
+    from peft.tuners.lora.layer import ParamWrapper
+except ImportError:  # pragma: no cover
+    ParamWrapper = None
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "moe_backend",
+            ("auto", "loop", "sorted", "grouped_mm"),
+            "auto",
+            "MoE experts routing: per-expert torch.where loop, argsort+bincount sorted slices "
+            "(1 host sync/layer), or grouped_mm (no sync); auto = grouped_mm on CUDA SM90+, else sorted",
+        ),
+        Switch(
+            "moe_lora",
+            ("split", "merged"),
+            "split",
+            "LoRA on expert weights: split = (X·A_e)·B_e on routed tokens only; merged = peft's W + B·A "
+            "for all experts",
+        ),
+        Switch(
+            "moe_train_router",
+            (False, True),
+            False,
+            "train the MoE router weights (frozen by default)",
+        ),
+    )
+}
+
+IMPL_PREFIX = "optim_"
+_LORA_ATTR = "_optim_moe_lora"  # per-call stash of split-LoRA factors on the experts module
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends, registered in transformers' experts interface
+# ---------------------------------------------------------------------------------------------
+
+
+def auto_backend(device: torch.device | str) -> str:
+    """The fastest backend we have for ``device``: grouped_mm needs no host sync and runs every
+    expert in one kernel; it is tuned for Hopper (SM90) and later. Elsewhere sorted slices."""
+    device = torch.device(device)
+    if device.type == "cuda" and ops.grouped_mm_available(device):
+        if torch.cuda.get_device_capability(device) >= (9, 0):
+            return "grouped_mm"
+    return "sorted"
+
+
+def _make_impl(backend: str):
+    def experts_forward(self, hidden_states, router_indices, routing_weights):
+        name = auto_backend(hidden_states.device) if backend == "auto" else backend
+        lora = getattr(self, _LORA_ATTR, None) or {}
+        return ops.BACKENDS[name](self, hidden_states, router_indices, routing_weights, lora)
+
+    experts_forward.__name__ = f"{IMPL_PREFIX}{backend}_experts_forward"
+    return experts_forward
+
+
+for _b in SWITCHES["moe_backend"].choices:
+    ALL_EXPERTS_FUNCTIONS.register(IMPL_PREFIX + _b, _make_impl(_b))
+
+
+def _is_experts(module: nn.Module) -> bool:
+    # Modules decorated by transformers' @use_experts_implementation with a fused gate_up
+    # projection: GptOssExperts, Qwen3MoeExperts (tested) and same-layout relatives.
+    return (
+        getattr(module, "has_gate", False)
+        and hasattr(module, "is_transposed")
+        and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+        and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+        and hasattr(module, "config")
+    )
+
+
+def _uses_optim_backend(experts: nn.Module) -> bool:
+    impl = getattr(experts.config, "_experts_implementation", None) or ""
+    return impl.startswith(IMPL_PREFIX)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split LoRA on peft's ParamWrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def lora_factors(wrapper, adapter: str, dtype: torch.dtype | None = None):
+    """``(A_t, B_t, scaling)`` of one peft expert LoRA, such that peft's per-expert delta on the
+    (E, in, out) view of the weight is ``scaling * A_t[e] @ B_t[e]``.
+
+    peft stores ``lora_A.weight`` as (E·r, in), expert-major, and ``lora_B.weight`` as
+    (out, r·E), expert-minor (see ``ParamWrapper.get_delta_factors``). Both layouts reduce to the
+    same X·A·B in the (E, in, out) view whether or not the stored weight is transposed.
+    The factors are made contiguous here (the size of the LoRA parameters, not of B·A) so that
+    grouped_mm gets 16-byte aligned strides.
+    """
+    E = wrapper.num_experts
+    wa = wrapper.lora_A[adapter].weight
+    wb = wrapper.lora_B[adapter].weight
+    a_t = wa.reshape(E, -1, wa.shape[-1]).transpose(1, 2)  # (E, in, r)
+    b_t = wb.reshape(wb.shape[0], -1, E).permute(2, 1, 0)  # (E, r, out)
+    if dtype is not None:
+        a_t, b_t = a_t.to(dtype), b_t.to(dtype)
+    return a_t.contiguous(), b_t.contiguous(), wrapper.scaling[adapter]
+
+
+if ParamWrapper is not None:
+
+    class SplitLoraParamWrapper(ParamWrapper):
+        """peft's ParamWrapper with the same parameters, but whose forward passes the LoRA factors
+        to the experts backend instead of parametrizing W + B·A for every expert."""
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            experts = self.get_base_layer()
+            adapters = [a for a in self.active_adapters if a in self.lora_A]
+            if (
+                self.disable_adapters
+                or self.merged
+                or kwargs.get("adapter_names") is not None
+                or not adapters
+                or not _uses_optim_backend(experts)  # a stock backend would ignore the factors
+            ):
+                return super().forward(x, *args, **kwargs)
+            self._check_forward_args(x, *args, **kwargs)
+            dtype = self.get_param().dtype
+            stash = experts.__dict__.setdefault(_LORA_ATTR, {})
+            stash[self.parameter_name] = [lora_factors(self, a, dtype) for a in adapters]
+            try:
+                # base_layer may be the ParamWrapper of the other projection: it stashes its own
+                return self.base_layer(x, *args, **kwargs)
+            finally:
+                stash.pop(self.parameter_name, None)
+
+
+def _expert_wrappers(model: nn.Module):
+    if ParamWrapper is None:
+        return []
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, ParamWrapper)
+        and m.parameter_name in ops.PROJECTIONS
+        and _is_experts(m.get_base_layer())
+    ]
+
+
+def _routers(model: nn.Module):
+    """The router beside each experts module: ``mlp.router`` (gpt-oss), ``mlp.gate`` (Qwen3-MoE)."""
+    out = []
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        if experts is None:
+            continue
+        base = experts.get_base_layer() if hasattr(experts, "get_base_layer") else experts
+        if not _is_experts(base):
+            continue
+        for name in ("router", "gate"):
+            r = getattr(m, name, None)
+            if isinstance(r, nn.Module):
+                out.append(r)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# enable
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    moe_backend: str
+    moe_lora: str
+    moe_train_router: bool
+    experts_layers: int
+    lora_wrappers: int
+    routers: int
+
+
+def resolve(**settings: Any) -> dict[str, Any]:
+    unknown = set(settings) - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"unknown optim.moe settings: {sorted(unknown)} (valid: {sorted(SWITCHES)})")
+    return {name: sw.resolve(settings.get(name)) for name, sw in SWITCHES.items()}
+
+
+def enable(model: nn.Module, **settings: Any) -> nn.Module:
+    """Apply the MoE switches to a transformers model (peft-wrapped or not); returns ``model``.
+
+    Call it before building the optimizer: it may change which parameters require grad.
+    A model without MoE experts is returned unchanged.
+    """
+    cfg = resolve(**settings)
+    experts = [m for m in model.modules() if _is_experts(m)]
+    if not experts:
+        return model
+    # Backend: transformers dispatches every experts forward through config._experts_implementation.
+    for conf in {id(m.config): m.config for m in experts}.values():
+        conf._experts_implementation = IMPL_PREFIX + cfg["moe_backend"]
+    # LoRA: swap the class of peft's expert ParamWrappers (parameters and state-dict keys unchanged).
+    wrappers = _expert_wrappers(model)
+    for w in wrappers:
+        w.__class__ = SplitLoraParamWrapper if cfg["moe_lora"] == "split" else ParamWrapper
+    routers = _routers(model)
+    for r in routers:
+        for p in r.parameters():
+            p.requires_grad_(cfg["moe_train_router"])
+    model._optim_moe = MoeSettings(
+        cfg["moe_backend"], cfg["moe_lora"], cfg["moe_train_router"], len(experts), len(wrappers), len(routers)
+    )
+    return model
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """What enable() did, for result rows (empty when it was not applied)."""
+    s = getattr(model, "_optim_moe", None)
+    if s is None:
+        return {}
+    d = dict(s.__dict__)
+    ex = next((m for m in model.modules() if _is_experts(m)), None)
+    if ex is not None and s.moe_backend == "auto":
+        d["moe_backend_resolved"] = auto_backend(next(ex.parameters()).device)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-sync counting
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HostSyncs:
+    counted: int = 0  # the explicit sync points in optim.moe's backends (any device)
+    observed: int | None = None  # every CUDA sync in the region (torch sync debug mode); None on CPU
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: torch.device | str | None = None):
+    """Count host syncs inside the block.
+
+    ``counted`` is exact for our backends on every device. On CUDA ``observed`` also counts
+    what the rest of the code in the block does (stock backends, peft, the model), from the
+    warnings ``torch.cuda.set_sync_debug_mode("warn")`` emits for each synchronizing call.
+    """
+    res = HostSyncs()
+    start = ops.SYNC_COUNTER.count
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if not cuda:
+        try:
+            yield res
+        finally:
+            res.counted = ops.SYNC_COUNTER.count - start
+        return
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield res
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+            res.counted = ops.SYNC_COUNTER.count - start
+            res.observed = sum("synchroniz" in str(w.message) for w in caught)
+
+
+__all__ = [
+    "SWITCHES",
+    "enable",
+    "resolve",
+    "describe",
+    "auto_backend",
+    "lora_factors",
+    "count_host_syncs",
+    "HostSyncs",
+    "MoeSettings",
+]

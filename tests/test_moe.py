@@ -1,0 +1,211 @@
+"""optim.moe on CPU, fp32: every backend and split vs merged LoRA match the `loop` reference on
+outputs, loss and every LoRA gradient, for the gpt-oss and Qwen3-MoE tiny twins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import optim.moe as moe
+from _moe_common import BACKENDS, MODELS, build, experts_of, rel_err, router_of, routings, run_experts, run_model
+
+MODES = [(b, lora) for b in BACKENDS for lora in ("merged", "split")]
+RANK = 4  # fp32: 16-byte rows, so the CPU grouped_mm kernel runs natively
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    torch.manual_seed(0)
+    return build(request.param, "cpu", torch.float32, RANK)
+
+
+def _lora_params(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _close(a, b, tol=2e-5):
+    assert rel_err(a, b) < tol, rel_err(a, b)
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 24), (1, 1)], ids=["batch2", "single_token"])
+def test_model_matches_loop(model, batch, seq):
+    params = _lora_params(model)
+    assert any("experts" in n and "lora_A" in n for n in params)  # expert LoRA is in the check
+    ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(1))
+    moe.enable(model, moe_backend="loop", moe_lora="merged")
+    ref_loss, ref_logits, ref_grads = run_model(model, ids, params)
+    for backend, lora in MODES[1:]:
+        moe.enable(model, moe_backend=backend, moe_lora=lora)
+        loss, logits, grads = run_model(model, ids, params)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        _close(logits, ref_logits)
+        for n in ref_grads:
+            assert rel_err(grads[n], ref_grads[n]) < 1e-4, (backend, lora, n)
+
+
+def test_stock_transformers_matches_loop(model):
+    """The reference is the stock behaviour: transformers' own eager experts + peft."""
+    params = _lora_params(model)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    moe.enable(model, moe_backend="loop", moe_lora="merged")
+    ref = run_model(model, ids, params)
+    model.config._experts_implementation = "eager"
+    try:
+        got = run_model(model, ids, params)
+    finally:
+        moe.enable(model)
+    _close(got[1], ref[1])
+    for n in ref[2]:
+        assert rel_err(got[2][n], ref[2][n]) < 1e-4, n
+
+
+def test_ties_in_router(model):
+    """A zero router makes every logit equal: top-k ties, all tokens on the same k experts and
+    the other experts empty. The router gradient is checked too (moe_train_router)."""
+    router = router_of(model, 0)
+    saved = {n: p.detach().clone() for n, p in router.named_parameters()}
+    with torch.no_grad():
+        for p in router.parameters():
+            p.zero_()
+    try:
+        ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+        moe.enable(model, moe_backend="loop", moe_lora="merged", moe_train_router=True)
+        params = _lora_params(model)
+        assert any(p is router.weight for p in params.values())
+        ref = run_model(model, ids, params)
+        for backend, lora in MODES[1:]:
+            moe.enable(model, moe_backend=backend, moe_lora=lora, moe_train_router=True)
+            got = run_model(model, ids, params)
+            _close(got[1], ref[1])
+            for n in ref[2]:
+                assert rel_err(got[2][n], ref[2][n]) < 1e-4, (backend, lora, n)
+    finally:
+        moe.enable(model)
+        with torch.no_grad():
+            for n, p in router.named_parameters():
+                p.copy_(saved[n])
+    assert not router.weight.requires_grad  # frozen again by default
+
+
+def test_routing_edge_cases(model):
+    """One experts layer on explicit routings: empty experts, every pair on one expert (even
+    twice per token), every token sharing one expert, a single token."""
+    experts = experts_of(model, 0)
+    base = experts.get_base_layer()
+    E, H = base.num_experts, model.config.hidden_size
+    k = model.config.num_experts_per_tok
+    params = {n: p for n, p in experts.named_parameters() if p.requires_grad}
+    assert len(params) == 4  # lora_A/lora_B of gate_up_proj and down_proj
+    for name, idx in routings(10, E, k, "cpu"):
+        T = idx.shape[0]
+        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+        wts = torch.rand(T, k, generator=torch.Generator().manual_seed(T + 1))
+        moe.enable(model, moe_backend="loop", moe_lora="merged")
+        ref_out, ref_grads = run_experts(experts, hidden, idx, wts, params)
+        assert ref_out.abs().sum() > 0
+        for backend, lora in MODES[1:]:
+            moe.enable(model, moe_backend=backend, moe_lora=lora)
+            out, grads = run_experts(experts, hidden, idx, wts, params)
+            _close(out, ref_out)
+            for n in ref_grads:
+                assert rel_err(grads[n], ref_grads[n]) < 1e-4, (name, backend, lora, n)
+    moe.enable(model)
+
+
+def test_split_never_materializes_delta(model, monkeypatch):
+    """In split mode peft's B·A (get_delta_weight / get_delta_factors) is never computed."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    calls = []
+    for fn in ("get_delta_weight", "get_delta_factors"):
+        orig = getattr(ParamWrapper, fn)
+        monkeypatch.setattr(ParamWrapper, fn, lambda self, *a, _o=orig, _n=fn, **kw: calls.append(_n) or _o(self, *a, **kw))
+    ids = torch.randint(0, 512, (1, 8))
+    moe.enable(model, moe_backend="sorted", moe_lora="split")
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert calls == []
+    moe.enable(model, moe_backend="sorted", moe_lora="merged")
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert calls  # merged is peft's own path
+    moe.enable(model)
+
+
+def test_host_syncs_per_forward(model):
+    """loop: one sync per expert per layer; sorted: one per layer; grouped_mm: none."""
+    ids = torch.randint(0, 512, (1, 16))
+    L = model.config.num_hidden_layers
+    E = experts_of(model).get_base_layer().num_experts
+    expected = {"loop": L * E, "sorted": L, "grouped_mm": 0}
+    for backend, n in expected.items():
+        moe.enable(model, moe_backend=backend)
+        with torch.no_grad(), moe.count_host_syncs() as syncs:
+            model(input_ids=ids, use_cache=False)
+        assert syncs.counted == n, (backend, syncs)
+    moe.enable(model)
+
+
+def test_split_under_gradient_checkpointing():
+    """The harness trains with checkpointing: the recompute must see the split-LoRA factors too."""
+    name = "gpt-oss-20b-tiny"
+    plain = build(name, "cpu", torch.float32, RANK)
+    ckpt = build(name, "cpu", torch.float32, RANK, gradient_checkpointing=True)
+    ids = torch.randint(0, 512, (1, 16))
+    moe.enable(plain, moe_backend="loop", moe_lora="merged")
+    moe.enable(ckpt, moe_backend="grouped_mm", moe_lora="split")
+    ref = run_model(plain, ids, _lora_params(plain))
+    got = run_model(ckpt, ids, _lora_params(ckpt))
+    _close(got[1], ref[1])
+    for n in ref[2]:
+        assert rel_err(got[2][n], ref[2][n]) < 1e-4, n
+
+
+def test_peft_save_load_roundtrip(tmp_path):
+    """Split mode keeps peft's parameters, so save_pretrained / from_pretrained still work."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    name = "qwen3-30b-a3b-tiny"
+    a = build(name, "cpu", torch.float32, RANK, seed=0)
+    keys_before = set(get_peft_model_state_dict(a))
+    moe.enable(a, moe_backend="sorted", moe_lora="split")
+    assert set(get_peft_model_state_dict(a)) == keys_before
+    a.save_pretrained(tmp_path)
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        want = a(input_ids=ids, use_cache=False).logits
+    b = build(name, "cpu", torch.float32, None, seed=0)  # same base weights, no LoRA yet
+    b = PeftModel.from_pretrained(b, tmp_path)
+    moe.enable(b, moe_backend="grouped_mm", moe_lora="split")
+    with torch.no_grad():
+        got = b(input_ids=ids, use_cache=False).logits
+    _close(got, want)
+
+
+def test_switches_and_env(monkeypatch):
+    sw = moe.SWITCHES
+    assert sw["moe_backend"].choices == ("auto", "loop", "sorted", "grouped_mm")
+    assert sw["moe_backend"].default == "auto" and sw["moe_lora"].default == "split"
+    assert sw["moe_train_router"].default is False
+    monkeypatch.setenv("OPTIM_MOE_BACKEND", "loop")
+    assert moe.resolve()["moe_backend"] == "loop"
+    assert moe.resolve(moe_backend="sorted")["moe_backend"] == "sorted"  # kwarg beats env
+    with pytest.raises(ValueError):
+        moe.resolve(moe_backend="nope")
+    with pytest.raises(TypeError):
+        moe.resolve(backend="loop")
+    assert moe.auto_backend("cpu") == "sorted"
+
+
+def test_enable_on_dense_model_is_noop():
+    from harness import models
+
+    m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4,
+                     gradient_checkpointing=False)
+    assert moe.enable(m) is m and not hasattr(m, "_optim_moe")
+
+
+def test_import_does_not_pull_harness():
+    code = "import sys, optim.moe; assert not any(m == 'harness' or m.startswith('harness.') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
