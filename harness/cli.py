@@ -47,6 +47,11 @@ def cmd_sweep(args) -> int:
     except experiment.ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        exp = experiment.subset(exp, models=args.models, seq_lens=args.seq_lens, variants=args.variants)
+    except experiment.ExperimentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"sweep {exp.name}: {len(exp.points())} points from {path}", file=sys.stderr)
     summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet)
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
@@ -106,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path, help="reports root (default: reports/)")
     p.add_argument("--no-report", action="store_true", help="do not rebuild the report afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--models", nargs="+", help="run only these of the file's models")
+    p.add_argument("--seq-lens", nargs="+", type=int, help="run only these of the file's sequence lengths")
+    p.add_argument("--variants", nargs="+", help="run only these of the file's variants")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("report", help="rebuild reports/ from results/ (reads nothing else)")

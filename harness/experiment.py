@@ -6,6 +6,7 @@ reported as one ``ExperimentError`` that names the file, the key and the valid c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import tomllib
@@ -274,4 +275,33 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data,
+    )
+
+
+def subset(exp: Experiment, *, models=None, seq_lens=None, variants=None) -> Experiment:
+    """The same experiment restricted to some of its axes. Point identities do not change, so
+    a partial run's rows resume into the full experiment."""
+    def pick(key: str, wanted, have, canon=lambda x: x):
+        if not wanted:
+            return have
+        out = []
+        for w in wanted:
+            c = canon(w)
+            if c not in have:
+                raise ExperimentError(exp.path, key, f"{w!r} is not in this experiment", have)
+            out.append(c)
+        return out
+
+    def canon_model(m):
+        try:
+            return model_registry.get(m).name
+        except KeyError:
+            return m
+
+    chosen = pick("experiment.variants", variants, list(exp.variants))
+    return dataclasses.replace(
+        exp,
+        models=pick("experiment.models", models, exp.models, canon_model),
+        seq_lens=pick("experiment.seq_lens", seq_lens, exp.seq_lens),
+        variants={v: exp.variants[v] for v in chosen},
     )

@@ -95,3 +95,13 @@ def test_shipped_experiments_parse():
     assert {f.name for f in files} >= {"smoke-cpu.toml", "smoke-gpu.toml"}
     for f in files:
         assert experiment.load(f).points()
+
+
+def test_subset_keeps_point_identity_and_rejects_unknown(write_toml):
+    exp = experiment.load(write_toml(VALID))
+    sub = experiment.subset(exp, models=["LLAMA-3.2-1B-tiny"], seq_lens=[128], variants=["b"])
+    (point,) = sub.points()
+    full = {p.point_id for p in exp.points()}
+    assert point.point_id in full and point.model == "llama-3.2-1b-tiny" and point.variant == "b"
+    with pytest.raises(ExperimentError, match=r"\[experiment.seq_lens\] 999 is not in this experiment \(valid: 64, 128\)"):
+        experiment.subset(exp, seq_lens=[999])
