@@ -452,6 +452,39 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
     return "### Methodology\n\n" + " ".join(parts)
 
 
+def section_spread(df_steps, df_bw, rows, out_dir) -> str:
+    """Two spreads: within a run (p80/p20 of the step samples) and run to run (p80/p20 of the
+    per-repeat medians, each repeat a fresh process). Host-bound steps show host jitter in the
+    first; the second is what a regression gate compares."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("kind") == "step" and r.get("status") == "ok":
+            key = (r["model"], r["seq_len"], r.get("batch_size"), r["variant"])
+            groups.setdefault(key, []).append(r)
+    if not groups:
+        return ""
+    body, worst_run, worst_step = [], 0.0, 0.0
+    for key in sorted(groups):
+        reps = groups[key]
+        medians = [r["step_ms"]["p50"] for r in reps]
+        within = max(r["step_ms"]["p80"] / r["step_ms"]["p20"] for r in reps)
+        worst_step = max(worst_step, within)
+        if len(medians) > 1:
+            q = pd.Series(medians).quantile([0.2, 0.8])
+            run_to_run = q[0.8] / q[0.2]
+            worst_run = max(worst_run, run_to_run)
+            r2r = f"{run_to_run:.3f}"
+        else:
+            r2r = "n/a (1 repeat)"
+        body.append([key[0], key[1], key[2], key[3], len(reps),
+                     " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}"])
+    header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
+              "run-to-run p80/p20", "within-run p80/p20 (worst repeat)"]
+    summary = (f"Worst run-to-run spread {worst_run:.3f}; worst within-run spread {worst_step:.3f}."
+               if worst_run else f"Worst within-run spread {worst_step:.3f}.")
+    return "### Spread\n\n" + _table(header, body) + "\n\n" + summary
+
+
 # Run in order for each GPU type; append to register more (each returns markdown or "" to skip).
 SECTIONS: list[Section] = [
     section_results,
@@ -459,6 +492,7 @@ SECTIONS: list[Section] = [
     section_phase_split,
     section_memory,
     section_speedup,
+    section_spread,
     section_bandwidth,
     section_failed,
     section_methodology,

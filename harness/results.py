@@ -112,6 +112,15 @@ def append_row(path: str | Path, row: dict, *, replace_point: bool = False) -> N
         _write_atomic(path, rows)
 
 
+def replace_rows(path: str | Path, drop, new_rows: list[dict]) -> None:
+    """Atomically drop the rows for which ``drop(row)`` is true and append ``new_rows``."""
+    path = Path(path)
+    with _locked(path):
+        rows = [r for r in read_rows(path) if not drop(r)]
+        rows += [{"schema": SCHEMA_VERSION, **r} for r in new_rows]
+        _write_atomic(path, rows)
+
+
 def finished_point_ids(path: str | Path) -> set[str]:
     return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED}
 

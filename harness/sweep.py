@@ -132,9 +132,10 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     if exp.bandwidth and device_name != "cpu":
         have_bw = any(r.get("kind") == "bandwidth" and r.get("status") == "ok" for r in existing)
         if overwrite or not have_bw:
-            for row in run_bandwidth_rows(exp.name):
+            rows = run_bandwidth_rows(exp.name)
+            for row in rows:
                 row.update(gpu_slug=slug, device_name=device_name, recorded_at=_now())
-                res.append_row(path, row)
+            res.replace_rows(path, lambda r: r.get("kind") == "bandwidth", rows)
 
     points = exp.points()
     todo = [p for p in points if p.point_id not in done]

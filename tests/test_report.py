@@ -169,3 +169,22 @@ def test_registered_section_runs_per_gpu_type(tmp_path, monkeypatch):
     text = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
     assert text.count("### Predicted vs measured saving") == 2
     assert "### Predicted vs measured saving\n\n8 points" in _h100(text)
+
+
+def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
+    from harness.results import append_row
+
+    def row(repeat, samples):
+        s = sorted(samples)
+        return {"kind": "step", "status": "ok", "experiment": "sp", "gpu_slug": "cpu", "device_name": "cpu",
+                "model": "m", "seq_len": 64, "batch_size": 1, "variant": "v", "baseline_variant": "v",
+                "repeat": repeat, "point_id": f"p{repeat}",
+                "step_ms": {"p20": s[1], "p50": s[2], "p80": s[3], "samples": samples},
+                "forward_ms": {"p50": 1.0}, "backward_ms": {"p50": 1.0}, "optimizer_ms": {"p50": 1.0}}
+
+    for rep, samples in enumerate([[10, 11, 12, 13, 14], [10, 10, 10, 10, 10], [20, 20, 20, 20, 20]]):
+        append_row(tmp_path / "sp" / "cpu.jsonl", row(rep, samples))
+    readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
+    # per-repeat medians 12, 10, 20: quantiles 0.2 -> 10.8, 0.8 -> 16.8, ratio 1.556
+    assert "| m | 64 | 1 | v | 3 | 12.0 / 10.0 / 20.0 | 1.556 | 1.182 |" in readme
+    assert "Worst run-to-run spread 1.556; worst within-run spread 1.182." in readme
