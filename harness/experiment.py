@@ -264,6 +264,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         _check_keys(path, f"variants.{vname}", settings, set(SWITCHES))
         for key, value in settings.items():
             _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
+        if settings.get("offload", "none") != "none" and settings.get("gradient_checkpointing", True) is False:
+            raise ExperimentError(path, f"variants.{vname}.offload",
+                                  "offloads checkpointed layer inputs, so it needs gradient_checkpointing = true")
         variants[vname] = dict(settings)
 
     baseline = exp.get("baseline", next(iter(variants)))

@@ -122,16 +122,23 @@ def _measure(point: SweepPoint, spec) -> dict:
         make_batch(point.data, point.seq_len, point.batch_size, spec.vocab_size, step=i).to(device)
         for i in range(n_steps)
     ]
+    # What a packing collator hands the model besides the tensors: the document lengths it
+    # already knows on the host, so no layer has to rediscover them from position_ids.
+    extra = [_packing_kwargs(b, optim_applied) for b in batches]
     timer = PhaseTimer(("forward", "backward", "optimizer"), device)
     losses = []
     last_end = None
-    for i, batch in enumerate(batches):
+    for i, (batch, kwargs) in enumerate(zip(batches, extra)):
         if i == point.warmup_steps:
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             timer.discard()
             losses.clear()
+            if "optim.packing" in optim_applied:
+                from optim import packing
+
+                packing.reset_counters()  # counted over the measured steps only
             # A gen-2 collection in a host-bound step stalls the GPU queue for ~0.2 s; keep
             # the collector out of the measured region, as pyperf and timeit do.
             gc.collect()
@@ -143,6 +150,7 @@ def _measure(point: SweepPoint, spec) -> dict:
             labels=batch.labels,
             position_ids=batch.position_ids,
             use_cache=False,
+            **kwargs,
         )
         timer.mark()
         out.loss.backward()
@@ -156,6 +164,7 @@ def _measure(point: SweepPoint, spec) -> dict:
     times = timer.results_ms()
     gc.enable()
     gc.unfreeze()
+    optim_stats = _optim_stats(model, optim_applied)
     losses_f = torch.stack(losses).float().cpu().tolist()
     measured = batches[point.warmup_steps:]
     return {
@@ -175,6 +184,7 @@ def _measure(point: SweepPoint, spec) -> dict:
         "device_type": device.type,
         "attn_implementation_used": model.config._attn_implementation,
         "optim": optim_applied,
+        **optim_stats,
         "dtype_used": str(dtype).replace("torch.", ""),
     }
 
@@ -192,6 +202,29 @@ def _enable_optim(model, switches: dict) -> dict:
         describe = getattr(mod, "describe", None)
         applied[modname] = describe(model) if describe else settings
     return applied
+
+
+def _optim_stats(model, optim_applied: dict) -> dict:
+    """What the optimizations did during the run: offload buffer use, packing structure builds."""
+    out = {}
+    if "optim.offload" in optim_applied:
+        from optim import offload
+
+        off = offload.get(model)
+        out["offload_stats"] = off.stats() if off is not None else None
+    if "optim.packing" in optim_applied:
+        from optim import packing
+
+        out["packing_counters"] = dict(packing.counters())
+    return out
+
+
+def _packing_kwargs(batch, optim_applied: dict) -> dict:
+    if "optim.packing" not in optim_applied:
+        return {}
+    from optim import packing
+
+    return packing.packed_kwargs(packing.PackedMetadata.from_lengths(batch.lengths))
 
 
 def _report_progress(i: int, n_steps: int, timer: PhaseTimer, last_end):

@@ -1,0 +1,801 @@
+"""Packed-sequence attention: boundary metadata built once per batch, reused by every layer.
+
+When short documents are packed into one row, every layer needs the same boundary information
+(lengths, ``cu_seqlens``, ``max_seqlen`` and the attention structure derived from them). Stock
+transformers rebuilds it per forward (SDPA: a dense T×T mask; flash: ``cu_seqlens`` from
+position_ids with a ``.item()`` sync in every layer) and gpt-oss never detects packing at all.
+Here it is built once per batch and per device, cached, and reused by every layer call and
+every gradient-checkpoint recompute.
+
+Use::
+
+    import optim.packing as packing
+    model = packing.enable(model)                  # backend "auto", cache on
+    batch = packing.PackingCollator(max_length=8192)(examples)
+    out = model(**batch, use_cache=False)          # batch carries packing=PackedMetadata
+
+or, with your own tensors, ``model(input_ids=..., position_ids=..., labels=...,
+**packing.packed_kwargs(PackedMetadata.from_lengths(lengths)))``. With only ``position_ids``
+(no metadata) the boundaries are read from them with exactly one device-to-host sync per batch.
+
+Backends (switch ``packing_backend``):
+  * ``sdpa``: ``scaled_dot_product_attention`` with a cached additive block-diagonal causal mask
+    (built vectorized, O(T²) memory — the seeds' path);
+  * ``flex``: ``flex_attention`` with a cached document ``BlockMask`` built directly at block
+    granularity (never a T×T tensor);
+  * ``varlen``: FlashAttention-2 varlen (``torch.nn.attention.varlen.varlen_attn``) on
+    ``cu_seqlens``/``max_seqlen`` (CUDA, fp16/bf16 only).
+
+Cache policy (switch ``packing_cache``):
+  * one entry per device; it belongs to one batch and a new batch replaces it;
+  * the batch is identified by the ``PackedMetadata`` object (immutable: lengths are tuples),
+    or, without one, by the ``position_ids`` tensor object *and* its ``_version`` counter, so an
+    in-place edit of position_ids makes the next layer rebuild instead of reading a stale mask;
+  * the entry is dropped when the backward pass leaves the first attention layer of the batch
+    (an identity autograd node on its query), so no T×T mask outlives the step; in no-grad use
+    it lives until the next batch or :func:`release`.
+  With the cache off everything is rebuilt in every layer call and every recompute.
+
+gpt-oss attention sinks are applied exactly on every backend (see each path), and sliding-window
+layers (``module.sliding_window``/``config.layer_types``) get their own cached structure.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from optim.switches import Switch
+
+ATTN_NAME = "optim_packed"
+FORWARD_KWARG = "packing"  # the model forward kwarg that carries a PackedMetadata
+FLEX_BLOCK = 128  # flex_attention's default sparse block size
+BACKENDS = ("sdpa", "flex", "varlen")
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "packing_cache",
+            (True, False),
+            True,
+            "build packed-sequence metadata and attention structures once per batch (off: in "
+            "every layer call and every recompute, the behaviour the seeds measured against)",
+        ),
+        # "auto" picks the fastest path that can run: on CUDA with fp16/bf16, FlashAttention-2
+        # varlen needs no mask at all (only cu_seqlens), skips all cross-document work and is the
+        # fastest kernel; flex is next (Triton kernel, skips masked blocks, needs a small BlockMask);
+        # SDPA with an explicit mask loses the flash kernel, so it is only the CPU choice (flex has
+        # no CPU backward and varlen no CPU kernel).
+        Switch(
+            "packing_backend",
+            ("auto", *BACKENDS, "off"),
+            "auto",
+            "packed attention kernel: auto = varlen on CUDA (fp16/bf16) when torch has it, "
+            "else flex on CUDA, sdpa on CPU; off = leave the model's attention alone (stock)",
+        ),
+    )
+}
+
+# Build and sync counters: what the bench reports per training step ("count, don't assume").
+COUNTERS: collections.Counter = collections.Counter()
+
+
+def reset_counters() -> None:
+    COUNTERS.clear()
+
+
+def counters() -> dict[str, int]:
+    return dict(COUNTERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------------
+
+_serials = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMetadata:
+    """Host-side description of one packed batch: per-row document lengths.
+
+    Everything the kernels need follows from it without reading the device: ``cu_seqlens``
+    (over the flattened batch, int32) and ``max_seqlen`` are computed on the host. Device copies
+    and attention structures are built lazily, once per device, by the attention function.
+    Immutable by design (lengths are tuples), so it can key the cache.
+    """
+
+    lengths: tuple[tuple[int, ...], ...]
+    seq_len: int
+    serial: int = field(default_factory=lambda: next(_serials), compare=False)
+
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: Sequence[Sequence[int]] | Sequence[int],
+        seq_len: int | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> "PackedMetadata":
+        """``lengths``: per row, the document lengths (a flat list means one row). Each row must
+        sum to ``seq_len`` (default: the first row's sum). ``position_ids``, if given, are checked
+        against the lengths (free on CPU; one sync if they are on a GPU)."""
+        if len(lengths) and not isinstance(lengths[0], (list, tuple)):
+            lengths = [lengths]  # type: ignore[list-item]
+        rows = tuple(tuple(int(l) for l in row) for row in lengths)  # type: ignore[union-attr]
+        if not rows:
+            raise ValueError("packing: no rows")
+        T = sum(rows[0]) if seq_len is None else int(seq_len)
+        for r, row in enumerate(rows):
+            if not row:
+                raise ValueError(f"packing: row {r} has no documents")
+            if min(row) <= 0:
+                raise ValueError(f"packing: row {r} has a zero-length or negative document: {list(row)}")
+            if sum(row) != T:
+                raise ValueError(f"packing: row {r} lengths sum to {sum(row)}, not the row length {T}")
+        meta = cls(rows, T)
+        if position_ids is not None:
+            meta.check_position_ids(position_ids)
+        return meta
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> "PackedMetadata":
+        """Boundaries from position ids restarting at 0 per document: one device-to-host sync."""
+        return cls.from_lengths(_lengths_from_position_ids(position_ids), position_ids.shape[-1])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(max(r) for r in self.lengths)
+
+    @property
+    def num_docs(self) -> int:
+        return sum(len(r) for r in self.lengths)
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 (num_docs + 1,) CPU offsets over the flattened (B*T) batch."""
+        flat = torch.tensor([l for row in self.lengths for l in row], dtype=torch.int32)
+        return F.pad(torch.cumsum(flat, 0, dtype=torch.int32), (1, 0))
+
+    def position_ids(self) -> torch.Tensor:
+        """(B, T) int64 positions restarting at 0 per document (host, vectorized)."""
+        cu = self.cu_seqlens().long()
+        lens = cu[1:] - cu[:-1]
+        flat = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+        return flat.view(self.batch_size, self.seq_len)
+
+    def check_position_ids(self, position_ids: torch.Tensor) -> None:
+        pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+        if pos.shape[-1] != self.seq_len or pos.shape[0] not in (1, self.batch_size):
+            raise ValueError(
+                f"packing: position_ids shape {tuple(position_ids.shape)} does not match "
+                f"{self.batch_size} rows of {self.seq_len} tokens"
+            )
+        expected = self.position_ids().to(pos.device)
+        if not torch.equal(pos.expand_as(expected).to(expected.dtype), expected):
+            raise ValueError("packing: position_ids disagree with the document lengths "
+                             "(they must restart at 0 at each document start and count up by 1)")
+
+    def __repr__(self) -> str:
+        return (f"PackedMetadata(rows={self.batch_size}, seq_len={self.seq_len}, "
+                f"docs={self.num_docs}, max_seqlen={self.max_seqlen})")
+
+
+def packed_kwargs(meta: PackedMetadata) -> dict[str, PackedMetadata]:
+    """The extra forward kwarg that hands a batch's packing to an enabled model."""
+    return {FORWARD_KWARG: meta}
+
+
+def _lengths_from_position_ids(position_ids: torch.Tensor) -> list[list[int]]:
+    """Per-row document lengths from positions restarting at 0: exactly one device-to-host
+    transfer (the start flags and the validity bit travel together)."""
+    pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+    starts = pos == 0
+    steps = pos[:, 1:] == pos[:, :-1] + 1
+    ok = starts[:, 0].all() & (starts[:, 1:] | steps).all()
+    host = torch.cat([starts.flatten(), ok.view(1)]).cpu()
+    COUNTERS["position_id_reads"] += 1
+    if pos.device.type != "cpu":
+        COUNTERS["host_syncs"] += 1
+    if not bool(host[-1]):
+        raise ValueError("packing: position_ids must restart at 0 at each document start and count "
+                         "up by 1 inside a document (got a row that does not)")
+    B, T = pos.shape
+    out = []
+    for row in host[:-1].view(B, T):
+        idx = torch.nonzero(row).flatten()
+        out.append(torch.diff(idx, append=torch.tensor([T])).tolist())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device cache
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """Device metadata of one batch plus the attention structures built from it."""
+
+    key: tuple
+    B: int
+    T: int
+    cu_seqlens: torch.Tensor  # int32 (num_docs+1,) on device, offsets over the flattened batch
+    max_seqlen: int  # host int
+    doc: torch.Tensor  # int32 (B, T): global document index of each token
+    start: torch.Tensor  # int64 (B, T): row-local index of the token's document start
+    structures: dict = field(default_factory=dict)
+    pos_ref: Any = None  # weakref to the position_ids the entry was keyed on
+    first_module: int | None = None  # id() of the first attention module that used the entry
+
+
+_CACHE: dict[torch.device, _Entry] = {}
+
+
+def release(device: torch.device | str | None = None) -> None:
+    """Drop the cached entry for ``device`` (all devices if None)."""
+    if device is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(torch.device(device), None)
+
+
+def cached_entry(device: torch.device | str) -> _Entry | None:
+    """The entry cached for ``device`` (for tests and benchmarks)."""
+    return _CACHE.get(torch.device(device))
+
+
+def _build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entry:
+    """Device metadata from the host lengths: one small host-to-device copy, no sync."""
+    COUNTERS["metadata"] += 1
+    B, T = meta.batch_size, meta.seq_len
+    cu_host = meta.cu_seqlens()
+    if device.type == "cuda":
+        cu_host = cu_host.pin_memory()
+    cu = cu_host.to(device, non_blocking=True)
+    # Document index per token: mark the starts, cumsum. Vectorized, no loop per document.
+    seg = torch.zeros(B * T, dtype=torch.int32, device=device)
+    seg[cu[1:-1].long()] = 1
+    doc = torch.cumsum(seg, 0, dtype=torch.int32)
+    row0 = (torch.arange(B * T, device=device) // T) * T
+    start = cu[doc.long()].long() - row0
+    return _Entry(key, B, T, cu, meta.max_seqlen, doc.view(B, T), start.view(B, T))
+
+
+def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache: bool,
+               validate: bool) -> _Entry:
+    """The batch's entry: from the cache when the batch is the cached one, else built."""
+    if packing is not None:
+        if not isinstance(packing, PackedMetadata):
+            raise TypeError(f"packing= must be a PackedMetadata, got {type(packing).__name__}")
+        key = ("meta", packing.serial)
+        pos_ref = None
+    elif position_ids is not None:
+        key = ("pos", id(position_ids), position_ids._version)
+        pos_ref = weakref.ref(position_ids)
+    else:
+        raise ValueError("packed attention needs packing=PackedMetadata or position_ids")
+
+    if cache:
+        hit = _CACHE.get(device)
+        if hit is not None and hit.key == key and (pos_ref is None or hit.pos_ref() is position_ids):
+            COUNTERS["cache_hits"] += 1
+            return hit
+
+    if packing is None:
+        pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+        meta = PackedMetadata.from_lengths(_lengths_from_position_ids(pos), T)
+        if meta.batch_size == 1 and B > 1:  # (1, T) positions shared by every row
+            meta = PackedMetadata.from_lengths([meta.lengths[0]] * B, T)
+    else:
+        meta = packing
+        if validate and position_ids is not None:
+            meta.check_position_ids(position_ids)
+    if meta.batch_size != B or meta.seq_len != T:
+        raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
+                         f"the batch is {B}x{T}")
+    entry = _build_entry(key, meta, device)
+    entry.pos_ref = pos_ref
+    if cache:
+        _CACHE[device] = entry  # a new batch replaces the old one on this device
+    return entry
+
+
+class _ReleaseOnBackward(torch.autograd.Function):
+    """Identity on the query of the batch's first attention call. Its backward runs after that
+    layer's attention backward, i.e. after the last use of the cached structures in the step,
+    and drops the entry so that no T×T mask stays resident."""
+
+    @staticmethod
+    def forward(ctx, x, entry_key, device):
+        ctx.entry_key, ctx.device = entry_key, device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hit = _CACHE.get(ctx.device)
+        if hit is not None and hit.key == ctx.entry_key:
+            del _CACHE[ctx.device]
+            COUNTERS["releases"] += 1
+        return grad, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Structures (one build per batch, per backend and window, when cached)
+# ---------------------------------------------------------------------------------------------
+
+
+def _structure(entry: _Entry, key: tuple, build, cache: bool):
+    if cache and key in entry.structures:
+        return entry.structures[key]
+    value = build()
+    if cache:
+        entry.structures[key] = value
+    return value
+
+
+def _allowed(entry: _Entry, window: int | None) -> torch.Tensor:
+    """(B, T, T) bool: same document, causal, and inside the sliding window. Broadcast, no loop."""
+    idx = torch.arange(entry.T, device=entry.doc.device)
+    ok = (entry.doc[:, :, None] == entry.doc[:, None, :]) & (idx[:, None] >= idx[None, :])
+    if window is not None:
+        ok &= (idx[:, None] - idx[None, :]) < window
+    return ok
+
+
+def build_sdpa_mask(entry: _Entry, window: int | None, dtype: torch.dtype, sink_cols: int) -> torch.Tensor:
+    """Additive (B, 1, T, T + sink_cols) mask in the attention dtype. Additive rather than bool
+    because SDPA converts a bool mask to a float one on every call; the last dim is allocated
+    padded to a multiple of 8 so the memory-efficient kernel gets an aligned stride (it would
+    otherwise copy the mask per call)."""
+    COUNTERS["sdpa_mask"] += 1
+    B, T = entry.B, entry.T
+    width = T + sink_cols
+    mask = torch.full((B, 1, T, -(-width // 8) * 8), float("-inf"), dtype=dtype, device=entry.doc.device)
+    mask[:, 0, :, :T].masked_fill_(_allowed(entry, window), 0.0)
+    if sink_cols:
+        mask[..., T:width] = 0.0
+    return mask[..., :width]
+
+
+def build_flex_block_mask(entry: _Entry, window: int | None):
+    """Document (+window) causal BlockMask built at block granularity: O((T/128)²), no T×T.
+
+    For query t the visible keys are one interval [lo(t), t], lo(t) = max(doc start, t-w+1),
+    and lo is non-decreasing, so a query block [qa, qb] sees the key interval [lo(qa), qb]; a key
+    block [ka, kb] is fully visible iff kb <= qa and ka >= lo(qb). Visible-but-not-full blocks are
+    partial and get the mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    COUNTERS["flex_block_mask"] += 1
+    B, T, dev = entry.B, entry.T, entry.doc.device
+    bs = FLEX_BLOCK
+    nb = -(-T // bs)
+    idx = torch.arange(T, device=dev)
+    lo = entry.start if window is None else torch.maximum(entry.start, idx - window + 1)
+    qa = torch.arange(nb, device=dev) * bs
+    qb = torch.clamp(qa + bs, max=T) - 1
+    lo_a, lo_b = lo[:, qa], lo[:, qb]  # (B, nb)
+    j = torch.arange(nb, device=dev)
+    i = j.view(nb, 1)
+    visible = (j >= (lo_a // bs)[:, :, None]) & (j <= (qb // bs)[:, None])
+    full = (j >= ((lo_b + bs - 1) // bs)[:, :, None]) & (j <= i - 1)
+    partial = visible & ~full
+
+    def ordered(m):  # dense (B, nb, nb) bool -> (counts, indices) with the chosen blocks first
+        counts = m.sum(-1, dtype=torch.int32)[:, None]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return counts, order
+
+    doc = F.pad(entry.doc, (0, nb * bs - T), value=-1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
+                                    mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def build_varlen_args(entry: _Entry) -> tuple[torch.Tensor, int]:
+    """varlen takes the metadata as is: int32 cu_seqlens on device and a host max_seqlen."""
+    COUNTERS["varlen_args"] += 1
+    return entry.cu_seqlens, entry.max_seqlen
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 1:
+        return x
+    B, H, T, D = x.shape
+    return x[:, :, None].expand(B, H, n, T, D).reshape(B, H * n, T, D)
+
+
+def _sdpa(entry, q, k, v, scale, window, sinks, cache):
+    B, H, T, D = q.shape
+    k, v = _repeat_kv(k, H // k.shape[1]), _repeat_kv(v, H // v.shape[1])
+    sink_cols = 0 if sinks is None else 1
+    mask = _structure(entry, ("sdpa", window, q.dtype, sink_cols),
+                      lambda: build_sdpa_mask(entry, window, q.dtype, sink_cols), cache)
+    if sinks is not None:
+        # Exact sinks with SDPA, which returns no log-sum-exp: append one "sink" key per head whose
+        # score is exactly sink_h and whose value is 0. It adds exp(sink) to the softmax
+        # denominator only, which is the definition of a sink, and autograd gives exact gradients
+        # for q, k, v and the sinks. Head dim is padded by 8 zero columns (alignment); only the
+        # first extra column is used: q gets 1 there, the sink key gets sink_h / scale.
+        pad = 8
+        extra_q = torch.zeros(B, H, T, pad, dtype=q.dtype, device=q.device)
+        extra_q[..., 0] = 1
+        q = torch.cat([q, extra_q], -1)
+        k = torch.cat([k, torch.zeros(B, H, T, pad, dtype=k.dtype, device=k.device)], -1)
+        sink_key = torch.zeros(B, H, 1, D + pad, dtype=k.dtype, device=k.device)
+        sink_key = sink_key + F.pad((sinks.to(k.dtype) / scale).view(1, H, 1, 1), (D, pad - 1))
+        k = torch.cat([k, sink_key], 2)
+        v = F.pad(v, (0, pad, 0, 1))  # sink value 0; pad head dim to match q/k
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if sinks is not None:
+        out = out[..., :D]
+    return out.transpose(1, 2).contiguous()
+
+
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """Compiled flex_attention on GPU (the eager one materializes scores); eager on CPU."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type == "cpu":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _flex(entry, q, k, v, scale, window, sinks, cache):
+    block_mask = _structure(entry, ("flex", window), lambda: build_flex_block_mask(entry, window), cache)
+    fn = _flex_fn(q.device)
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    else:
+        # Exact sinks: renormalize with the kernel's log-sum-exp, out * Z / (Z + e^s) =
+        # out * sigmoid(lse - s). flex propagates gradients through lse, so this is exact.
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                          return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        except ImportError:  # torch < 2.9
+            out, lse = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+        factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+        out = (out.float() * factor[..., None]).to(q.dtype)
+    return out.transpose(1, 2).contiguous()
+
+
+# Indirection so tests can check the sink algebra on CPU with a reference flash implementation.
+_flash_ops = {
+    "forward": lambda *a, **k: torch.ops.aten._flash_attention_forward(*a, **k),
+    "backward": lambda *a, **k: torch.ops.aten._flash_attention_backward(*a, **k),
+}
+
+
+def _window_kw(window_left: int) -> dict:
+    """Sliding-window kwargs of the aten flash ops, only when a window is used (older torch
+    builds may lack them; full causal attention needs none: is_causal=True)."""
+    if window_left < 0:
+        return {}
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    if "window_size_left" not in schema:
+        raise NotImplementedError("this torch's flash varlen op has no sliding window; use "
+                                  "packing_backend='flex' for sliding-window models")
+    return {"window_size_left": window_left, "window_size_right": 0}
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """FlashAttention-2 varlen with optional exact attention sinks.
+
+    Sinks: y = o * s where s = sigmoid(lse - sink) per (token, head). That is attention over the
+    document plus one zero-valued key of score ``sink``. Its exact backward is the flash backward
+    called with grad_out = s * dy and out = y (the kernel then subtracts rowsum(grad_out * out) =
+    s * (dy . y), the right softmax-Jacobian term), plus d sink = -sum (1 - s) (dy . y).
+    torch's varlen_attn ignores the lse gradient, so it cannot do this; we call the aten ops.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu, max_len, scale, window_left):
+        res = _flash_ops["forward"](
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale, **_window_kw(window_left))
+        out, lse, rng_a, rng_b = res[0], res[1], res[2], res[3]
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math for bf16 inputs
+        if sinks is not None:
+            s = torch.sigmoid(lse.to(acc) - sinks.to(acc).view(-1, 1)).t().unsqueeze(-1)  # (T, H, 1)
+            out = (out.to(acc) * s).to(q.dtype)
+        else:
+            s = None
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_a, rng_b, s)
+        ctx.max_len, ctx.scale, ctx.window_left = max_len, scale, window_left
+        ctx.has_sinks = sinks is not None
+        ctx.sink_dtype = None if sinks is None else sinks.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, y, lse, cu, rng_a, rng_b, s = ctx.saved_tensors
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dy = dy.contiguous()
+        g = dy if s is None else (dy.to(acc) * s).to(dy.dtype)
+        dq, dk, dv = _flash_ops["backward"](
+            g, q, k, v, y, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b,
+            scale=ctx.scale, **_window_kw(ctx.window_left))
+        dsink = None
+        if ctx.has_sinks:
+            dsink = -((1 - s.squeeze(-1)) * (dy.to(acc) * y.to(acc)).sum(-1)).sum(0).to(ctx.sink_dtype)
+        return dq, dk, dv, dsink, None, None, None, None
+
+
+def _public_varlen():
+    """torch.nn.attention.varlen.varlen_attn when its signature has what we need (torch >= 2.12:
+    window_size and enable_gqa); torch 2.10/2.11 expose fewer arguments, so we use the aten op."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(params) else None
+
+
+def varlen_available() -> bool:
+    return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+def _varlen(entry, q, k, v, scale, window, sinks, cache):
+    B, H, T, D = q.shape
+    cu, max_len = _structure(entry, ("varlen",), lambda: build_varlen_args(entry), cache)
+    qf = q.transpose(1, 2).reshape(B * T, H, D)
+    kf = k.transpose(1, 2).reshape(B * T, k.shape[1], D)
+    vf = v.transpose(1, 2).reshape(B * T, v.shape[1], D)
+    left = -1 if window is None else window - 1  # flash keeps keys with q - k <= left
+    public = _public_varlen()
+    if sinks is None and public is not None:
+        out = public(qf, kf, vf, cu, cu, max_len, max_len, scale=scale, window_size=(left, 0),
+                     enable_gqa=H != k.shape[1])
+    else:
+        out = _FlashVarlen.apply(qf, kf, vf, sinks, cu, max_len, scale, left)
+    return out.view(B, T, H, D)
+
+
+_KERNELS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
+
+
+def resolve_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    if choice != "auto":
+        return choice
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16) and varlen_available():
+            return "varlen"
+        return "flex"
+    return "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function and enable()
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    cache: bool = True
+    backend: str = "auto"
+    validate: bool | None = None  # None: check position_ids vs metadata where free (CPU tensors)
+
+
+_DEFAULT = PackingSettings()
+
+
+def _layer_window(module, sliding_window) -> int | None:
+    if sliding_window:
+        return int(sliding_window)
+    w = getattr(module, "sliding_window", None)
+    if w:
+        return int(w)
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and idx is not None and types[idx] == "sliding_attention":
+        return int(config.sliding_window)
+    return None
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    packing: PackedMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: (B, H, T, D) q/k/v in, (B, T, H, D) out."""
+    settings: PackingSettings = getattr(module, "_optim_packing", _DEFAULT)
+    B, H, T, D = query.shape
+    if key.shape[2] != T:
+        raise NotImplementedError("packed attention is for training/prefill without a KV cache "
+                                  "(pass use_cache=False)")
+    if dropout:
+        raise NotImplementedError("packed attention does not implement attention dropout")
+    scale = scaling if scaling is not None else D ** -0.5
+    window = _layer_window(module, sliding_window)
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    device = query.device
+    validate = settings.validate if settings.validate is not None else (
+        position_ids is not None and position_ids.device.type == "cpu")
+    entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate)
+    if settings.cache and torch.is_grad_enabled() and query.requires_grad:
+        if entry.first_module is None:
+            entry.first_module = id(module)
+        if entry.first_module == id(module):
+            query = _ReleaseOnBackward.apply(query, entry.key, device)
+    backend = resolve_backend(settings.backend, device, query.dtype)
+    out = _KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
+    return out, None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``packed_attention_forward`` under ``ATTN_NAME`` (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, packed_attention_forward)
+        _registered = True
+
+
+def _attention_modules(model) -> Iterable[torch.nn.Module]:
+    for m in model.modules():
+        if hasattr(m, "q_proj") and hasattr(m, "layer_idx"):
+            yield m
+
+
+def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | None = None,
+           **_ignored):
+    """Enable packed attention on a transformers causal LM (peft-wrapped or not).
+
+    Registers the attention function, switches the model's attention implementation to it (so
+    transformers also stops building its own masks) and records the settings on every attention
+    module. Settings: ``packing_cache`` (True/False), ``packing_backend`` (auto/sdpa/flex/varlen,
+    or off to leave the model untouched),
+    each also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND. Other optim switches are ignored.
+    Returns the model.
+    """
+    settings = PackingSettings(
+        cache=SWITCHES["packing_cache"].resolve(packing_cache),
+        backend=SWITCHES["packing_backend"].resolve(packing_backend),
+        validate=validate,
+    )
+    if settings.backend == "off":
+        return model
+    register()
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(ATTN_NAME)
+    else:
+        model.config._attn_implementation = ATTN_NAME
+    n = 0
+    for m in _attention_modules(model):
+        m._optim_packing = settings
+        n += 1
+    if n == 0:
+        raise ValueError("packing.enable: found no attention modules (q_proj + layer_idx) in the model")
+    model._optim_packing = settings
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Collator
+# ---------------------------------------------------------------------------------------------
+
+
+class PackingCollator:
+    """Pack a list of tokenized examples into rows of ``max_length`` tokens.
+
+    Greedy first-fit in order; an example longer than ``max_length`` is truncated. Each row's
+    free tail becomes one padding document (``pad_token_id``, labels -100) so every row has the
+    same length. Labels are the input ids (or the example's ``labels``) with each document's
+    first token set to -100, so no token learns to predict across a boundary. Returns
+    ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per document) and
+    ``packing`` (a :class:`PackedMetadata`), ready for ``model(**batch)`` and
+    ``transformers.Trainer`` (set ``remove_unused_columns=False``).
+    """
+
+    def __init__(self, max_length: int | None = None, pad_token_id: int = 0,
+                 pad_to_multiple_of: int | None = None, label_pad_id: int = -100):
+        self.max_length = max_length
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.label_pad_id = label_pad_id
+
+    def __call__(self, examples: list[dict]) -> dict[str, Any]:
+        docs = []
+        for ex in examples:
+            ids = list(ex["input_ids"])
+            labels = list(ex.get("labels", ids))
+            if len(labels) != len(ids):
+                raise ValueError("packing: an example's labels and input_ids differ in length")
+            if not ids:
+                continue
+            if self.max_length is not None:
+                ids, labels = ids[: self.max_length], labels[: self.max_length]
+            labels[0] = self.label_pad_id
+            docs.append((ids, labels))
+        if not docs:
+            raise ValueError("packing: no non-empty examples to pack")
+        rows: list[list[tuple]] = []
+        fill: list[int] = []
+        for d in docs:
+            for r, used in enumerate(fill):
+                if self.max_length is None or used + len(d[0]) <= self.max_length:
+                    rows[r].append(d)
+                    fill[r] += len(d[0])
+                    break
+            else:
+                rows.append([d])
+                fill.append(len(d[0]))
+        T = self.max_length if self.max_length is not None else max(fill)
+        if self.pad_to_multiple_of:
+            T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids, labels, lengths = [], [], []
+        for row, used in zip(rows, fill):
+            ids = [t for d in row for t in d[0]]
+            lab = [t for d in row for t in d[1]]
+            lens = [len(d[0]) for d in row]
+            if used < T:
+                ids += [self.pad_token_id] * (T - used)
+                lab += [self.label_pad_id] * (T - used)
+                lens.append(T - used)
+            input_ids.append(ids)
+            labels.append(lab)
+            lengths.append(lens)
+        meta = PackedMetadata.from_lengths(lengths, T)
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "position_ids": meta.position_ids(),
+            FORWARD_KWARG: meta,
+        }
+
+
+__all__ = [
+    "ATTN_NAME", "FORWARD_KWARG", "SWITCHES", "COUNTERS", "PackedMetadata", "PackingCollator",
+    "PackingSettings", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args",
+    "cached_entry", "counters", "enable", "packed_attention_forward", "packed_kwargs", "register",
+    "release", "reset_counters", "resolve_backend", "varlen_available",
+]

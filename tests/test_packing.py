@@ -1,0 +1,416 @@
+"""optim.packing on CPU (fp32): packed == each document alone, cache policy, counts, collator.
+
+flex_attention has no CPU backward in torch, so flex is checked forward-only here (logits and
+loss under no_grad) and with gradients in tests/test_gpu_packing.py, together with varlen.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optim.packing as P
+from harness import models
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+FAMILIES = ["llama-3.2-1b-tiny", "qwen3-0.6b-tiny", "qwen3-30b-a3b-tiny", "gpt-oss-20b-tiny"]
+# batch of 2 rows x 100 tokens: lengths not multiples of 128, one document filling a row, and
+# documents longer than gpt-oss-tiny's sliding window (32)
+LENGTHS = [[37, 50, 13], [100]]
+
+
+def _build(name, checkpointing=True):
+    model = models.build(models.get(name), device="cpu", dtype=torch.float32, lora_rank=4,
+                         gradient_checkpointing=checkpointing)
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # peft starts B at 0; make the adapters matter for the gradient check
+            p.data.normal_(0, 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def built():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = _build(name)
+        return cache[name]
+
+    return get
+
+
+def _ce_sum(logits, ids):
+    return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
+
+
+def _reference(model, ids, lengths, grads=True):
+    """Stock eager attention, each document alone. Returns logits (B,T,V), loss, LoRA grads."""
+    model.set_attn_implementation("eager")
+    model.zero_grad(set_to_none=True)
+    rows, total, count = [], 0.0, sum(l - 1 for row in lengths for l in row)
+    with torch.set_grad_enabled(grads):
+        for r, row in enumerate(lengths):
+            s, parts = 0, []
+            for l in row:
+                x = ids[r, s:s + l]
+                logits = model(input_ids=x[None], position_ids=torch.arange(l)[None], use_cache=False).logits[0]
+                total = total + _ce_sum(logits, x)
+                parts.append(logits.detach())
+                s += l
+            rows.append(torch.cat(parts))
+        loss = total / count
+        if grads:
+            loss.backward()
+    model.set_attn_implementation(P.ATTN_NAME)
+    return torch.stack(rows), loss.detach(), _lora_grads(model) if grads else None
+
+
+def _lora_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _packed(model, ids, meta, grads=True, with_meta=True):
+    model.zero_grad(set_to_none=True)
+    labels = ids.clone()
+    pos = meta.position_ids()
+    labels[pos == 0] = -100
+    kw = P.packed_kwargs(meta) if with_meta else {}
+    with torch.set_grad_enabled(grads):
+        out = model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False, **kw)
+        if grads:
+            out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), _lora_grads(model) if grads else None
+
+
+def _close(a, b, tol=2e-5):
+    assert a.shape == b.shape
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), err
+
+
+def _check_grads(g, ref):
+    assert set(g) == set(ref) and len(g) > 0
+    for n in ref:
+        _close(g[n], ref[n], 1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("cache", [True, False])
+def test_sdpa_packed_equals_documents_alone(built, name, cache):
+    model = built(name)
+    P.enable(model, packing_backend="sdpa", packing_cache=cache)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 100))
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    ref_logits, ref_loss, ref_grads = _reference(model, ids, LENGTHS)
+    for with_meta in (True, False):  # metadata handed over, or read from position_ids
+        logits, loss, grads = _packed(model, ids, meta, with_meta=with_meta)
+        _close(logits, ref_logits)
+        _close(loss, ref_loss)
+        _check_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("cache", [True, False])
+def test_flex_packed_forward_equals_documents_alone(built, name, cache):
+    model = built(name)
+    P.enable(model, packing_backend="flex", packing_cache=cache)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 100))
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    ref_logits, ref_loss, _ = _reference(model, ids, LENGTHS, grads=False)
+    logits, loss, _ = _packed(model, ids, meta, grads=False)
+    _close(logits, ref_logits)
+    _close(loss, ref_loss)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b-tiny", "gpt-oss-20b-tiny"])
+def test_hundreds_of_one_token_documents(built, name):
+    model = built(name)
+    lengths = [[1] * 200 + [45, 5]]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (1, 250))
+    meta = P.PackedMetadata.from_lengths(lengths)
+    ref_logits, ref_loss, ref_grads = _reference(model, ids, lengths)
+    P.enable(model, packing_backend="sdpa")
+    logits, loss, grads = _packed(model, ids, meta)
+    _close(logits, ref_logits)
+    _close(loss, ref_loss)
+    _check_grads(grads, ref_grads)
+    P.enable(model, packing_backend="flex")
+    logits, _, _ = _packed(model, ids, meta, grads=False)
+    _close(logits, ref_logits)
+
+
+@pytest.mark.parametrize("window", [None, 32, 200])
+def test_flex_block_mask_matches_exact_block_classification(window):
+    """The block-level construction equals create_block_mask's exact any/all classification."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(2):
+        row, left = [], 1000
+        while left:
+            l = min(left, int(torch.randint(1, 300, (1,), generator=gen)))
+            row.append(l)
+            left -= l
+        rows.append(row)
+    meta = P.PackedMetadata.from_lengths(rows)
+    entry = P._build_entry(("test",), meta, torch.device("cpu"))
+    ours = P.build_flex_block_mask(entry, window)
+    doc = entry.doc
+
+    def mm(b, h, q, k):
+        keep = (doc[b, q] == doc[b, k]) & (q >= k)
+        return keep & (q - k < window) if window is not None else keep
+
+    exact = create_block_mask(mm, 2, None, 1000, 1000, device="cpu")
+
+    def blocks(nums, idx):
+        return [[set(idx[b, 0, i, : nums[b, 0, i]].tolist()) for i in range(nums.shape[2])] for b in range(2)]
+
+    assert blocks(ours.kv_num_blocks, ours.kv_indices) == blocks(exact.kv_num_blocks, exact.kv_indices)
+    assert blocks(ours.full_kv_num_blocks, ours.full_kv_indices) == blocks(
+        exact.full_kv_num_blocks, exact.full_kv_indices)
+
+
+def test_bad_input_gives_clear_errors(built):
+    with pytest.raises(ValueError, match="sum to"):
+        P.PackedMetadata.from_lengths([[3, 4], [5, 3]])
+    with pytest.raises(ValueError, match="zero-length"):
+        P.PackedMetadata.from_lengths([[3, 0, 4]])
+    with pytest.raises(ValueError, match="disagree"):
+        P.PackedMetadata.from_lengths([[3, 4]], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]]))
+    model = built("llama-3.2-1b-tiny")
+    P.enable(model, packing_backend="sdpa")
+    ids = torch.randint(0, 512, (1, 7))
+    meta = P.PackedMetadata.from_lengths([[3, 4]])
+    with pytest.raises(ValueError, match="disagree"):
+        model(input_ids=ids, position_ids=torch.arange(7)[None], use_cache=False, **P.packed_kwargs(meta))
+    with pytest.raises(ValueError, match="restart at 0"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 4, 5, 6, 7]]), use_cache=False)
+    with pytest.raises(ValueError, match="batch is|does not match"):
+        model(input_ids=torch.randint(0, 512, (1, 8)), use_cache=False, **P.packed_kwargs(meta))
+
+
+def _step(model, ids, meta, with_meta=True):
+    labels = ids.clone()
+    pos = meta.position_ids()
+    labels[pos == 0] = -100
+    kw = P.packed_kwargs(meta) if with_meta else {}
+    out = model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False, **kw)
+    out.loss.backward()
+
+
+@pytest.mark.parametrize("name,windows", [("llama-3.2-1b-tiny", 1), ("gpt-oss-20b-tiny", 2)])
+@pytest.mark.parametrize("with_meta", [True, False])
+def test_build_counts_with_gradient_checkpointing(built, name, windows, with_meta):
+    model = built(name)
+    layers = model.config.num_hidden_layers
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    ids = torch.randint(0, 512, (2, 100))
+    P.enable(model, packing_backend="sdpa", packing_cache=True)
+    for _ in range(2):  # per step, every step
+        P.reset_counters()
+        _step(model, ids, meta, with_meta)
+        c = P.counters()
+        assert c["metadata"] == 1 and c["sdpa_mask"] == windows, c
+        assert c.get("position_id_reads", 0) == (0 if with_meta else 1), c
+        assert c["cache_hits"] == 2 * layers - 1, c  # forward + checkpoint recompute
+    P.enable(model, packing_backend="sdpa", packing_cache=False)
+    P.reset_counters()
+    _step(model, ids, meta, with_meta)
+    c = P.counters()
+    assert c["metadata"] == 2 * layers and c["sdpa_mask"] == 2 * layers, c
+    assert c.get("position_id_reads", 0) == (0 if with_meta else 2 * layers), c
+    P.enable(model, packing_backend="flex", packing_cache=True)
+    P.reset_counters()
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=meta.position_ids(), use_cache=False, **P.packed_kwargs(meta))
+    assert P.counters()["flex_block_mask"] == windows
+    P.release()
+
+
+def test_no_mask_outlives_the_step_and_new_batch_replaces(built):
+    model = built("gpt-oss-20b-tiny")
+    P.enable(model, packing_backend="sdpa", packing_cache=True)
+    ids = torch.randint(0, 512, (2, 100))
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    cpu = torch.device("cpu")
+    refs = []
+    orig = P.build_sdpa_mask
+
+    def spy(*a, **k):
+        m = orig(*a, **k)
+        refs.append(weakref.ref(m))
+        return m
+
+    P.build_sdpa_mask = spy
+    try:
+        _step(model, ids, meta)
+        assert P.cached_entry(cpu) is None  # released when the backward left the first layer
+        gc.collect()
+        assert refs and all(r() is None for r in refs)
+        # no grad: the entry lives until the next batch replaces it
+        refs.clear()
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=meta.position_ids(), use_cache=False, **P.packed_kwargs(meta))
+            assert P.cached_entry(cpu).key == ("meta", meta.serial) and all(r() is not None for r in refs)
+            meta2 = P.PackedMetadata.from_lengths([[60, 40], [100]])
+            model(input_ids=ids, position_ids=meta2.position_ids(), use_cache=False, **P.packed_kwargs(meta2))
+        gc.collect()
+        assert P.cached_entry(cpu).key == ("meta", meta2.serial)
+        assert all(r() is None for r in refs[:2])
+    finally:
+        P.build_sdpa_mask = orig
+        P.release()
+
+
+def test_in_place_position_ids_edit_is_not_stale(built):
+    """Policy: without metadata the cache is keyed on the position_ids object and its _version,
+    so an in-place edit rebuilds (a PackedMetadata is immutable and is the source of truth)."""
+    model = built("llama-3.2-1b-tiny")
+    P.enable(model, packing_backend="sdpa", packing_cache=True)
+    ids = torch.randint(0, 512, (1, 100))
+    pos = P.PackedMetadata.from_lengths([[50, 50]]).position_ids()
+    with torch.no_grad():
+        a = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        pos.copy_(torch.arange(100)[None])  # same tensor, now one document
+        P.reset_counters()
+        b = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        assert P.counters()["metadata"] == 1
+        ref, _, _ = _reference(model, ids, [[100]], grads=False)
+    _close(b, ref)
+    assert (a - b).abs().max() > 1e-3
+    P.release()
+
+
+def test_collator_and_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    collator = P.PackingCollator(max_length=64, pad_token_id=0)
+    batch = collator([{"input_ids": [5, 6, 7]}, {"input_ids": list(range(10, 70))}, {"input_ids": [1, 2]}])
+    assert batch["input_ids"].shape == (2, 64)
+    assert batch["packing"].lengths == ((3, 60, 1), (2, 62))
+    assert batch["labels"][0, :4].tolist() == [-100, 6, 7, -100]
+    assert batch["labels"][0, 63].item() == -100 and batch["labels"][1, 2:].eq(-100).all()
+    assert batch["position_ids"][0, :5].tolist() == [0, 1, 2, 0, 1]
+
+    model = _build("llama-3.2-1b-tiny")
+    P.enable(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, 512, (int(torch.randint(3, 40, (1,), generator=gen)),),
+                                        generator=gen).tolist()} for _ in range(48)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                             remove_unused_columns=False, logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      data_collator=P.PackingCollator(max_length=96))
+    result = trainer.train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed
+
+
+def test_switches_and_auto_backend(monkeypatch):
+    assert P.SWITCHES["packing_cache"].default is True
+    assert P.SWITCHES["packing_backend"].choices == ("auto", "sdpa", "flex", "varlen", "off")
+    monkeypatch.setenv("OPTIM_PACKING_BACKEND", "flex")
+    monkeypatch.setenv("OPTIM_PACKING_CACHE", "off")
+    assert P.SWITCHES["packing_backend"].resolve() == "flex"
+    assert P.SWITCHES["packing_cache"].resolve() is False
+    assert P.SWITCHES["packing_cache"].resolve(True) is True
+    with pytest.raises(ValueError):
+        P.SWITCHES["packing_backend"].resolve("xformers")
+    assert P.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
+
+
+def test_import_does_not_pull_in_harness():
+    code = "import sys, optim.packing; assert 'harness' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(models.__file__).rsplit("/harness", 1)[0])
+
+
+def _ref_flash_forward(q, k, v, cu, _cu, max_q, _max_k, dropout, causal, debug, *, scale, **window):
+    """Reference of aten._flash_attention_forward (varlen, causal, GQA): out, lse (H, T)."""
+    T, H, D = q.shape
+    rep = H // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    doc = torch.bucketize(torch.arange(T), cu[1:].long(), right=True)
+    i = torch.arange(T)
+    ok = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
+    if "window_size_left" in window:
+        ok &= (i[:, None] - i[None, :]) <= window["window_size_left"]
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), vv)
+    return out, lse, torch.zeros(2), torch.zeros(0), torch.zeros(0)
+
+
+def _ref_flash_backward(g, q, k, v, out, lse, cu, _cu, mq, mk, dropout, causal, ra, rb, *, scale, **window):
+    """Reference of aten._flash_attention_backward: P from (q, k, lse), D = rowsum(g * out)."""
+    T, H, D = q.shape
+    rep = H // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    doc = torch.bucketize(torch.arange(T), cu[1:].long(), right=True)
+    i = torch.arange(T)
+    ok = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
+    if "window_size_left" in window:
+        ok &= (i[:, None] - i[None, :]) <= window["window_size_left"]
+    p = torch.exp(s.masked_fill(~ok, float("-inf")) - lse[..., None])
+    dv = torch.einsum("hqk,qhd->khd", p, g)
+    dp = torch.einsum("qhd,khd->hqk", g, vv)
+    ds = p * (dp - (g * out).sum(-1).t()[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
+    fold = lambda x: x.view(T, k.shape[1], rep, D).sum(2)  # noqa: E731
+    return dq, fold(dk), fold(dv)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_varlen_sink_backward_algebra(monkeypatch, window):
+    """_FlashVarlen's sink handling (rescale by sigmoid(lse - sink), backward through the flash
+    backward with grad_out = s*dy and out = y) gives the exact gradients of eager sink attention."""
+    monkeypatch.setitem(P._flash_ops, "forward", _ref_flash_forward)
+    monkeypatch.setitem(P._flash_ops, "backward", _ref_flash_backward)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",
+                        type("S", (), {"default": type("D", (), {"_schema": "window_size_left"})()})(),
+                        raising=False)
+    torch.manual_seed(0)
+    T, H, Hkv, D = 20, 4, 2, 8
+    q = torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(T, Hkv, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(T, Hkv, D, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 7, 9, 20], dtype=torch.int32)
+    left = -1 if window is None else window - 1
+    out = P._FlashVarlen.apply(q, k, v, sinks, cu, 11, 0.3, left)
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    # eager reference: softmax over [scores, sink], drop the sink column
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * 0.3
+    doc = torch.bucketize(torch.arange(T), cu[1:].long(), right=True)
+    i = torch.arange(T)
+    ok = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
+    if window is not None:
+        ok &= (i[:, None] - i[None, :]) < window
+    s = s.masked_fill(~ok, float("-inf"))
+    full = torch.cat([s, sinks.view(H, 1, 1).expand(H, T, 1)], -1).softmax(-1)[..., :-1]
+    ref = torch.einsum("hqk,khd->qhd", full, vv)
+    assert torch.allclose(out, ref, atol=1e-10)
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-9), (a - b).abs().max()
