@@ -220,7 +220,8 @@ def _optim_stats(model, optim_applied: dict) -> dict:
 
 
 def _packing_kwargs(batch, optim_applied: dict) -> dict:
-    if "optim.packing" not in optim_applied:
+    settings = optim_applied.get("optim.packing")
+    if not settings or settings.get("packing_backend") == "off":
         return {}
     from optim import packing
 
