@@ -314,7 +314,7 @@ def print_table(rows: list[dict]) -> None:
         if r["kind"] == "offload" and not r["mode"].endswith("_profile"):
             st = r.get("offload_stats") or {}
             print(f"{r['model']:16s} {r['seq_len']:5d} {r['batch_size']:3d} "
-                  f"{r['layer_input_bytes'] / 2**20:9.0f} {r['mode']:12s} "
+                  f"{(r.get('layer_input_bytes') or 0) / 2**20:9.0f} {r['mode']:12s} "
                   f"{_fmt((r.get('step_ms') or {}).get('p50'))!s:>9s} {_fmt(r.get('steps_per_s'), 4):>8s} "
                   f"{_fmt(r.get('peak_allocated_gib'), 2):>8s} {len(st.get('fallbacks', [])) or r['status']}")
         elif r["kind"] == "offload_summary":

@@ -389,15 +389,17 @@ class Offloader:
         return True
 
     def _guard_ok(self, rec: _Record) -> bool:
-        """Free memory, less what the step has already grown past the current level, must cover
-        the second buffer plus headroom: the buffer then also fits at the step's peak."""
+        """Memory usable now (free on the device plus blocks the caching allocator holds but
+        does not use) must cover the second buffer plus headroom. Not the process's peak: a
+        transient allocation long gone would keep it high and refuse double forever (seen on
+        the H100)."""
         if self._mem_get_info is not None:
             free, total = self._mem_get_info()
             grown = 0
         elif rec.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(rec.device)
-            grown = max(0, torch.cuda.max_memory_reserved(rec.device)
-                        - torch.cuda.memory_reserved(rec.device))
+            # negative "growth": reserved-but-unallocated blocks are usable too
+            grown = -max(0, torch.cuda.memory_reserved(rec.device) - torch.cuda.memory_allocated(rec.device))
         else:
             return True  # host memory: no device to exhaust
         headroom = self.headroom_bytes

@@ -253,7 +253,14 @@ def release(device: torch.device | str | None = None) -> None:
 
 def cached_entry(device: torch.device | str) -> _Entry | None:
     """The entry cached for ``device`` (for tests and benchmarks)."""
-    return _CACHE.get(torch.device(device))
+    return _CACHE.get(_canonical(torch.device(device)))
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """``cuda`` and ``cuda:0`` are one cache slot: key on the indexed form."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entry:
@@ -266,7 +273,9 @@ def _build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Ent
     cu = cu_host.to(device, non_blocking=True)
     # Document index per token: mark the starts, cumsum. Vectorized, no loop per document.
     seg = torch.zeros(B * T, dtype=torch.int32, device=device)
-    seg[cu[1:-1].long()] = 1
+    # scatter_, not seg[idx] = 1: advanced-index assignment checks its indices with a sync
+    starts = cu[1:-1].long()
+    seg.scatter_(0, starts, torch.ones_like(starts, dtype=seg.dtype))
     doc = torch.cumsum(seg, 0, dtype=torch.int32)
     row0 = (torch.arange(B * T, device=device) // T) * T
     start = cu[doc.long()].long() - row0
@@ -308,7 +317,7 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
     entry = _build_entry(key, meta, device)
     entry.pos_ref = pos_ref
     if cache:
-        _CACHE[device] = entry  # a new batch replaces the old one on this device
+        _CACHE[_canonical(device)] = entry  # a new batch replaces the old one on this device
     return entry
 
 

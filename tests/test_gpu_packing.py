@@ -48,6 +48,7 @@ def _reference(model, ids, lengths):
             s += l
         rows.append(torch.cat(parts))
     (total / count).backward()
+    P.register()  # the name must be registered before transformers accepts it
     model.set_attn_implementation(P.ATTN_NAME)
     return torch.stack(rows), (total / count).detach(), _grads(model)
 
