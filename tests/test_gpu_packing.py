@@ -17,8 +17,8 @@ pytestmark = pytest.mark.gpu
 LENGTHS = [[37, 150, 13], [200]]  # not multiples of 128, a full row, docs > window 32, B = 2
 
 
-def _build(name):
-    model = models.build(models.get(name), device="cuda", dtype=torch.bfloat16, lora_rank=4,
+def _build(name, dtype=torch.bfloat16):
+    model = models.build(models.get(name), device="cuda", dtype=dtype, lora_rank=4,
                          gradient_checkpointing=True)
     torch.manual_seed(1)
     for n, p in model.named_parameters():
@@ -59,7 +59,14 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b-tiny", "qwen3-30b-a3b-tiny", "gpt-oss-20b-tiny"])
 def test_every_backend_matches_documents_alone_bf16(name):
-    model = _build(name)
+    spec = models.get(name)
+    # MoE in bf16: rounding differences between the packed and per-document runs flip top-k
+    # expert choices (seen on the H100, rel. logit error 0.06), which says nothing about
+    # packing. MoE models are checked in fp32 on sdpa/flex; varlen (half precision only) on
+    # the dense model here and against an fp64 reference on CPU.
+    dtype = torch.float32 if spec.is_moe else torch.bfloat16
+    backends = ("sdpa", "flex") if spec.is_moe else ("sdpa", "flex", "varlen")
+    model = _build(name, dtype)
     torch.manual_seed(0)
     ids = torch.randint(0, 512, (2, 200), device="cuda")
     meta = P.PackedMetadata.from_lengths(LENGTHS)
@@ -67,7 +74,7 @@ def test_every_backend_matches_documents_alone_bf16(name):
     labels = ids.clone()
     pos = meta.position_ids().cuda()
     labels[pos == 0] = -100
-    for backend in ("sdpa", "flex", "varlen"):
+    for backend in backends:
         for cache in (True, False):
             P.enable(model, packing_backend=backend, packing_cache=cache)
             model.zero_grad(set_to_none=True)
