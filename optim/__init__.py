@@ -2,15 +2,54 @@
 
     import optim
     model = optim.enable(model)                    # every optimization on where it helps
-    model = optim.enable(model, offload="single")  # or pick per switch (also OPTIM_<NAME> env vars)
+    model = optim.enable(model, offload="double")  # or pick per switch (also OPTIM_<NAME> env vars)
+
+- ``optim.packing``: packed-sequence metadata and attention structures built once per batch
+  (switches ``packing_backend``, ``packing_cache``). Pass the batch's document lengths with
+  ``packing=optim.packing.PackedMetadata.from_lengths(...)`` or use ``PackingCollator``.
+- ``optim.offload``: checkpointed layer inputs in pinned host memory, double-buffered reload
+  (``offload``, ``offload_guard``); off by default, since it trades time for memory.
+- ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
+  (``moe_backend``, ``moe_lora``, ``moe_train_router``); a dense model is left unchanged.
 
 ``optim`` imports only torch, transformers and peft; it never imports the benchmark harness.
-Each optimization is one module exposing ``SWITCHES`` (its switch declarations) and
-``enable(model, **settings)``.
+Each optimization is one module exposing ``SWITCHES`` and ``enable(model, **settings)``.
 """
 
 from __future__ import annotations
 
 from optim.switches import Switch
 
-__all__ = ["Switch"]
+__all__ = ["Switch", "SWITCHES", "enable"]
+
+
+def _modules():
+    from optim import moe, offload, packing
+
+    return {"packing": packing, "moe": moe, "offload": offload}
+
+
+def __getattr__(name):
+    if name == "SWITCHES":
+        return {k: v for mod in _modules().values() for k, v in mod.SWITCHES.items()}
+    raise AttributeError(name)
+
+
+def enable(model, **settings):
+    """Enable every optimization on a transformers model (peft-wrapped or not), each with its
+    defaults unless ``settings`` (or an OPTIM_<NAME> environment variable) says otherwise.
+
+    Call it after peft wraps the model and before the optimizer is built: the MoE router
+    setting decides which parameters train.
+    """
+    mods = _modules()
+    known = {k for mod in mods.values() for k in mod.SWITCHES}
+    unknown = set(settings) - known
+    if unknown:
+        raise ValueError(f"unknown optim switch(es) {sorted(unknown)} (valid: {', '.join(sorted(known))})")
+    for mod in mods.values():
+        own = {k: v for k, v in settings.items() if k in mod.SWITCHES}
+        if mod is mods["offload"] and mod.SWITCHES["offload"].resolve(own.get("offload")) == "none":
+            continue  # off by default: enabling "none" would still turn checkpointing on
+        mod.enable(model, **own)
+    return model

@@ -1,0 +1,53 @@
+"""optim.enable: one call turns every optimization on for a user's model, numerics unchanged."""
+
+import pytest
+import torch
+
+import optim
+from harness import models
+from optim import packing
+
+
+def _step(model, batch, meta=None):
+    kwargs = packing.packed_kwargs(meta) if meta is not None else {}
+    out = model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
+                use_cache=False, **kwargs)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "qwen3-30b-a3b-tiny"])
+def test_one_call_keeps_loss_and_grads(name):
+    from harness.data import make_batch
+    from harness.experiment import DataSpec
+
+    spec = models.get(name)
+    batch = make_batch(DataSpec(median_doc_len=20), 96, 2, spec.vocab_size)
+    meta = packing.PackedMetadata.from_lengths(batch.lengths)
+
+    def build():
+        m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+        torch.manual_seed(3)
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.05)  # peft starts B at zero, which would hide A's gradient
+        return m
+
+    stock = build()
+    ref_loss = _step(stock, batch)
+    ref = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+
+    fast = optim.enable(build(), offload="double")
+    assert fast.base_model.model.config._attn_implementation == packing.ATTN_NAME
+    loss = _step(fast, batch, meta)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    got = {n: p.grad for n, p in fast.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_unknown_switch_is_refused():
+    with pytest.raises(ValueError, match="unknown optim switch.*valid: .*packing_cache"):
+        optim.enable(torch.nn.Linear(2, 2), packing_cahce=False)
+    assert "moe_backend" in optim.SWITCHES and "offload" in optim.SWITCHES
