@@ -12,22 +12,11 @@ that is how the peer baselines are measured side by side with the optimizations.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
+from optim.switches import Switch
+
 OPTIM_MODULES = ("optim.packing", "optim.offload", "optim.moe")
-
-
-@dataclass(frozen=True)
-class Switch:
-    name: str
-    choices: tuple[Any, ...]
-    default: Any
-    help: str
-    # Only meaningful for some model families (None: all).
-    families: tuple[str, ...] | None = None
-    # The optim module that owns this switch (None: a stock transformers setting).
-    module: str | None = None
 
 
 SWITCHES: dict[str, Switch] = {
@@ -43,8 +32,7 @@ SWITCHES: dict[str, Switch] = {
             "experts_implementation",
             ("eager", "grouped_mm"),
             "grouped_mm",
-            "stock transformers MoE experts implementation",
-            families=("qwen3_moe", "gpt_oss"),
+            "stock transformers MoE experts implementation (MoE models only)",
         ),
         Switch(
             "gradient_checkpointing",
@@ -56,6 +44,10 @@ SWITCHES: dict[str, Switch] = {
 }
 
 
+# The optim module that owns a switch; stock transformers switches have none.
+OWNER: dict[str, str] = {}
+
+
 def _merge_optim_switches() -> None:
     for modname in OPTIM_MODULES:
         try:
@@ -65,7 +57,8 @@ def _merge_optim_switches() -> None:
                 continue
             raise
         for name, sw in mod.SWITCHES.items():
-            SWITCHES[name] = Switch(name, tuple(sw.choices), sw.default, sw.help, module=modname)
+            SWITCHES[name] = sw
+            OWNER[name] = modname
 
 
 _merge_optim_switches()
@@ -73,7 +66,7 @@ _merge_optim_switches()
 
 def resolve(settings: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults for the stock switches a variant leaves out; optim switches stay as set."""
-    out = {name: sw.default for name, sw in SWITCHES.items() if sw.module is None}
+    out = {name: sw.default for name, sw in SWITCHES.items() if name not in OWNER}
     out.update(settings)
     return out
 
@@ -82,7 +75,7 @@ def optim_settings(switches: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The optim modules a point enables, each with the switches the variant set for it."""
     out: dict[str, dict[str, Any]] = {}
     for name, value in switches.items():
-        module = SWITCHES[name].module if name in SWITCHES else None
+        module = OWNER.get(name)
         if module:
             out.setdefault(module, {})[name] = value
     return out
