@@ -66,12 +66,15 @@ class SweepPoint:
     launcher: str = "process"
     timeout_s: float = 900.0
     baseline_variant: str = ""
+    pin_cpu: bool = False
 
     @property
     def point_id(self) -> str:
         """Stable identity for resume: what is measured, not how long we wait for it."""
         key = asdict(self)
         key.pop("timeout_s")
+        if not key["pin_cpu"]:
+            key.pop("pin_cpu")  # added later: unpinned points keep their earlier identity
         blob = json.dumps(key, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -109,6 +112,7 @@ class Experiment:
     timeout_s: float
     bandwidth: bool
     data: DataSpec = field(default_factory=DataSpec)
+    pin_cpu: bool = False
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -137,6 +141,7 @@ class Experiment:
                                 launcher=self.launcher,
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
+                                pin_cpu=self.pin_cpu,
                             )
                         )
         return out
@@ -146,7 +151,7 @@ _TOP_KEYS = {"experiment", "data", "variants"}
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
-    "baseline", "bandwidth",
+    "baseline", "bandwidth", "pin_cpu",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
 
@@ -229,6 +234,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     timeout_s = exp.get("timeout_s", 900)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ExperimentError(path, "experiment.timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
+    pin_cpu = exp.get("pin_cpu", False)
+    if not isinstance(pin_cpu, bool):
+        raise ExperimentError(path, "experiment.pin_cpu", f"must be true or false, got {pin_cpu!r}")
     bandwidth = exp.get("bandwidth", True)
     if not isinstance(bandwidth, bool):
         raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
@@ -277,7 +285,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         seq_lens=seq_lens, batch_size=batch_size, gpus=gpus, variants=variants,
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
-        timeout_s=float(timeout_s), bandwidth=bandwidth, data=data,
+        timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu,
     )
 
 

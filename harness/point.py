@@ -95,7 +95,19 @@ def _inject_fault(point: SweepPoint) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _pin_cpu() -> int:
+    """One core and one intra-op thread for this point's process: a host-bound step then
+    competes with neither torch's worker threads nor migrations between vCPUs."""
+    import os
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    return core
+
+
 def _measure(point: SweepPoint, spec) -> dict:
+    pinned_core = _pin_cpu() if point.pin_cpu else None
     device = resolve_device(point.device)
     dtype = DTYPES[point.dtype]
     sw = point.switches
@@ -184,6 +196,7 @@ def _measure(point: SweepPoint, spec) -> dict:
         "device_type": device.type,
         "attn_implementation_used": model.config._attn_implementation,
         "optim": optim_applied,
+        "pinned_core": pinned_core,
         **optim_stats,
         "dtype_used": str(dtype).replace("torch.", ""),
     }
