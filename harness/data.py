@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.experiment import DataSpec
+from optim.packing import PackedMetadata
 
 
 @dataclass
@@ -67,20 +68,13 @@ def draw_lengths(spec: DataSpec, seq_len: int, gen: torch.Generator) -> list[int
     return out
 
 
-def position_ids_for(lengths: list[int]) -> torch.Tensor:
-    """Positions restarting at 0 per document, built without a Python loop over tokens."""
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    starts = torch.cumsum(lens, 0) - lens
-    total = int(lens.sum())
-    return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens)
-
-
 def make_batch(spec: DataSpec, seq_len: int, batch_size: int, vocab_size: int, step: int = 0) -> PackedBatch:
     """Batch number ``step`` of a seeded stream: the same arguments always give the same batch."""
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
     lengths = [draw_lengths(spec, seq_len, gen) for _ in range(batch_size)]
     input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
-    position_ids = torch.stack([position_ids_for(r) for r in lengths])
+    # the same metadata a packing collator builds: it validates the lengths and derives positions
+    position_ids = PackedMetadata.from_lengths(lengths, seq_len).position_ids()
     labels = input_ids.clone()
     # The model shifts labels by one, so masking each document's first token stops the last
     # token of one document from being trained to predict the next document.

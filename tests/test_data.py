@@ -3,7 +3,7 @@ document boundaries are masked in the labels, and the stream is seeded."""
 
 import torch
 
-from harness.data import make_batch, position_ids_for
+from harness.data import make_batch
 from harness.experiment import DataSpec
 
 
@@ -44,5 +44,7 @@ def test_long_documents_are_clipped_to_the_row():
     assert b.lengths == [[1024]]
 
 
-def test_position_ids_for():
-    assert position_ids_for([2, 3, 1]).tolist() == [0, 1, 0, 1, 2, 0]
+def test_position_ids_restart_per_document():
+    b = make_batch(DataSpec(distribution="fixed", median_doc_len=3), 7, 1, 10)
+    assert b.lengths == [[3, 3, 1]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 0]]

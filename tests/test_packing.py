@@ -341,8 +341,8 @@ def test_import_does_not_pull_in_harness():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(models.__file__).rsplit("/harness", 1)[0])
 
 
-def _ref_flash_forward(q, k, v, cu, _cu, max_q, _max_k, dropout, causal, debug, *, scale, **window):
-    """Reference of aten._flash_attention_forward (varlen, causal, GQA): out, lse (H, T)."""
+def _ref_scores(q, k, v, cu, scale, window):
+    """Scores and the causal same-document (and window) mask of the varlen flash reference."""
     T, H, D = q.shape
     rep = H // k.shape[1]
     kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -352,6 +352,12 @@ def _ref_flash_forward(q, k, v, cu, _cu, max_q, _max_k, dropout, causal, debug, 
     ok = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
     if "window_size_left" in window:
         ok &= (i[:, None] - i[None, :]) <= window["window_size_left"]
+    return s, ok, kk, vv
+
+
+def _ref_flash_forward(q, k, v, cu, _cu, max_q, _max_k, dropout, causal, debug, *, scale, **window):
+    """Reference of aten._flash_attention_forward (varlen, causal, GQA): out, lse (H, T)."""
+    s, ok, kk, vv = _ref_scores(q, k, v, cu, scale, window)
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, -1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), vv)
@@ -360,22 +366,15 @@ def _ref_flash_forward(q, k, v, cu, _cu, max_q, _max_k, dropout, causal, debug, 
 
 def _ref_flash_backward(g, q, k, v, out, lse, cu, _cu, mq, mk, dropout, causal, ra, rb, *, scale, **window):
     """Reference of aten._flash_attention_backward: P from (q, k, lse), D = rowsum(g * out)."""
-    T, H, D = q.shape
-    rep = H // k.shape[1]
-    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    doc = torch.bucketize(torch.arange(T), cu[1:].long(), right=True)
-    i = torch.arange(T)
-    ok = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
-    if "window_size_left" in window:
-        ok &= (i[:, None] - i[None, :]) <= window["window_size_left"]
+    s, ok, kk, vv = _ref_scores(q, k, v, cu, scale, window)
     p = torch.exp(s.masked_fill(~ok, float("-inf")) - lse[..., None])
     dv = torch.einsum("hqk,qhd->khd", p, g)
     dp = torch.einsum("qhd,khd->hqk", g, vv)
     ds = p * (dp - (g * out).sum(-1).t()[..., None])
     dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
     dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
-    fold = lambda x: x.view(T, k.shape[1], rep, D).sum(2)  # noqa: E731
+    T, H, D = q.shape
+    fold = lambda x: x.view(T, k.shape[1], H // k.shape[1], D).sum(2)  # noqa: E731
     return dq, fold(dk), fold(dv)
 
 
