@@ -27,7 +27,10 @@ Modes (switch ``offload``, env ``OPTIM_OFFLOAD``):
   transformers 5.17): a fresh pinned buffer per tensor per step, copies on the compute stream.
 
 What is offloaded: the first positional tensor argument of each checkpointed call (a decoder
-layer's ``hidden_states``), when it has at least ``min_bytes`` bytes. The offload of a layer's
+layer's ``hidden_states``), when it has at least ``min_bytes`` bytes and is not a leaf that
+requires grad (autograd holds such a leaf until the backward, so a host copy frees nothing: in a
+transformers model with LoRA that is the first layer's input, the embedding output). Nothing else
+may hold the input either: the recompute closure keeps only the non-tensor arguments. The offload of a layer's
 input is issued when the *next* checkpointed layer starts its forward; the last layer never sees
 a next one, so its input stays on the GPU, which is right: its backward runs first and would
 reload it at once. Other tensor arguments (and keyword tensors, e.g. masks and rotary tables
@@ -129,6 +132,7 @@ class StepStats:
     bytes_per_layer: list[int] = field(default_factory=list)  # offloaded inputs, forward order
     kept_small: int = 0  # below min_bytes
     kept_last: int = 0  # never followed by another layer before the backward
+    kept_leaf: int = 0  # a grad-requiring leaf: autograd holds it anyway
     prefetched: int = 0  # reloads issued one layer ahead that were used as issued
     demand_loads: int = 0  # reloads issued by the layer that needed them
     backward_layers: int = 0
@@ -295,11 +299,19 @@ class Offloader:
         self._next_rid += 1
         self._order.append(weakref.ref(rec, functools.partial(_release_dead, weakref.ref(self),
                                                               rec.rid)))
-        if self.mode in ("single", "double") and rec.nbytes >= max(self.min_bytes, 1):
-            self._pending = weakref.ref(rec)
-        else:
+        if self.mode not in ("single", "double"):
             rec.state = "kept"
-            self._step.kept_small += self.mode in ("single", "double")
+        elif rec.nbytes < max(self.min_bytes, 1):
+            rec.state = "kept"
+            self._step.kept_small += 1
+        elif x.requires_grad and x.grad_fn is None:
+            # A leaf that requires grad (the embedding output after peft's/transformers'
+            # enable_input_require_grads hook) is held by its AccumulateGrad node until the
+            # backward: a host copy would free nothing.
+            rec.state = "kept"
+            self._step.kept_leaf += 1
+        else:
+            self._pending = weakref.ref(rec)
         return rec
 
     def _new_step(self) -> None:
@@ -543,9 +555,12 @@ def _split_args(args: tuple) -> tuple[list[torch.Tensor], Callable[[list], list]
     """Positional tensors go through autograd (they get grads); the rest stay in a closure."""
     idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     tensors = [args[i] for i in idx]
+    # The closure must not hold the tensors themselves: it lives until the backward, and keeping
+    # the layer input alive in it would make offloading free nothing.
+    template = [None if isinstance(a, torch.Tensor) else a for a in args]
 
     def rebuild(ts):
-        out = list(args)
+        out = list(template)
         for i, t in zip(idx, ts):
             out[i] = t
         return out
