@@ -111,7 +111,17 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _steps(model, optimizer, batches, device) -> tuple[list[float], list[float]]:
+def _loss(model, b, chunk_tokens: int | None):
+    if chunk_tokens:
+        from harness.loss import chunked_causal_lm_loss
+
+        return chunked_causal_lm_loss(model, b.input_ids, b.labels, chunk_tokens=chunk_tokens,
+                                      position_ids=b.position_ids)
+    return model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids,
+                 use_cache=False).loss
+
+
+def _steps(model, optimizer, batches, device, chunk_tokens: int | None = None) -> tuple[list[float], list[float]]:
     """Full training steps; step ms (CUDA events read once at the end) and losses."""
     import time
 
@@ -123,12 +133,11 @@ def _steps(model, optimizer, batches, device) -> tuple[list[float], list[float]]
         else:
             ev = time.perf_counter()
         marks.append(ev)
-        out = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids,
-                    use_cache=False)
-        out.loss.backward()
+        loss = _loss(model, b, chunk_tokens)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach())
+        losses.append(loss.detach())
     if device.type == "cuda":
         end = torch.cuda.Event(enable_timing=True)
         end.record()
@@ -153,7 +162,8 @@ def _reset(model, device):
         torch.cuda.empty_cache()
 
 
-def run_mode(model, optimizer, batches, warmup, mode, device, *, min_bytes, profile=False) -> dict:
+def run_mode(model, optimizer, batches, warmup, mode, device, *, min_bytes, profile=False,
+             chunk_tokens=None) -> dict:
     import optim.offload as oo
 
     _reset(model, device)
@@ -161,11 +171,11 @@ def run_mode(model, optimizer, batches, warmup, mode, device, *, min_bytes, prof
     off = oo.get(model)
     row = {"kind": "offload", "mode": mode, "profile": profile}
     try:
-        _steps(model, optimizer, batches[:warmup], device)
+        _steps(model, optimizer, batches[:warmup], device, chunk_tokens)
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ms, losses = _steps(model, optimizer, batches[warmup:], device)
+        ms, losses = _steps(model, optimizer, batches[warmup:], device, chunk_tokens)
     except torch.OutOfMemoryError as e:
         optimizer.zero_grad(set_to_none=True)
         row.update(status="oom", message=str(e).splitlines()[0][:300])
@@ -191,16 +201,16 @@ def _pinned_gbps(nbytes: int) -> float | None:
         return None
 
 
-def _profile_trace(model, optimizer, batch, device, min_bytes) -> dict:
+def _profile_trace(model, optimizer, batch, device, min_bytes, chunk_tokens=None) -> dict:
     """One double step under torch.profiler (after a warm-up step): copy/compute overlap."""
     import optim.offload as oo
     from torch.profiler import ProfilerActivity, profile
 
     _reset(model, device)
     oo.enable(model, offload="double", min_bytes=min_bytes)
-    _steps(model, optimizer, [batch], device)
+    _steps(model, optimizer, [batch], device, chunk_tokens)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _steps(model, optimizer, [batch], device)
+        _steps(model, optimizer, [batch], device, chunk_tokens)
     return overlap_stats(trace_events(prof))
 
 
@@ -267,11 +277,13 @@ def bench_point(spec, seq_len, batch_size, args, device, dtype, gbps: float | No
             "batch_size": batch_size, "dtype": args.dtype, "attn": args.attn,
             "lora_rank": args.lora_rank, "warmup_steps": args.warmup, "measured_steps": args.steps,
             "layer_input_bytes": layer_bytes, "device_type": device.type}
+    chunk = args.loss_chunk if args.loss == "chunked" else None
+    base["loss_mode"] = "chunked" if chunk else "full"
     rows: dict[str, dict] = {}
     for r in range(args.rounds):  # modes interleaved per round, so drift hits them alike
         for mode in args.modes:
             row = run_mode(model, optimizer, batches, args.warmup, mode, device,
-                           min_bytes=args.min_bytes)
+                           min_bytes=args.min_bytes, chunk_tokens=chunk)
             if mode in rows and rows[mode].get("status") == "ok" and row.get("status") == "ok":
                 samples = rows[mode]["step_ms"]["samples"] + row["step_ms"]["samples"]
                 row["step_ms"] = percentiles(samples)
@@ -283,11 +295,13 @@ def bench_point(spec, seq_len, batch_size, args, device, dtype, gbps: float | No
     # c and g from event-timed runs (events only, read at the end): single = copy alone
     for mode in ("single", "double"):
         if mode in args.modes:
-            rows[f"{mode}_profile"] = run_mode(model, optimizer, batches, args.warmup, mode, device,
-                                               min_bytes=args.min_bytes, profile=True)
+            # c and g come per layer (n samples per step): one measured step is enough
+            rows[f"{mode}_profile"] = run_mode(model, optimizer, batches[:args.warmup + args.profile_steps],
+                                               args.warmup, mode, device, min_bytes=args.min_bytes,
+                                               profile=True, chunk_tokens=chunk)
     trace = None
     if args.trace and device.type == "cuda" and "double" in args.modes:
-        trace = _profile_trace(model, optimizer, batches[0], device, args.min_bytes)
+        trace = _profile_trace(model, optimizer, batches[0], device, args.min_bytes, chunk)
     _reset(model, device)
     out = [{**base, **row, "mode": row["mode"] if not k.endswith("_profile") else k}
            for k, row in rows.items()]
@@ -343,6 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1, help="cycle the modes this many times")
+    ap.add_argument("--profile-steps", type=int, default=1,
+                    help="measured steps of the event-timed single/double runs that give c and g")
+    ap.add_argument("--loss", choices=("chunked", "full"), default="chunked",
+                    help="chunked (default): lm_head + cross-entropy in checkpointed token chunks "
+                         "(harness.loss), so the fp32 logits of a large vocabulary do not set the "
+                         "peak and hide what offloading saves; full: the model's own loss")
+    ap.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
