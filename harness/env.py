@@ -96,9 +96,12 @@ def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
 def git_state() -> dict:
     """The commit measured. A copy of the tree without .git (as on the lent GPU machines) takes
     it from PACKBENCH_GIT_SHA / PACKBENCH_GIT_DIRTY set by whoever shipped the tree."""
-    sha = _git("rev-parse", "HEAD")
-    if sha is not None:
-        return {"git_sha": sha, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    # Whoever shipped the tree knows best: a copy may carry a stale .git (seen on the lent GPUs,
+    # whose .git stays at the session's first commit while the files move on).
+    if not os.environ.get("PACKBENCH_GIT_SHA"):
+        sha = _git("rev-parse", "HEAD")
+        if sha is not None:
+            return {"git_sha": sha, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
     dirty = os.environ.get("PACKBENCH_GIT_DIRTY")
     return {"git_sha": os.environ.get("PACKBENCH_GIT_SHA"),
             "git_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}
