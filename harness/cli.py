@@ -1,4 +1,4 @@
-"""``python -m harness`` / ``packbench``: sweep, report, bandwidth, env."""
+"""``python -m harness`` / ``packbench``: sweep, report, gate, bandwidth, env."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ examples:
   python -m harness sweep                          # embedded default: smoke-gpu on a GPU, smoke-cpu otherwise
   python -m harness sweep experiments/smoke-gpu.toml --overwrite
   python -m harness report                         # rebuild every report from results/
+  python -m harness gate --baseline results/smoke-gpu/nvidia-h100-80gb-hbm3.jsonl --candidate pr-results/smoke-gpu/
   python -m harness bandwidth                      # host-to-device GB/s, pinned vs pageable
   python -m harness env                            # what gets recorded with every run
 """
@@ -75,6 +76,62 @@ def cmd_report(args) -> int:
     return 0
 
 
+GATE_DESCRIPTION = """\
+Compare the results of a candidate run (say, a pull request's sweep) with a baseline run of the
+same experiment on the same GPU type, and exit 1 if anything got worse. Both sides are results
+files (results/<experiment>/<gpu>.jsonl) or directories holding them.
+
+Points are matched on what they measure (experiment, model, seq_len, batch size, variant and its
+switches, ...), not on their repeat; the repeats of a point count as the median of their step-time
+p50s. A point fails when:
+  - its step time p50 is slower than the baseline's by more than --max-slowdown; with --noise auto
+    the allowed slowdown is widened to the spread already seen at that point (p80/p20 of the
+    steps within a run, or max/min across repeats, on either side), and the table says which
+    bound applied;
+  - its peak allocated GPU memory grew by more than --max-memory-growth;
+  - it was ok in the baseline and is oom or error in the candidate.
+A point present on one side only is a warning and does not fail the gate.
+
+exit codes: 0 pass (warnings allowed), 1 regression, 2 unusable input (missing or corrupt file,
+no rows, nothing to match, or different GPUs without --allow-different-gpu).
+"""
+
+
+def _fraction(text: str) -> float:
+    from harness.gate import parse_fraction
+
+    try:
+        return parse_fraction(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_gate(args) -> int:
+    from harness import gate
+
+    def write_json(payload: dict) -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+    try:
+        result = gate.run(args.baseline, args.candidate, max_slowdown=args.max_slowdown,
+                          max_memory_growth=args.max_memory_growth, noise=args.noise,
+                          allow_different_gpu=args.allow_different_gpu)
+    except gate.GateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        write_json({"outcome": "error", "exit_code": 2, "error": str(e)})
+        return 2
+    print(result.header())
+    print(result.table())
+    for p in result.failed:
+        for reason in p.reasons:
+            print(f"FAIL {p.label}: {reason}")
+    print(result.summary())
+    write_json(result.to_dict())
+    return result.exit_code
+
+
 def cmd_bandwidth(args) -> int:
     from harness import bandwidth, env
 
@@ -121,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "gate", help="CI regression check: compare a candidate's results with a baseline's; exit 1 if slower, bigger or newly failing",
+        description=GATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--baseline", required=True, type=Path, help="results file or directory of the reference run (e.g. a committed results file)")
+    p.add_argument("--candidate", required=True, type=Path, help="results file or directory of the run under test (e.g. results/<experiment>/)")
+    p.add_argument("--max-slowdown", default="5%", type=_fraction, metavar="PCT", help="allowed step-time slowdown, e.g. 5%% or 0.05 (default: 5%%)")
+    p.add_argument("--max-memory-growth", default="5%", type=_fraction, metavar="PCT", help="allowed peak-memory growth (default: 5%%)")
+    p.add_argument("--noise", choices=("auto", "off"), default="auto",
+                   help="auto: widen the allowed slowdown at a point to the step-time spread measured there; off: threshold only (default: auto)")
+    p.add_argument("--allow-different-gpu", action="store_true", help="compare even though the two sides ran on different GPU types")
+    p.add_argument("--json", metavar="FILE", help="also write the verdict and every point to this JSON file (a CI artifact)")
+    p.set_defaults(func=cmd_gate)
 
     p = sub.add_parser("bandwidth", help="host-to-device copy GB/s, pinned vs pageable, 1 MiB-1 GiB (GPU)")
     p.add_argument("--repeats", type=int, default=10)
