@@ -40,7 +40,13 @@ def default_experiment() -> Path:
 
 
 def cmd_sweep(args) -> int:
+    import signal
+
     from harness import experiment, sweep
+
+    # `timeout`, a CI runner or a job scheduler stops the sweep with SIGTERM: turn it into an
+    # exit that unwinds, so the launcher kills the point in flight (its own session) on the way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     path = Path(args.experiment) if args.experiment else default_experiment()
     try:

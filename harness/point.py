@@ -93,6 +93,8 @@ def _inject_fault(point: SweepPoint) -> None:
         raise RuntimeError("injected failure")
     if fault == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "hang":
+        time.sleep(3600)
 
 
 def _pin_cpu() -> int:
@@ -308,8 +310,29 @@ def _flops(point, spec, model, measured, times, device) -> dict:
     return out
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this point when the sweep process dies, however it dies. The point runs in
+    its own session (so a timeout can kill its whole group), which also puts it out of reach of a
+    signal sent to the sweep's group: a sweep killed by ``timeout`` once left its point running,
+    holding 70 GiB of GPU memory, and every later point ran out of memory."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
 def main(spec_path: str, out_path: str) -> int:
     """Entry of the child process: read the point, run it, write the row as JSON."""
+    _die_with_parent()
     with open(spec_path) as f:
         point = SweepPoint.from_json(f.read())
     row = run_point(point)

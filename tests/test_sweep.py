@@ -112,6 +112,50 @@ gradient_checkpointing = false
     assert all(r["status"] == "ok" for r in rows)
 
 
+def _child_of(pid, deadline):
+    while time.time() < deadline:
+        try:
+            kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        except OSError:
+            kids = []
+        if kids:
+            return int(kids[0])
+        time.sleep(0.1)
+    raise AssertionError("the sweep started no point process")
+
+
+def _gone(pid, deadline):
+    while time.time() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_point_dies_with_its_sweep(tmp_path, write_toml, how):
+    """A sweep stopped by a signal to its own process (timeout, CI cancel, OOM killer) must not
+    leave its point running: a point in its own session would keep holding the GPU."""
+    path = write_toml(EXP.split("[variants.boom]")[0])
+    cmd = [sys.executable, "-m", "harness", "sweep", str(path), "--results", str(tmp_path / "r"),
+           "--no-report", "--quiet"]
+    env = dict(os.environ, PACKBENCH_FAULT="good=hang")
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        child = _child_of(proc.pid, time.time() + 60)
+        time.sleep(1.0)  # past the child's start-up
+        os.kill(proc.pid, how)  # the sweep alone, not its group
+        proc.wait(timeout=30)
+        assert _gone(child, time.time() + 30), "the point outlived its sweep"
+    finally:
+        proc.kill()
+
+
 def test_corrupt_results_stop_the_sweep_before_it_runs(tmp_path, write_toml):
     exp = experiment.load(write_toml(EXP))
     out = res.results_path(tmp_path / "results", "iso", "cpu")
