@@ -1,0 +1,315 @@
+"""Bench outputs under results/<name>-bench/ render into reports/<name>/README.md; these tests
+write small bench files to tmp_path (never the real results/) and check what a reader would see."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import report, report_bench
+
+FIXTURE_RESULTS = Path(__file__).parent / "fixtures" / "results"
+H100 = "nvidia-h100-80gb-hbm3"
+ENV = {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "git_sha": "0123456789abcdef"}
+MIB, GIB = 2**20, 2**30
+
+
+def _cells(text: str, prefix: str) -> list[str]:
+    line = next(l for l in text.splitlines() if l.startswith(prefix))
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    level = heading.split(" ")[0]
+    rest = text[start + len(heading):]
+    ends = [rest.find("\n" + "#" * n + " ") for n in range(1, len(level) + 1)]
+    ends = [e for e in ends if e >= 0]
+    return heading + (rest[: min(ends)] if ends else rest)
+
+
+def _offload_point(model, seq_len, batch, layer_bytes, p50, peaks, summary) -> list[dict]:
+    base = {"model": model, "seq_len": seq_len, "batch_size": batch, "layer_input_bytes": layer_bytes,
+            "num_layers": 36, "warmup_steps": 1, "measured_steps": 3}
+    rows = [{**base, "kind": "offload", "mode": mode, "status": "ok",
+             "step_ms": {"p20": ms - 1, "p50": ms, "p80": ms + 2, "samples": [ms]},
+             "peak_allocated_gib": peaks[mode]} for mode, ms in p50.items()]
+    return rows + [{**base, "kind": "offload_summary", **summary}]
+
+
+def _offload_rows() -> list[dict]:
+    # qwen3-8b: c=20, g=30, n=33 → (n−1)·min(c,g) = 640 ms; single 2000 → double 1800 saves 200 ms.
+    eight = _offload_point(
+        "qwen3-8b", 2048, 4, 64 * MIB,
+        {"none": 1750.0, "single": 2000.0, "double": 1800.0, "save_on_cpu": 2100.0},
+        {"none": 30.0, "single": 24.9375, "double": 25.0, "save_on_cpu": 25.5},
+        {"layers_reloaded": 33, "c_ms": 20.0, "g_ms": 30.0, "c_pred_ms": 19.5, "pinned_gbps": 3.44,
+         "predicted_double_over_single_pct": 47.06, "second_buffer_gib": 0.0625,
+         "second_buffer_peak_gib": 0.0625 + MIB / GIB,  # within the allocator's 2 MiB rounding
+         "trace": {"overlap_pct": 97.5, "h2d_pinned": 32, "h2d_count": 32}})
+    # qwen3-14b: c=2, g=100, n=39 → 76 ms can be hidden of a 5000 ms step: bound +1.5% < +6.7%.
+    fourteen = _offload_point(
+        "qwen3-14b", 8192, 1, 80 * MIB,
+        {"none": 4500.0, "single": 5000.0, "double": 4950.0, "save_on_cpu": 4900.0},
+        {"none": 40.0, "single": 30.0, "double": 30.2, "save_on_cpu": 31.0},
+        {"layers_reloaded": 39, "c_ms": 2.0, "g_ms": 100.0, "second_buffer_gib": 80 * MIB / GIB,
+         "second_buffer_peak_gib": 0.2, "trace": None})
+    # A model the seeds give no figure for, with a summary missing every field.
+    small = _offload_point("llama-3.2-1b", 1024, 2, None, {"double": 90.0}, {"double": None}, {})
+    oom = [{"kind": "offload", "model": "qwen3-32b", "seq_len": 8192, "batch_size": 2, "mode": "build",
+            "status": "oom", "message": "CUDA out of memory.\nTried to allocate 2 GiB"}]
+    return eight + fourteen + small + oom
+
+
+def _write(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return path
+
+
+@pytest.fixture
+def offload_readme(tmp_path) -> str:
+    _write(tmp_path / "results" / "offload-bench" / f"{H100}.bench.json",
+           {"env": ENV, "device": "cuda", "rows": _offload_rows()})
+    return report.build_report(tmp_path / "results", "offload", tmp_path / "reports").read_text()
+
+
+def test_offload_step_and_overlap_tables(offload_readme):
+    side = _section(offload_readme, "## Side-by-side benchmark (one process)")
+    assert "### NVIDIA H100 80GB HBM3 (`nvidia-h100-80gb-hbm3`)" in side
+    assert "`results/offload-bench/nvidia-h100-80gb-hbm3.bench.json`" in side
+    steps = _cells(side, "| qwen3-8b | 2048 | 4 | 64 |")
+    assert steps[4:8] == ["1750.0 [1749.0–1752.0]", "2000.0 [1999.0–2002.0]", "1800.0 [1799.0–1802.0]",
+                          "2100.0 [2099.0–2102.0]"]
+    assert steps[8] == "30.00 / 24.94 / 25.00 / 25.50"
+    model = _section(side, "#### Offloaded checkpointing: overlap model")
+    cells = _cells(model, "| qwen3-8b | 2048 | 4 | 64 |")
+    assert cells[4:7] == ["20.0 (19.5 @ 3.4 GB/s)", "30.0", "33"]
+    assert cells[7:9] == ["640.0", "200.0"]
+    assert cells[9] == "0.31 ⚠"  # 200 / 640, outside 0.5–1.5
+    # 2000/1800 − 1 = +11.1%; the file's model figure; per layer 100·20/(20+30) = 40%.
+    assert cells[10] == "+11.1% (model +47.1%, per layer ≤ 40.0%)"
+    assert cells[11:13] == ["+2.9%", "+16.7%"]  # 1800/1750 − 1; 2100/1800 − 1
+    assert cells[13] == "0.062 (peak +0.063) / 0.062"
+    assert cells[14:] == ["5.00", "97.5%", "32/32"]
+    fourteen = _cells(model, "| qwen3-14b | 8192 | 1 | 80 |")
+    assert fourteen[9] == "0.66"  # 50 / 76, no flag
+    assert fourteen[15:] == ["–", "–"]  # no trace
+    # Missing fields render as "–", and the model sort is natural (8b before 14b).
+    small = _cells(model, "| llama-3.2-1b | 1024 | 2 | – |")
+    assert small[4:10] == ["– (–)", "–", "–", "–", "–", "–"]
+    assert model.index("| qwen3-8b |") < model.index("| qwen3-14b |")
+    assert "qwen3-32b T=8192 B=2 build: oom (CUDA out of memory. Tried to allocate 2 GiB)" in side
+
+
+def test_offload_targets_pass_fail_and_unreachable(offload_readme):
+    targets = _section(offload_readme, "## Targets")
+    rows = {}
+    for line in targets.splitlines():
+        if line.startswith("| ") and not line.startswith("| target |"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    assert rows["double over single ≥ +8.4% (qwen3-8b T=2048 B=4)"] == [
+        "+8.4% (0.3739→0.4053 steps/s, 8B, B200)", "+11.1% (bound +47.1%)", "yes"]  # 640/(2000−640)
+    assert rows["double over single ≥ +6.7% (qwen3-14b T=8192 B=1)"] == [
+        "+6.7% (0.2245→0.2395 steps/s, 14B, B200)", "+1.0% (bound +1.5%)", "no (unreachable: bound +1.5% < +6.7%)"]
+    assert rows["second buffer ≤ one layer input (qwen3-8b T=2048 B=4)"][2] == "yes"
+    assert rows["second buffer ≤ one layer input (qwen3-14b T=8192 B=1)"][2] == "no"  # peak +0.2 GiB > 80 MiB
+    assert rows["second buffer ≤ one layer input (llama-3.2-1b T=1024 B=2)"] == ["–", "–", "–"]
+    assert rows["double within 5% of none, peak below none (llama-3.2-1b T=1024 B=2)"] == ["–", "–", "–"]
+    assert rows["double within 5% of none, peak below none (qwen3-8b T=2048 B=4)"][2] == "yes"
+    assert rows["double within 5% of none, peak below none (qwen3-14b T=8192 B=1)"][1:] == [
+        "step +10.0%, peak 30.20 vs 40.00 GiB", "no"]
+    # 4900 < 4950: double is slower than save_on_cpu at the 14B point.
+    assert rows["double faster than save_on_cpu at every point"][1:] == ["-1.0% … +16.7% over 2 points", "no"]
+    assert not any("llama-3.2-1b" in k and "double over single" in k for k in rows)
+    para = targets.split("\n\n")[-1]
+    assert para.startswith("Double buffering can at best hide min(c, g)")
+    assert "qwen3-14b T=8192 B=1: (39−1)·2.00 ms / 5000.0 ms → +1.5%" in para
+    assert "not reachable where the bound is below it: qwen3-14b T=8192 B=1 (bound +1.5% < +6.7%)." in para
+    assert "qwen3-8b T=2048 B=4 (bound" not in para
+
+
+def test_offload_bound_reachable_everywhere():
+    rows = _offload_point("qwen3-8b", 2048, 4, 64 * MIB, {"single": 2000.0, "double": 1700.0},
+                          {"single": 1.0, "double": 1.0}, {"layers_reloaded": 33, "c_ms": 20.0, "g_ms": 30.0})
+    points = report_bench.offload_points(rows)
+    (gain,) = [t for t in report_bench.offload_targets(points) if t["target"].startswith("double over single")]
+    assert gain["ok"] is True and gain["note"] == ""
+    assert "reachable in principle" in report_bench.offload_bound_paragraph(points)
+
+
+def _moe_rows() -> list[dict]:
+    base = {"model": "gpt-oss-20b", "num_experts": 32, "top_k": 4, "num_layers": 24}
+
+    def timing(f, b):
+        return {"forward_ms": {"p20": f, "p50": f, "p80": f}, "backward_ms": {"p20": b, "p50": b, "p80": b}}
+
+    return [
+        {**base, "kind": "moe_routing", "backend": "loop", "tokens": 2048, "status": "ok", **timing(10.0, 5.0)},
+        {**base, "kind": "moe_routing", "backend": "sorted", "tokens": 2048, "status": "ok", **timing(8.0, 4.5)},
+        {**base, "kind": "moe_routing", "backend": "grouped_mm", "tokens": 2048, "status": "oom",
+         "forward_ms": None, "backward_ms": None},
+        {**base, "kind": "moe_routing", "backend": "loop", "tokens": 8192, "status": "ok", **timing(40.0, 20.0)},
+        {**base, "kind": "moe_routing", "backend": "sorted", "tokens": 8192, "status": "ok", **timing(4.0, 10.0)},
+        {**base, "kind": "moe_syncs", "backend": "loop", "tokens": 2048, "forward_counted": 32,
+         "forward_observed": 33, "backward_counted": 0, "backward_observed": None, "per_model_forward": 768},
+        {**base, "kind": "moe_query_model", "tokens": 2048, "queries_per_layer": {"loop": 32, "sorted": 1, "grouped_mm": 0},
+         "per_query_ms": 0.0645, "per_query_ms_median": 0.0645, "predicted_saving_ms": 2.0,
+         "measured_saving_ms": 2.0, "predicted_saving_per_model_forward_ms": 48.0},
+        {**base, "kind": "moe_split_crossover", "projection": "gate_up_proj", "lora_rank": 64, "tokens": 2048,
+         "crossover_tokens": 15480.0, "merged_lora_flops": 6e10, "split_lora_flops": 1e10},
+        {**base, "kind": "moe_split_crossover", "projection": "down_proj", "lora_rank": 64, "tokens": 2048,
+         "crossover_tokens": 11610.0, "merged_lora_flops": 3e10, "split_lora_flops": 5e9},
+        {**base, "kind": "moe_experts", "backend": "grouped_mm", "lora": "merged", "tokens": 2048, "status": "ok",
+         **timing(7.0, 5.0)},
+        {**base, "kind": "moe_experts", "backend": "grouped_mm", "lora": "split", "tokens": 2048, "status": "ok",
+         **timing(2.0, 3.0)},
+    ]
+
+
+def test_moe_routing_percent_and_targets(tmp_path):
+    _write(tmp_path / "results" / "moe-bench" / f"{H100}.bench.json", {"env": ENV, "rows": _moe_rows()})
+    text = report.build_report(tmp_path / "results", "moe", tmp_path / "reports").read_text()
+    side = _section(text, "## Side-by-side benchmark (one process)")
+    # 10/8 − 1 = +25.0% forward, 5/4.5 − 1 = +11.1% backward; the OOM backend says so.
+    assert "| gpt-oss-20b | 2048 | 10.0 / 5.00 | 8.00 / 4.50 | OOM | +25.0% | +11.1% |" in side
+    assert "| gpt-oss-20b | 8192 | 40.0 / 20.0 | 4.00 / 10.0 | – / – | +900.0% (10.00×) | +100.0% (2.00×) |" in side
+    assert "| gpt-oss-20b | loop | 2048 | 32 / 33 | 0 / – | 768 |" in side
+    assert "| gpt-oss-20b | 2048 | 32 / 1 / 0 | 0.065 (median 0.065) | 2.00 | 2.00 | 1.00 | 48.0 |" in side
+    assert "| gpt-oss-20b | 2048 | 64 | 15,480 / 11,610 | 90.0 → 15.0 | 12.0 → 5.00 (grouped_mm) | 2.40× |" in side
+    targets = _section(text, "## Targets")
+    fwd = _cells(targets, "| routing forward, sorted over loop ≥ +23.0% (gpt-oss-20b T=2048)")
+    bwd = _cells(targets, "| routing backward, sorted over loop ≥ +13.0% (gpt-oss-20b T=2048)")
+    assert fwd[2:] == ["+25.0%", "yes"] and bwd[2:] == ["+11.1%", "no"]
+
+
+def test_moe_routing_frame():
+    (pt, _) = report_bench.moe_routing(_moe_rows())
+    assert pt["sorted_over_loop_forward_ms"] == pytest.approx(25.0)
+    assert pt["sorted_over_loop_backward_ms"] == pytest.approx(100 * (5.0 / 4.5 - 1))
+
+
+M_LOG = """\
+m  sdpa    T=  2048     0.366 ms (from lengths)     0.581 ms (from position_ids)
+m  varlen  T=  8192     0.234 ms (from lengths)     0.494 ms (from position_ids)
+model          T backend  (a counts table the bench prints later; not m lines)
+"""
+
+
+def test_packing_m_log_parsing(tmp_path):
+    log = _write(tmp_path / "packing-bench" / f"{H100}.m.log", M_LOG)
+    rows = report_bench.parse_m_log(log)
+    assert [(r["backend"], r["seq_len"], r["from_position_ids"], r["m_ms"]) for r in rows] == [
+        ("sdpa", 2048, False, 0.366), ("sdpa", 2048, True, 0.581),
+        ("varlen", 8192, False, 0.234), ("varlen", 8192, True, 0.494)]
+    text = report.build_report(tmp_path, "packing", tmp_path / "reports").read_text()
+    assert "| sdpa | 2048 | 0.37 | 0.58 | 0.21 |" in text
+    assert "| varlen | 8192 | 0.23 | 0.49 | 0.26 |" in text
+    assert "## Targets" not in text
+
+
+def test_packing_json_preferred_over_log(tmp_path):
+    folder = tmp_path / "packing-bench"
+    _write(folder / f"{H100}.m.log", M_LOG)
+    m = [{"kind": "packing_m", "backend": "sdpa", "seq_len": 2048, "window": None, "sinks": False,
+          "from_position_ids": pos, "m_ms": ms, "m_p20_ms": ms - 0.1, "m_p80_ms": ms + 0.1}
+         for pos, ms in ((False, 1.5), (True, 2.5))]
+    counts = {"kind": "packing_counts", "model": "qwen3-0.6b", "seq_len": 2048, "backend": "sdpa",
+              "with_metadata": True, "num_layers": 28, "cache_on": {"packing_host_syncs": 0},
+              "cache_off": {"packing_host_syncs": 28}, "m_ms": 1.5, "builds_on": 1, "builds_off": 57,
+              "predicted_saving_ms": 84.0, "seeds_prediction_ms": 40.5}
+    _write(folder / f"{H100}.bench.json", [*m, counts])  # bench_packing writes a bare list
+    text = report.build_report(tmp_path, "packing", tmp_path / "reports").read_text()
+    assert "| sdpa | 2048 | 1.50 [1.40–1.60] | 2.50 [2.40–2.60] | 1.00 |" in text
+    assert "| varlen |" not in text  # the log of the same GPU is superseded
+    assert "| qwen3-0.6b | 2048 | sdpa | yes | 28 | 1 / 57 | 0 / 28 | 1.50 | 84.0 | 40.5 |" in text
+
+
+@pytest.mark.parametrize("name, content, match", [
+    (f"{H100}.bench.json", '{"rows": [', "corrupt bench file, not JSON"),
+    (f"{H100}.bench.json", '{"env": {}}', "expected a list of rows"),
+    (f"{H100}.bench.json", '{"rows": [{"model": "x"}]}', "row 0 is not an object with a 'kind'"),
+    (f"{H100}.m.log", "m  sdpa T= 2048 fast (from lengths)\n", "unreadable m line"),
+    (f"{H100}.m.log", "nothing here\n", "no 'm  <backend> T= ...' lines"),
+])
+def test_malformed_bench_file_names_the_file(tmp_path, name, content, match):
+    path = _write(tmp_path / "results" / "offload-bench" / name, content)
+    with pytest.raises(report_bench.BenchFileError, match=match) as err:
+        report.build_report(tmp_path / "results", "offload", tmp_path / "reports")
+    assert str(path) in str(err.value)
+    assert isinstance(err.value, ValueError)  # what report.py raises for a corrupt result row
+
+
+def test_build_all_renders_bench_only_and_appends_to_existing(tmp_path):
+    results = tmp_path / "results"
+    _write(results / "offload-bench" / f"{H100}.bench.json", {"env": ENV, "rows": _offload_rows()})
+    (results / "moe").mkdir(parents=True)
+    shutil.copy(FIXTURE_RESULTS / "demo" / "cpu.jsonl", results / "moe" / "cpu.jsonl")
+    _write(results / "moe-bench" / f"{H100}.bench.json", {"env": ENV, "rows": _moe_rows()})
+    (results / "empty-bench").mkdir()  # no bench file: no report
+    paths = report.build_all(results, tmp_path / "reports")
+    assert paths == [tmp_path / "reports" / "moe" / "README.md", tmp_path / "reports" / "offload" / "README.md"]
+
+    offload = paths[1].read_text()
+    assert offload.startswith("# Benchmark report: offload\n")
+    assert "no sweep rows, only the side-by-side benchmark" in offload
+    assert "from `results/offload-bench/`; do not edit by hand." in offload
+    assert "## Side-by-side benchmark (one process)" in offload and "## Targets" in offload
+
+    moe = paths[0].read_text()
+    # The sweep report is kept as it was; the bench sections come after it.
+    assert "## cpu (`cpu`)" in moe and "### Results" in moe
+    assert moe.index("### Methodology") < moe.index("## Side-by-side benchmark (one process)") < moe.index("## Targets")
+    assert "from `results/moe/` and `results/moe-bench/`" in moe
+    assert report.build_report(results, "moe", tmp_path / "again").read_text() == moe  # deterministic
+
+
+def test_no_bench_dir_leaves_report_alone(tmp_path):
+    assert report_bench.sections(FIXTURE_RESULTS, "demo") == []
+    assert report_bench.experiments(tmp_path / "missing") == set()
+    text = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
+    assert "Side-by-side" not in text and "from `results/demo/`; do not edit by hand." in text
+
+
+def test_odd_fields_render_dash_not_crash(tmp_path):
+    rows = [
+        {"kind": "offload", "model": "qwen3-8b", "seq_len": "2048", "mode": "double", "status": "ok",
+         "step_ms": "fast", "peak_allocated_gib": None},
+        {"kind": "offload_summary", "model": "qwen3-8b", "seq_len": "2048", "c_ms": "x", "g_ms": None,
+         "layers_reloaded": True, "trace": [1, 2], "second_buffer_gib": float("nan")},
+        {"kind": "moe_routing", "model": "m", "tokens": None, "backend": "loop", "forward_ms": [1]},
+        {"kind": "moe_syncs", "model": "m"},
+        {"kind": "moe_query_model", "queries_per_layer": 3},
+        {"kind": "moe_split_crossover", "projection": "down_proj", "merged_lora_flops": "many"},
+        {"kind": "packing_counts", "cache_on": {}, "cache_off": None},
+        {"kind": "something_new"},
+    ]
+    _write(tmp_path / "x-bench" / f"{H100}.bench.json", {"rows": rows})
+    text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
+    assert "None" not in text and "nan" not in text
+    assert "| qwen3-8b | 0 | 0 | – | – | – | – | – | – / – / – / – |" in text
+
+
+def test_moe_end_to_end_targets_from_sweep_rows():
+    from harness.report_bench import moe_e2e_targets_md
+
+    def row(t, v, p50, status="ok"):
+        return {"kind": "step", "gpu_slug": "h", "device_name": "H", "model": "gpt-oss-20b",
+                "seq_len": t, "variant": v, "status": status,
+                "step_ms": {"p20": p50, "p50": p50, "p80": p50} if status == "ok" else None}
+
+    rows = [row(1024, "stock-grouped_mm", 600), row(1024, "grouped_mm-split", 250),
+            row(2048, "stock-grouped_mm", 900), row(2048, "grouped_mm-split", 290),
+            row(16384, "stock-grouped_mm", None, "oom"), row(16384, "grouped_mm-split", 1700),
+            row(2048, "loop-merged", 3600), row(2048, "sorted-merged", 3000)]
+    md = moe_e2e_targets_md(rows)
+    assert "| gpt-oss-20b | 2048 | 900.0 (stock-grouped_mm) | 290.0 (grouped_mm-split) | 3.10× | 293 (B200) | yes |" in md
+    assert "| best ours ≥ 3× best stock at 2048 tokens (gpt-oss-20b) | 3.10× | yes |" in md
+    assert "ours 1700.0, stock stock-grouped_mm: oom | yes |" in md
+    assert "+20.0% (3600.0 → 3000.0 ms) | yes |" in md
+    # 4096 and 8192 were not run: the every-length target is not judged
+    assert "1024: yes, 2048: yes, 16384: yes | – |" in md
