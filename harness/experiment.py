@@ -23,6 +23,7 @@ LAUNCHERS = ("process",)  # "torchrun" slots in here (harness/launchers.py)
 DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
 DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
+LOSSES = ("full", "chunked")
 
 
 class ExperimentError(ValueError):
@@ -67,6 +68,7 @@ class SweepPoint:
     timeout_s: float = 900.0
     baseline_variant: str = ""
     pin_cpu: bool = False
+    loss: str = "full"
 
     @property
     def point_id(self) -> str:
@@ -75,6 +77,8 @@ class SweepPoint:
         key.pop("timeout_s")
         if not key["pin_cpu"]:
             key.pop("pin_cpu")  # added later: unpinned points keep their earlier identity
+        if key["loss"] == "full":
+            key.pop("loss")  # likewise
         blob = json.dumps(key, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -113,6 +117,7 @@ class Experiment:
     bandwidth: bool
     data: DataSpec = field(default_factory=DataSpec)
     pin_cpu: bool = False
+    loss: str = "full"
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -142,6 +147,7 @@ class Experiment:
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
+                                loss=self.loss,
                             )
                         )
         return out
@@ -151,7 +157,7 @@ _TOP_KEYS = {"experiment", "data", "variants"}
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
-    "baseline", "bandwidth", "pin_cpu",
+    "baseline", "bandwidth", "pin_cpu", "loss",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
 
@@ -237,6 +243,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     pin_cpu = exp.get("pin_cpu", False)
     if not isinstance(pin_cpu, bool):
         raise ExperimentError(path, "experiment.pin_cpu", f"must be true or false, got {pin_cpu!r}")
+    # full: the model's own loss (fp32 logits of the whole batch); chunked: harness.loss, lm_head +
+    # cross-entropy in checkpointed token chunks, so the logits do not set the peak
+    loss = _choice(path, "experiment.loss", exp.get("loss", "full"), LOSSES)
     bandwidth = exp.get("bandwidth", True)
     if not isinstance(bandwidth, bool):
         raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
@@ -285,7 +294,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         seq_lens=seq_lens, batch_size=batch_size, gpus=gpus, variants=variants,
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
-        timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu,
+        timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
     )
 
 

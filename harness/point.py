@@ -18,6 +18,7 @@ from harness import env as envmod
 from harness import flops as flopsmod
 from harness import models as model_registry
 from harness.data import make_batch
+from harness.loss import chunked_causal_lm_loss
 from harness.experiment import SweepPoint
 from harness.timing import PhaseTimer, percentiles
 
@@ -159,20 +160,24 @@ def _measure(point: SweepPoint, spec) -> dict:
             gc.freeze()
             gc.disable()
         timer.start_step()
-        out = model(
-            input_ids=batch.input_ids,
-            labels=batch.labels,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            **kwargs,
-        )
+        if point.loss == "chunked":
+            loss = chunked_causal_lm_loss(model, batch.input_ids, batch.labels,
+                                          position_ids=batch.position_ids, **kwargs)
+        else:
+            loss = model(
+                input_ids=batch.input_ids,
+                labels=batch.labels,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                **kwargs,
+            ).loss
         timer.mark()
-        out.loss.backward()
+        loss.backward()
         timer.mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.mark()
-        losses.append(out.loss.detach())
+        losses.append(loss.detach())
         last_end = _report_progress(i, n_steps, timer, last_end)
 
     times = timer.results_ms()
@@ -199,6 +204,7 @@ def _measure(point: SweepPoint, spec) -> dict:
         "attn_implementation_used": model.config._attn_implementation,
         "optim": optim_applied,
         "pinned_core": pinned_core,
+        "loss_mode": point.loss,
         **optim_stats,
         "dtype_used": str(dtype).replace("torch.", ""),
     }

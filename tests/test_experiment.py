@@ -105,3 +105,23 @@ def test_subset_keeps_point_identity_and_rejects_unknown(write_toml):
     assert point.point_id in full and point.model == "llama-3.2-1b-tiny" and point.variant == "b"
     with pytest.raises(ExperimentError, match=r"\[experiment.seq_lens\] 999 is not in this experiment \(valid: 64, 128\)"):
         experiment.subset(exp, seq_lens=[999])
+
+
+def test_loss_option(write_toml):
+    base = """
+[experiment]
+name = "l"
+models = ["llama-3.2-1b-tiny"]
+seq_lens = [32]
+device = "cpu"
+[variants.a]
+attn_implementation = "sdpa"
+"""
+    full = experiment.load(write_toml(base))
+    chunked = experiment.load(write_toml(base.replace('device = "cpu"', 'device = "cpu"\nloss = "chunked"')))
+    assert full.loss == "full" and chunked.loss == "chunked"
+    (p_full,), (p_chunked,) = full.points(), chunked.points()
+    assert p_full.point_id != p_chunked.point_id  # a different measurement, a different identity
+    assert "loss" not in p_full.to_json() or '"loss": "full"' in p_full.to_json()
+    with pytest.raises(experiment.ExperimentError, match="experiment.loss"):
+        experiment.load(write_toml(base.replace('device = "cpu"', 'device = "cpu"\nloss = "fused"')))

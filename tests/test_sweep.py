@@ -164,3 +164,12 @@ def test_corrupt_results_stop_the_sweep_before_it_runs(tmp_path, write_toml):
     with pytest.raises(ValueError, match="corrupt result row"):
         sweep.run(exp, tmp_path / "results", progress=False)
     assert out.read_text() == "{broken\n"
+
+
+def test_chunked_loss_point(tmp_path, write_toml):
+    exp = experiment.load(write_toml(EXP.split("[variants.boom]")[0].replace(
+        'bandwidth = false', 'bandwidth = false\nloss = "chunked"')))
+    sweep.run(exp, tmp_path / "results", progress=False)
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "ok", row.get("message")
+    assert row["loss_mode"] == "chunked" and all(x > 0 for x in row["loss"])
