@@ -546,7 +546,7 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
         parts.append(f"## {device} (`{slug}`)")
         parts += [text.strip() for section in SECTIONS
                   if (text := section(df_steps, df_bw, gpu_rows, out_dir)) and text.strip()]
-    parts += report_bench.sweep_targets(experiment, rows)
+    parts += report_bench.sweep_targets(experiment, rows, results_root)
     parts += bench
     readme = out_dir / "README.md"
     readme.write_text("\n\n".join(parts) + "\n")

@@ -739,6 +739,8 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
             variants = {r["variant"] for r in g if r["model"] == model}
             stock = sorted(v for v in variants if v.startswith("stock-"))
             ours = sorted(v for v in variants if v.endswith("-split"))
+            if not stock and not ours:
+                continue
             seeds_gpu, seeds = SEEDS_MOE_MS.get(model, (None, {}))
             ratios = []
             for t in sorted({r["seq_len"] for r in g if r["model"] == model}):
@@ -791,10 +793,93 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
     return "\n\n".join(out)
 
 
-SWEEP_TARGETS = {"moe": moe_e2e_targets_md}
+# experiment name -> fn(sweep rows, results root) -> markdown
+SWEEP_TARGETS = {"moe": lambda rows, _root: moe_e2e_targets_md(rows)}
 
 
-def sweep_targets(experiment: str, rows: list[dict]) -> list[str]:
+def sweep_targets(experiment: str, rows: list[dict], results_root=None) -> list[str]:
     fn = SWEEP_TARGETS.get(experiment)
-    text = fn(rows) if fn and rows else ""
-    return ["## End-to-end targets (sweep rows)\n\n" + text] if text else []
+    if not fn or not rows:
+        return []
+    text = fn(rows, results_root)
+    return ["## From the sweep rows: end-to-end comparisons and models\n\n" + text] if text else []
+
+
+# Per packing backend, the counter of its attention-structure builds (optim.packing.COUNTERS).
+STRUCTURE_COUNTER = {"sdpa": "sdpa_mask", "flex": "flex_block_mask", "varlen": "varlen_args"}
+SEEDS_PACKING_GAIN = {"llama-3.2-1b": 11.5, "qwen3-0.6b": 14.8, "qwen3-14b": 14.3}  # % per step
+
+
+def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
+    """Per (gpu, model, seq_len, backend) with both cache on and off measured: builds per step
+    (counted), m (bench rows of the same ``gpu_slug``, from lengths), the predicted (builds_off − builds_on)·m, the seeds'
+    (L−1)·m, the measured off − on step time and their ratio."""
+    steps = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok"]
+    m_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_ms"))
+            for r in m_rows if r.get("kind") == "packing_m" and not r.get("from_position_ids")
+            and r.get("window") is None and not r.get("sinks")}
+    groups: dict[tuple, dict] = {}
+    for r in steps:
+        sw = r.get("switches") or {}
+        backend = sw.get("packing_backend")
+        if backend not in STRUCTURE_COUNTER or "packing_cache" not in sw:
+            continue
+        key = (r.get("gpu_slug") or "unknown", r["model"], r["seq_len"], backend)
+        groups.setdefault(key, {}).setdefault(bool(sw["packing_cache"]), []).append(r)
+    out = []
+    for (slug, model, t, backend), by in sorted(groups.items(), key=lambda kv: (kv[0][0], _natural(kv[0][1]),
+                                                                              kv[0][2], kv[0][3])):
+        if True not in by or False not in by:
+            continue
+        on, off = by[True][0], by[False][0]
+        counter = STRUCTURE_COUNTER[backend]
+
+        def per_step(r):
+            n = (r.get("packing_counters") or {}).get(counter)
+            steps_n = r.get("measured_steps")
+            return n / steps_n if n is not None and steps_n else None
+
+        b_on, b_off = per_step(on), per_step(off)
+        m = m_by.get((slug, backend, t))
+        pred = (b_off - b_on) * m if None not in (b_on, b_off, m) else None
+        layers = on.get("num_layers")
+        p_on, p_off = _stat(on, "step_ms"), _stat(off, "step_ms")
+        meas = _sub(p_off, p_on)
+        out.append({"gpu": slug, "model": model, "seq_len": t, "backend": backend, "builds_on": b_on,
+                    "builds_off": b_off, "m_ms": m, "predicted_ms": pred,
+                    "seeds_ms": (layers - 1) * m if layers and m is not None else None,
+                    "on_ms": p_on, "off_ms": p_off, "measured_ms": meas,
+                    "ratio": meas / pred if meas is not None and pred else None,
+                    "gain_pct": _ratio_pct(p_off, p_on)})
+    return out
+
+
+def packing_cache_md(rows: list[dict], m_rows: list[dict]) -> str:
+    pts = packing_cache_points(rows, m_rows)
+    if not pts:
+        return ""
+    body = [[p["gpu"], p["model"], p["seq_len"], p["backend"],
+             f"{_num(p['builds_on'], '.1f')} / {_num(p['builds_off'], '.1f')}", _ms(p["m_ms"]),
+             _ms(p["predicted_ms"]), _ms(p["seeds_ms"]), f"{_ms(p['off_ms'])} → {_ms(p['on_ms'])}",
+             _ms(p["measured_ms"]), _ratio_cell(p["ratio"]), _gain(p["gain_pct"]),
+             _pct(SEEDS_PACKING_GAIN.get(p["model"])) if p["model"] in SEEDS_PACKING_GAIN else DASH]
+            for p in pts]
+    return ("### Cache on vs off: predicted and measured saving per step\n\n" + _table(
+        ["GPU", "model", "seq_len", "backend", "structure builds / step on / off", "m ms",
+         "predicted (off − on)·m ms", "seeds' (L−1)·m ms", "step ms off → on", "measured saving ms",
+         "measured / predicted", "cache gain", "seeds' gain"], body)
+        + "\n\nBuilds are counted (optim.packing counters over the measured steps), m comes from the "
+          "packing bench (from lengths, same GPU type), the step times from this experiment's rows. "
+          "A ratio above 1.5 means the uncached path costs more per rebuild in a training step than "
+          "an isolated build: in a host-bound step every rebuild's host time (and its sync for "
+          "max_seqlen) adds to the step, while m on an idle GPU measures the larger of device and "
+          "host time once.")
+
+
+def _packing_sweep(rows: list[dict], results_root) -> str:
+    m_rows = [{**r, "gpu_slug": f.slug} for f in load_dir(bench_dir(results_root, "packing"))
+              for r in f.rows] if results_root else []
+    return packing_cache_md(rows, m_rows)
+
+
+SWEEP_TARGETS["packing"] = _packing_sweep

@@ -313,3 +313,25 @@ def test_moe_end_to_end_targets_from_sweep_rows():
     assert "+20.0% (3600.0 → 3000.0 ms) | yes |" in md
     # 4096 and 8192 were not run: the every-length target is not judged
     assert "1024: yes, 2048: yes, 16384: yes | – |" in md
+
+
+def test_packing_cache_predicted_vs_measured():
+    from harness.report_bench import packing_cache_points
+
+    def row(cache, p50, builds):
+        return {"kind": "step", "status": "ok", "gpu_slug": "g", "model": "qwen3-0.6b", "seq_len": 8192,
+                "num_layers": 28, "measured_steps": 10, "step_ms": {"p20": p50, "p50": p50, "p80": p50},
+                "switches": {"packing_backend": "varlen", "packing_cache": cache},
+                "packing_counters": {"varlen_args": builds, "metadata": builds}}
+
+    m = [{"kind": "packing_m", "gpu_slug": "g", "backend": "varlen", "seq_len": 8192,
+          "from_position_ids": False, "m_ms": 0.5, "window": None, "sinks": False},
+         {"kind": "packing_m", "gpu_slug": "other", "backend": "varlen", "seq_len": 8192,
+          "from_position_ids": False, "m_ms": 9.0, "window": None, "sinks": False}]
+    (p,) = packing_cache_points([row(True, 400.0, 10), row(False, 430.0, 560)], m)
+    assert (p["builds_on"], p["builds_off"], p["m_ms"]) == (1.0, 56.0, 0.5)
+    assert p["predicted_ms"] == pytest.approx(27.5) and p["seeds_ms"] == pytest.approx(13.5)
+    assert p["measured_ms"] == pytest.approx(30.0) and p["ratio"] == pytest.approx(30 / 27.5)
+    assert p["gain_pct"] == pytest.approx(7.5)
+    # a point measured with the cache on only gives no row
+    assert packing_cache_points([row(True, 400.0, 10)], m) == []
