@@ -37,6 +37,7 @@ from harness import env as envmod
 from harness import models as model_registry
 from harness.data import make_batch
 from harness.experiment import DataSpec
+from harness.loss import causal_lm_loss
 from harness.timing import percentiles
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -111,16 +112,6 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _loss(model, b, chunk_tokens: int | None):
-    if chunk_tokens:
-        from harness.loss import chunked_causal_lm_loss
-
-        return chunked_causal_lm_loss(model, b.input_ids, b.labels, chunk_tokens=chunk_tokens,
-                                      position_ids=b.position_ids)
-    return model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids,
-                 use_cache=False).loss
-
-
 def _steps(model, optimizer, batches, device, chunk_tokens: int | None = None) -> tuple[list[float], list[float]]:
     """Full training steps; step ms (CUDA events read once at the end) and losses."""
     import time
@@ -133,7 +124,8 @@ def _steps(model, optimizer, batches, device, chunk_tokens: int | None = None) -
         else:
             ev = time.perf_counter()
         marks.append(ev)
-        loss = _loss(model, b, chunk_tokens)
+        loss = causal_lm_loss(model, b.input_ids, b.labels, chunked=bool(chunk_tokens),
+                              chunk_tokens=chunk_tokens or 0, position_ids=b.position_ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

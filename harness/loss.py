@@ -41,3 +41,10 @@ def chunked_causal_lm_loss(model, input_ids, labels, *, chunk_tokens: int = 4096
         total = total + checkpoint(_ce_sum, h[i:i + chunk_tokens], y[i:i + chunk_tokens],
                                    base.lm_head.weight, use_reentrant=False)
     return total / (y != -100).sum().clamp(min=1)
+
+
+def causal_lm_loss(model, input_ids, labels, *, chunked: bool, chunk_tokens: int = 4096, **model_kwargs):
+    """The training loss of one step: chunked (above) or the model's own (full logits)."""
+    if chunked:
+        return chunked_causal_lm_loss(model, input_ids, labels, chunk_tokens=chunk_tokens, **model_kwargs)
+    return model(input_ids=input_ids, labels=labels, use_cache=False, **model_kwargs).loss

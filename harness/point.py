@@ -18,7 +18,7 @@ from harness import env as envmod
 from harness import flops as flopsmod
 from harness import models as model_registry
 from harness.data import make_batch
-from harness.loss import chunked_causal_lm_loss
+from harness.loss import causal_lm_loss
 from harness.experiment import SweepPoint
 from harness.timing import PhaseTimer, percentiles
 
@@ -160,17 +160,8 @@ def _measure(point: SweepPoint, spec) -> dict:
             gc.freeze()
             gc.disable()
         timer.start_step()
-        if point.loss == "chunked":
-            loss = chunked_causal_lm_loss(model, batch.input_ids, batch.labels,
-                                          position_ids=batch.position_ids, **kwargs)
-        else:
-            loss = model(
-                input_ids=batch.input_ids,
-                labels=batch.labels,
-                position_ids=batch.position_ids,
-                use_cache=False,
-                **kwargs,
-            ).loss
+        loss = causal_lm_loss(model, batch.input_ids, batch.labels, chunked=point.loss == "chunked",
+                              position_ids=batch.position_ids, **kwargs)
         timer.mark()
         loss.backward()
         timer.mark()

@@ -23,19 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def _q(xs, p):
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+from harness.timing import percentiles  # noqa: E402
 
 
 def _stats(xs):
-    return {"p20": _q(xs, 0.2), "p50": _q(xs, 0.5), "p80": _q(xs, 0.8),
-            "spread": _q(xs, 0.8) / _q(xs, 0.2),
-            "drift": statistics.median(xs[-10:]) / statistics.median(xs[:10]), "samples": xs}
+    p = percentiles(xs)
+    return {**p, "spread": p["p80"] / p["p20"],
+            "drift": statistics.median(xs[-10:]) / statistics.median(xs[:10])}
 
 
 def _steal():

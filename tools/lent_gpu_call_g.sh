@@ -5,11 +5,4 @@ set -o pipefail
 timeout 300 python3 -m harness.bench_offload --warmup 1 --steps 2 --attn flex_attention --target-mib 160 --out $OUT/offload_32b_8192.json --model qwen3-32b --seq-len 8192 2>&1 | grep -v "round 0" | tail -6
 timeout 270 python3 -m harness sweep experiments/moe.toml --models qwen3-30b-a3b --seq-lens 2048 8192 --variants grouped_mm-split stock-grouped_mm --quiet --no-report 2>&1 | tail -4
 cp results/moe/*.jsonl $OUT/ 2>/dev/null
-python3 - <<'PY'
-import json, glob
-for f in glob.glob("results/moe/nvidia-h200*.jsonl"):
-    for l in open(f):
-        r = json.loads(l)
-        if r.get("kind") != "bandwidth":
-            print(r["model"], r["seq_len"], r["variant"], r["status"], r.get("step_ms", {}).get("p50"), r.get("peak_allocated_gib"), (r.get("message") or "")[:150])
-PY
+python3 tools/show_rows.py results/moe/nvidia-h200*.jsonl

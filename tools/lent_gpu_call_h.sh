@@ -5,11 +5,4 @@
 timeout 420 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b --seq-lens 1024 4096 8192 16384 --variants stock-grouped_mm grouped_mm-split --quiet --no-report 2>&1 | tail -3
 timeout 130 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b --seq-lens 2048 --variants sorted-merged loop-merged --quiet --no-report 2>&1 | tail -3
 cp results/moe/nvidia-h100*.jsonl $OUT/
-python3 - <<'PY'
-import json, glob
-for f in glob.glob("results/moe/nvidia-h100*.jsonl"):
-    for l in open(f):
-        r = json.loads(l)
-        if r.get("kind") != "bandwidth":
-            print(r["model"], r["seq_len"], r["variant"], r["status"], r.get("step_ms", {}).get("p50"), r.get("peak_allocated_gib"), (r.get("message") or "")[:120])
-PY
+python3 tools/show_rows.py results/moe/nvidia-h100*.jsonl

@@ -5,11 +5,4 @@ timeout 200 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b -
 timeout 110 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b --seq-lens 16384 --variants grouped_mm-split --quiet --no-report 2>&1 | tail -2
 timeout 190 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b --seq-lens 16384 --variants stock-grouped_mm --quiet --no-report 2>&1 | tail -2
 cp results/moe/nvidia-h100*.jsonl $OUT/
-python3 - <<'PY'
-import json, glob
-for f in glob.glob("results/moe/nvidia-h100*.jsonl"):
-    for l in open(f):
-        r = json.loads(l)
-        if r.get("kind") != "bandwidth":
-            print(r["model"], r["seq_len"], r["variant"], r["status"], r.get("step_ms", {}).get("p50"), r.get("peak_allocated_gib"), (r.get("message") or "")[:120])
-PY
+python3 tools/show_rows.py results/moe/nvidia-h100*.jsonl

@@ -5,3 +5,4 @@
 timeout 240 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b --seq-lens 16384 --variants grouped_mm-split stock-grouped_mm --quiet --no-report 2>&1 | tail -2
 timeout 330 python3 -m harness sweep experiments/packing.toml --models qwen3-0.6b llama-3.2-1b --seq-lens 2048 8192 --quiet --no-report 2>&1 | tail -2
 cp results/moe/nvidia-h100*.jsonl results/packing/nvidia-h100*.jsonl $OUT/
+python3 tools/show_rows.py results/moe/nvidia-h100*.jsonl results/packing/nvidia-h100*.jsonl
