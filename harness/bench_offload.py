@@ -28,7 +28,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from harness.data import make_batch
 from harness.experiment import DataSpec
 from harness.loss import causal_lm_loss
 from harness.timing import percentiles
+from harness.trace import covered, trace_events, union
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("none", "single", "double", "save_on_cpu")
@@ -47,20 +47,6 @@ MODES = ("none", "single", "double", "save_on_cpu")
 # ---------------------------------------------------------------------------------------------
 # Trace analysis (also used by tests/test_gpu_offload.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _covered(a: float, b: float, union: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
 
 
 def overlap_stats(events: list[dict]) -> dict:
@@ -77,10 +63,10 @@ def overlap_stats(events: list[dict]) -> dict:
     total = overlapped = 0.0
     for c in h2d:
         a, b = float(c["ts"]), float(c["ts"]) + float(c["dur"])
-        others = _union([(float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels
+        others = union([(float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels
                          if stream(k) != stream(c)])
         total += b - a
-        overlapped += _covered(a, b, others)
+        overlapped += covered(a, b, others)
     return {
         "h2d_count": len(h2d),
         "h2d_us": total,
@@ -93,13 +79,6 @@ def overlap_stats(events: list[dict]) -> dict:
         "h2d_pinned": sum("Pinned" in c["name"] for c in h2d),
         "h2d_pageable": sum("Pageable" in c["name"] for c in h2d),
     }
-
-
-def trace_events(prof) -> list[dict]:
-    """The chrome-trace events of a finished ``torch.profiler.profile``."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        return json.loads(Path(f.name).read_text())["traceEvents"]
 
 
 # ---------------------------------------------------------------------------------------------

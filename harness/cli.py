@@ -1,4 +1,4 @@
-"""``python -m harness`` / ``packbench``: sweep, report, gate, bandwidth, env."""
+"""``python -m harness`` / ``packbench``: sweep, report, gate, profile, bandwidth, env."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ examples:
   python -m harness report                         # rebuild every report from results/
   python -m harness gate --baseline results/smoke-gpu/nvidia-h100-80gb-hbm3.jsonl --candidate pr-results/smoke-gpu/
   python -m harness bandwidth                      # host-to-device GB/s, pinned vs pageable
+  python -m harness profile experiments/moe.toml --model gpt-oss-20b --seq-len 2048 --variant grouped_mm-split
   python -m harness env                            # what gets recorded with every run
 """
 
@@ -203,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", help="also write the rows and environment to this JSON file")
     p.set_defaults(func=cmd_bandwidth)
+
+    p = sub.add_parser("profile", help="profile one training step of a sweep point: GPU busy %% per phase, launches, syncs, top kernels")
+    from harness import profile
+
+    profile.add_arguments(p)
+    p.set_defaults(func=profile.run)
 
     p = sub.add_parser("env", help="print the environment recorded with every run")
     p.set_defaults(func=cmd_env)

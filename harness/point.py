@@ -6,11 +6,13 @@ The hot loop reads top to bottom: forward, backward, optimizer, each bracketed b
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
@@ -109,7 +111,45 @@ def _pin_cpu() -> int:
     return core
 
 
-def _measure(point: SweepPoint, spec) -> dict:
+@dataclass
+class Prepared:
+    """A point ready to train: model, optimizer and every batch already on the device."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    trainable: list
+    batches: list
+    extra: list  # per-batch keyword arguments (the packing metadata a collator hands over)
+    optim_applied: dict
+    pinned_core: int | None
+
+    def step(self, point: SweepPoint, i: int, timer: PhaseTimer | None = None, phase=None) -> torch.Tensor:
+        """One training step on batch ``i``: forward, backward, optimizer (timer marks between).
+        ``phase(name)``, if given, is a context manager entered around each phase (the profiler
+        labels them with it)."""
+        mark = timer.mark if timer is not None else (lambda: None)
+        phase = phase or (lambda name: contextlib.nullcontext())
+        if timer is not None:
+            timer.start_step()
+        batch = self.batches[i]
+        with phase("forward"):
+            loss = causal_lm_loss(self.model, batch.input_ids, batch.labels, chunked=point.loss == "chunked",
+                                  position_ids=batch.position_ids, **self.extra[i])
+        mark()
+        with phase("backward"):
+            loss.backward()
+        mark()
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        mark()
+        return loss.detach()
+
+
+def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
+    """Build the point's model (optim switches applied), its AdamW and ``n_batches`` batches."""
     pinned_core = _pin_cpu() if point.pin_cpu else None
     device = resolve_device(point.device)
     dtype = DTYPES[point.dtype]
@@ -131,19 +171,26 @@ def _measure(point: SweepPoint, spec) -> dict:
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda")
-
-    n_steps = point.warmup_steps + point.measured_steps
     batches = [
         make_batch(point.data, point.seq_len, point.batch_size, spec.vocab_size, step=i).to(device)
-        for i in range(n_steps)
+        for i in range(n_batches)
     ]
     # What a packing collator hands the model besides the tensors: the document lengths it
     # already knows on the host, so no layer has to rediscover them from position_ids.
     extra = [_packing_kwargs(b, optim_applied) for b in batches]
+    return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core)
+
+
+def _measure(point: SweepPoint, spec) -> dict:
+    n_steps = point.warmup_steps + point.measured_steps
+    run = prepare(point, spec, n_steps)
+    device, dtype, model, trainable = run.device, run.dtype, run.model, run.trainable
+    optim_applied, pinned_core = run.optim_applied, run.pinned_core
+    batches = run.batches
     timer = PhaseTimer(("forward", "backward", "optimizer"), device)
     losses = []
     last_end = None
-    for i, (batch, kwargs) in enumerate(zip(batches, extra)):
+    for i in range(n_steps):
         if i == point.warmup_steps:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -159,16 +206,7 @@ def _measure(point: SweepPoint, spec) -> dict:
             gc.collect()
             gc.freeze()
             gc.disable()
-        timer.start_step()
-        loss = causal_lm_loss(model, batch.input_ids, batch.labels, chunked=point.loss == "chunked",
-                              position_ids=batch.position_ids, **kwargs)
-        timer.mark()
-        loss.backward()
-        timer.mark()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        timer.mark()
-        losses.append(loss.detach())
+        losses.append(run.step(point, i, timer))
         last_end = _report_progress(i, n_steps, timer, last_end)
 
     times = timer.results_ms()

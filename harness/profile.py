@@ -1,0 +1,162 @@
+"""Profile one training step of a sweep point: where the step's time goes.
+
+    python -m harness profile experiments/moe.toml --model gpt-oss-20b --seq-len 2048 \\
+        --variant grouped_mm-split --out profiles/
+
+The point is built exactly as a sweep builds it (same model, switches, data and loss), warmed
+up, and then ``--steps`` steps run under ``torch.profiler``. Written to ``--out``:
+
+- ``<point>.summary.json``: per phase (forward, backward, optimizer) the GPU span, the time at
+  least one kernel runs (busy %), kernel launches and host syncs; the top kernels and CPU ops;
+- ``<point>.kernels.txt`` / ``<point>.cpu.txt``: torch's own tables, by device time and by self
+  CPU time;
+- ``<point>.trace.json.gz`` with ``--trace``: the chrome trace (open in Perfetto).
+
+A step whose phases are mostly idle GPU is bound by the host (Python, kernel launches, syncs);
+one that is busy is bound by its kernels, and the kernel table says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from harness import experiment as expmod
+from harness import models as model_registry
+from harness.experiment import SweepPoint
+from harness.trace import covered, trace_events, union
+
+PHASES = ("forward", "backward", "optimizer")
+# The runtime calls that make the host wait for the device.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_PREFIXES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")
+
+
+def _dur(e) -> float:
+    return float(e.get("dur", 0.0))
+
+
+def analyze(events: list[dict]) -> dict:
+    """Per-phase GPU busy fraction, launches and syncs from a chrome trace whose phases were
+    labelled with ``record_function("phase:<name>")``."""
+    xs = [e for e in events if e.get("ph") == "X"]
+    kernels = [e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    runtime = [e for e in xs if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver"]
+    busy = union([(float(k["ts"]), float(k["ts"]) + _dur(k)) for k in kernels])
+    out: dict = {"phases": {}}
+    for name in PHASES:
+        label = f"phase:{name}"
+        gpu = [e for e in xs if e.get("name") == label and e.get("cat") == "gpu_user_annotation"]
+        cpu = [e for e in xs if e.get("name") == label and e.get("cat") == "user_annotation"]
+        span = sum(_dur(e) for e in gpu)
+        busy_us = sum(covered(float(e["ts"]), float(e["ts"]) + _dur(e), busy) for e in gpu)
+        in_cpu = lambda r: any(float(c["ts"]) <= float(r["ts"]) <= float(c["ts"]) + _dur(c) for c in cpu)  # noqa: E731
+        out["phases"][name] = {
+            "gpu_span_ms": span / 1e3,
+            "cpu_span_ms": sum(_dur(e) for e in cpu) / 1e3,
+            "gpu_busy_ms": busy_us / 1e3,
+            "gpu_busy_pct": 100.0 * busy_us / span if span else None,
+            "launches": sum(1 for r in runtime if r["name"].startswith(LAUNCH_PREFIXES) and in_cpu(r)),
+            "host_syncs": sum(1 for r in runtime if r["name"] in SYNC_CALLS and in_cpu(r)),
+        }
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        acc = by_kernel[k["name"]]
+        acc[0] += _dur(k)
+        acc[1] += 1
+    total = sum(v[0] for v in by_kernel.values()) or 1.0
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    out["top_kernels"] = [{"name": n[:160], "ms": v[0] / 1e3, "count": v[1], "pct": 100 * v[0] / total}
+                          for n, v in top]
+    out["kernel_ms_total"] = total / 1e3
+    return out
+
+
+def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: int = 1,
+                  trace: bool = False) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from harness.point import prepare
+
+    spec = model_registry.get(point.model)
+    run = prepare(point, spec, warmup + steps)
+    for i in range(warmup):
+        run.step(point, i)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(warmup, warmup + steps):
+            run.step(point, i, phase=lambda name: record_function(f"phase:{name}"))
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{point.model}-{point.seq_len}-{point.variant}"
+    sort = "self_device_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
+    avg = prof.key_averages()
+    (out_dir / f"{stem}.kernels.txt").write_text(avg.table(sort_by=sort, row_limit=40, max_name_column_width=90))
+    (out_dir / f"{stem}.cpu.txt").write_text(avg.table(sort_by="self_cpu_time_total", row_limit=40,
+                                                       max_name_column_width=90))
+    events = trace_events(prof)
+    summary = {"point_id": point.point_id, "model": point.model, "seq_len": point.seq_len,
+               "variant": point.variant, "steps": steps, "device": str(run.device),
+               "device_name": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu",
+               **analyze(events)}
+    (out_dir / f"{stem}.summary.json").write_text(json.dumps(summary, indent=1))
+    if trace:
+        with gzip.open(out_dir / f"{stem}.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"{s['model']} T={s['seq_len']} {s['variant']} on {s['device_name']} ({s['steps']} step(s))",
+             f"{'phase':10s} {'gpu ms':>9s} {'cpu ms':>9s} {'busy %':>7s} {'launches':>9s} {'syncs':>6s}"]
+    for name, p in s["phases"].items():
+        busy = f"{p['gpu_busy_pct']:.1f}" if p["gpu_busy_pct"] is not None else "-"
+        lines.append(f"{name:10s} {p['gpu_span_ms']:9.1f} {p['cpu_span_ms']:9.1f} {busy:>7s} "
+                     f"{p['launches']:9d} {p['host_syncs']:6d}")
+    lines.append(f"top kernels (of {s['kernel_ms_total']:.1f} ms):")
+    for k in s["top_kernels"][:12]:
+        lines.append(f"  {k['ms']:8.2f} ms {k['pct']:5.1f}% x{k['count']:<5d} {k['name'][:100]}")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("experiment", help="experiment file (TOML)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--out", default="profiles", type=Path, help="folder for the summary, tables and trace (default: profiles/)")
+    ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default: 2)")
+    ap.add_argument("--steps", type=int, default=1, help="profiled steps (default: 1)")
+    ap.add_argument("--trace", action="store_true", help="also write the gzipped chrome trace")
+
+
+def run(args) -> int:
+    try:
+        exp = expmod.subset(expmod.load(args.experiment), models=[args.model], seq_lens=[args.seq_len],
+                            variants=[args.variant])
+    except expmod.ExperimentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    point = exp.points()[0]
+    s = profile_point(point, Path(args.out), warmup=args.warmup, steps=args.steps, trace=args.trace)
+    print(format_summary(s))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.profile", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

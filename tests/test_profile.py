@@ -1,0 +1,50 @@
+"""harness.profile: per-phase GPU busy time, launches and syncs from a trace; the CLI on CPU."""
+
+import json
+
+import pytest
+
+from harness import cli
+from harness.profile import analyze
+
+
+def test_analyze_busy_launches_syncs_per_phase():
+    X = lambda **kw: {"ph": "X", **kw}  # noqa: E731 - chrome-trace events, ts/dur in µs
+    ev = [
+        X(cat="user_annotation", name="phase:forward", ts=0, dur=100),
+        X(cat="gpu_user_annotation", name="phase:forward", ts=10, dur=200),
+        X(cat="cuda_runtime", name="cudaLaunchKernel", ts=5, dur=2),
+        X(cat="cuda_runtime", name="cudaLaunchKernel", ts=50, dur=2),
+        X(cat="cuda_runtime", name="cudaStreamSynchronize", ts=60, dur=30),
+        X(cat="cuda_runtime", name="cudaLaunchKernel", ts=150, dur=2),  # after the phase: not counted
+        X(cat="kernel", name="gemm", ts=10, dur=50),
+        X(cat="kernel", name="gemm", ts=40, dur=50),  # overlaps the first: counted once
+        X(cat="kernel", name="softmax", ts=150, dur=20),
+        X(cat="kernel", name="softmax", ts=400, dur=20),  # outside the phase's GPU span
+    ]
+    s = analyze(ev)
+    f = s["phases"]["forward"]
+    assert f["gpu_span_ms"] == pytest.approx(0.2) and f["cpu_span_ms"] == pytest.approx(0.1)
+    assert f["gpu_busy_ms"] == pytest.approx(0.1)  # [10, 90) and [150, 170)
+    assert f["gpu_busy_pct"] == pytest.approx(50.0)
+    assert f["launches"] == 2 and f["host_syncs"] == 1
+    assert s["phases"]["backward"]["gpu_busy_pct"] is None
+    assert s["top_kernels"][0]["name"] == "gemm" and s["top_kernels"][0]["count"] == 2
+    assert s["kernel_ms_total"] == pytest.approx(0.14)
+
+
+def test_profile_cli_on_a_tiny_model(tmp_path, capsys):
+    rc = cli.main(["profile", "experiments/smoke-cpu.toml", "--model", "llama-3.2-1b-tiny", "--seq-len", "256",
+                   "--variant", "optim", "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "forward" in out and "backward" in out
+    summary = json.loads((tmp_path / "llama-3.2-1b-tiny-256-optim.summary.json").read_text())
+    assert summary["phases"]["forward"]["cpu_span_ms"] > 0
+    assert (tmp_path / "llama-3.2-1b-tiny-256-optim.cpu.txt").read_text().strip()
+
+
+def test_profile_cli_rejects_an_unknown_variant(tmp_path, capsys):
+    rc = cli.main(["profile", "experiments/smoke-cpu.toml", "--model", "llama-3.2-1b-tiny", "--seq-len", "256",
+                   "--variant", "nope", "--out", str(tmp_path)])
+    assert rc == 2 and "nope" in capsys.readouterr().err
