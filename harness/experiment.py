@@ -118,6 +118,7 @@ class Experiment:
     data: DataSpec = field(default_factory=DataSpec)
     pin_cpu: bool = False
     loss: str = "full"
+    variant_loss: dict[str, str] = field(default_factory=dict)  # per-variant override of ``loss``
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -147,7 +148,7 @@ class Experiment:
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
-                                loss=self.loss,
+                                loss=self.variant_loss.get(vname, self.loss),
                             )
                         )
         return out
@@ -277,8 +278,12 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     if not isinstance(variants_raw, dict) or not variants_raw:
         raise ExperimentError(path, "variants", "must hold at least one named table, e.g. [variants.stock]")
     variants: dict[str, dict[str, Any]] = {}
+    variant_loss: dict[str, str] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES))
+        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss"})
+        if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
+            settings = dict(settings)
+            variant_loss[vname] = _choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
         for key, value in settings.items():
             _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
         if settings.get("offload", "none") != "none" and settings.get("gradient_checkpointing", True) is False:
@@ -295,6 +300,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
+        variant_loss=variant_loss,
     )
 
 

@@ -30,7 +30,7 @@ import torch
 from harness import experiment as expmod
 from harness import models as model_registry
 from harness.experiment import SweepPoint
-from harness.trace import covered, trace_events, union
+from harness.trace import trace_events, union
 
 PHASES = ("forward", "backward", "optimizer")
 # The runtime calls that make the host wait for the device.
@@ -43,27 +43,35 @@ def _dur(e) -> float:
 
 
 def analyze(events: list[dict]) -> dict:
-    """Per-phase GPU busy fraction, launches and syncs from a chrome trace whose phases were
-    labelled with ``record_function("phase:<name>")``."""
+    """Per phase (labelled with ``record_function("phase:<name>")``): the GPU work it launched,
+    how much of that work's span the GPU was busy, the kernel launches and the host syncs.
+
+    A kernel belongs to the phase whose CPU range holds its launch (matched by the trace's
+    correlation id): the backward's kernels are launched from autograd's own thread, which the
+    GPU-side annotation of the phase does not follow."""
     xs = [e for e in events if e.get("ph") == "X"]
     kernels = [e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    runtime = [e for e in xs if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver"]
-    busy = union([(float(k["ts"]), float(k["ts"]) + _dur(k)) for k in kernels])
+    runtime = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    corr = lambda e: (e.get("args") or {}).get("correlation")  # noqa: E731
+    launch_ts = {corr(r): float(r["ts"]) for r in runtime if corr(r) is not None}
     out: dict = {"phases": {}}
     for name in PHASES:
         label = f"phase:{name}"
-        gpu = [e for e in xs if e.get("name") == label and e.get("cat") == "gpu_user_annotation"]
-        cpu = [e for e in xs if e.get("name") == label and e.get("cat") == "user_annotation"]
-        span = sum(_dur(e) for e in gpu)
-        busy_us = sum(covered(float(e["ts"]), float(e["ts"]) + _dur(e), busy) for e in gpu)
-        in_cpu = lambda r: any(float(c["ts"]) <= float(r["ts"]) <= float(c["ts"]) + _dur(c) for c in cpu)  # noqa: E731
+        cpu = [(float(e["ts"]), float(e["ts"]) + _dur(e)) for e in xs
+               if e.get("name") == label and e.get("cat") == "user_annotation"]
+        inside = lambda t: any(a <= t <= b for a, b in cpu)  # noqa: E731
+        mine = [k for k in kernels if corr(k) in launch_ts and inside(launch_ts[corr(k)])]
+        ivals = [(float(k["ts"]), float(k["ts"]) + _dur(k)) for k in mine]
+        span = (max(b for _, b in ivals) - min(a for a, _ in ivals)) if ivals else 0.0
+        busy_us = sum(b - a for a, b in union(ivals))
         out["phases"][name] = {
             "gpu_span_ms": span / 1e3,
-            "cpu_span_ms": sum(_dur(e) for e in cpu) / 1e3,
+            "cpu_span_ms": sum(b - a for a, b in cpu) / 1e3,
             "gpu_busy_ms": busy_us / 1e3,
             "gpu_busy_pct": 100.0 * busy_us / span if span else None,
-            "launches": sum(1 for r in runtime if r["name"].startswith(LAUNCH_PREFIXES) and in_cpu(r)),
-            "host_syncs": sum(1 for r in runtime if r["name"] in SYNC_CALLS and in_cpu(r)),
+            "kernels": len(mine),
+            "launches": sum(1 for r in runtime if r["name"].startswith(LAUNCH_PREFIXES) and inside(float(r["ts"]))),
+            "host_syncs": sum(1 for r in runtime if r["name"] in SYNC_CALLS and inside(float(r["ts"]))),
         }
     by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for k in kernels:

@@ -738,7 +738,7 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
         for model in sorted({r["model"] for r in g}, key=_natural):
             variants = {r["variant"] for r in g if r["model"] == model}
             stock = sorted(v for v in variants if v.startswith("stock-"))
-            ours = sorted(v for v in variants if v.endswith("-split"))
+            ours = sorted(v for v in variants if "-split" in v and not v.startswith("stock-"))
             if not stock and not ours:
                 continue
             seeds_gpu, seeds = SEEDS_MOE_MS.get(model, (None, {}))

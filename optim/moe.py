@@ -22,6 +22,11 @@ parametrizing, hand their factors to the experts forward, which adds s·(X·A_e)
 rows only. ``moe_lora="merged"`` keeps peft's behaviour (our backends then read the parametrized
 weight). The router is frozen unless ``moe_train_router=True``.
 
+``moe_compile`` (``auto`` = on CUDA): the grouped_mm layer runs as one ``torch.compile``'d pure
+function (``_moe_ops.grouped_pure``) shared by every layer; the gate, biases, LoRA casts and
+routing weights fuse around the grouped GEMMs. A compiler failure logs one line and falls back
+to the eager grouped path.
+
 Only torch, transformers and peft are imported here.
 """
 
@@ -62,6 +67,14 @@ SWITCHES: dict[str, Switch] = {
             "for all experts",
         ),
         Switch(
+            "moe_compile",
+            ("auto", True, False),
+            "auto",
+            "torch.compile the grouped_mm experts layer (static shapes, one graph for every layer): "
+            "fuses the gate, biases, casts and routing weights around the grouped GEMMs and cuts "
+            "the kernel launches; auto = on CUDA",
+        ),
+        Switch(
             "moe_train_router",
             (False, True),
             False,
@@ -89,10 +102,40 @@ def auto_backend(device: torch.device | str) -> str:
     return "sorted"
 
 
+def _compile_wanted(experts, hidden: torch.Tensor) -> bool:
+    mode = getattr(experts.config, "_optim_moe_compile", "auto")
+    if mode is False:
+        return False
+    return mode is True or hidden.device.type == "cuda"
+
+
 def _make_impl(backend: str):
     def experts_forward(self, hidden_states, router_indices, routing_weights):
         name = auto_backend(hidden_states.device) if backend == "auto" else backend
-        lora = getattr(self, _LORA_ATTR, None) or {}
+        raw = getattr(self, _LORA_ATTR, None) or {}
+        if name == "grouped_mm" and _compile_wanted(self, hidden_states):
+            gate = ops.gate_spec(self)
+            dev, dtype = hidden_states.device, hidden_states.dtype
+            fn = ops.compiled_grouped(dev, dtype) if gate is not None else None
+            if fn is not None:
+                lora_c = {proj: [(*ops.compile_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
+                          for proj, factors in raw.items()}
+                try:
+                    return fn(
+                        hidden_states, router_indices, routing_weights,
+                        ops._weight(self, "gate_up_proj"), getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
+                        ops._weight(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
+                        lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts,
+                    )
+                except Exception as e:  # noqa: BLE001 - a compiler failure must not stop training
+                    # ...but out-of-memory is the run's, and checkpoint's recompute stops early
+                    # by raising through the forward: neither is the compiler's.
+                    if isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "_StopRecomputationError":
+                        raise
+                    ops.compile_failed(dev, dtype, e)
+        dtype = self.gate_up_proj.dtype
+        lora = {proj: [(*ops.raw_to_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
+                for proj, factors in raw.items()}
         return ops.BACKENDS[name](self, hidden_states, router_indices, routing_weights, lora)
 
     experts_forward.__name__ = f"{IMPL_PREFIX}{backend}_experts_forward"
@@ -135,14 +178,9 @@ def lora_factors(wrapper, adapter: str, dtype: torch.dtype | None = None):
     The factors are made contiguous here (the size of the LoRA parameters, not of B·A) so that
     grouped_mm gets 16-byte aligned strides.
     """
-    E = wrapper.num_experts
     wa = wrapper.lora_A[adapter].weight
-    wb = wrapper.lora_B[adapter].weight
-    a_t = wa.reshape(E, -1, wa.shape[-1]).transpose(1, 2)  # (E, in, r)
-    b_t = wb.reshape(wb.shape[0], -1, E).permute(2, 1, 0)  # (E, r, out)
-    if dtype is not None:
-        a_t, b_t = a_t.to(dtype), b_t.to(dtype)
-    return a_t.contiguous(), b_t.contiguous(), wrapper.scaling[adapter]
+    a_t, b_t = ops.raw_to_factors(wa, wrapper.lora_B[adapter].weight, wrapper.num_experts, dtype or wa.dtype)
+    return a_t, b_t, wrapper.scaling[adapter]
 
 
 if ParamWrapper is not None:
@@ -163,9 +201,11 @@ if ParamWrapper is not None:
             ):
                 return super().forward(x, *args, **kwargs)
             self._check_forward_args(x, *args, **kwargs)
-            dtype = self.get_param().dtype
             stash = experts.__dict__.setdefault(_LORA_ATTR, {})
-            stash[self.parameter_name] = [lora_factors(self, a, dtype) for a in adapters]
+            # peft's own weights: the backend casts and lays them out (inside the compiled graph
+            # on the compiled path, where that fuses)
+            stash[self.parameter_name] = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a])
+                                          for a in adapters]
             try:
                 # base_layer may be the ParamWrapper of the other projection: it stashes its own
                 return self.base_layer(x, *args, **kwargs)
@@ -211,6 +251,7 @@ def _routers(model: nn.Module):
 class MoeSettings:
     moe_backend: str
     moe_lora: str
+    moe_compile: Any
     moe_train_router: bool
     experts_layers: int
     lora_wrappers: int
@@ -237,6 +278,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     # Backend: transformers dispatches every experts forward through config._experts_implementation.
     for conf in {id(m.config): m.config for m in experts}.values():
         conf._experts_implementation = IMPL_PREFIX + cfg["moe_backend"]
+        conf._optim_moe_compile = cfg["moe_compile"]
     # LoRA: swap the class of peft's expert ParamWrappers (parameters and state-dict keys unchanged).
     wrappers = _expert_wrappers(model)
     for w in wrappers:
@@ -246,7 +288,8 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
         for p in r.parameters():
             p.requires_grad_(cfg["moe_train_router"])
     model._optim_moe = MoeSettings(
-        cfg["moe_backend"], cfg["moe_lora"], cfg["moe_train_router"], len(experts), len(wrappers), len(routers)
+        cfg["moe_backend"], cfg["moe_lora"], cfg["moe_compile"], cfg["moe_train_router"],
+        len(experts), len(wrappers), len(routers)
     )
     return model
 
@@ -260,6 +303,8 @@ def describe(model: nn.Module) -> dict[str, Any]:
     ex = next((m for m in model.modules() if _is_experts(m)), None)
     if ex is not None and s.moe_backend == "auto":
         d["moe_backend_resolved"] = auto_backend(next(ex.parameters()).device)
+    if ops._compile_failed:
+        d["moe_compile_errors"] = {f"{k[0]}/{k[1]}": v[:300] for k, v in ops._compile_failed.items()}
     return d
 
 

@@ -125,3 +125,27 @@ attn_implementation = "sdpa"
     assert "loss" not in p_full.to_json() or '"loss": "full"' in p_full.to_json()
     with pytest.raises(experiment.ExperimentError, match="experiment.loss"):
         experiment.load(write_toml(base.replace('device = "cpu"', 'device = "cpu"\nloss = "fused"')))
+
+
+def test_variant_loss_overrides_the_experiment(write_toml):
+    base = """
+[experiment]
+name = "l"
+models = ["llama-3.2-1b-tiny"]
+seq_lens = [32]
+device = "cpu"
+[variants.a]
+attn_implementation = "sdpa"
+[variants.b]
+attn_implementation = "sdpa"
+loss = "chunked"
+"""
+    exp = experiment.load(write_toml(base))
+    a, b = exp.points()
+    assert (a.loss, b.loss) == ("full", "chunked")
+    assert "loss" not in b.switches  # a harness option, not a model switch
+    # variant a keeps the identity it had before variants could set a loss
+    (alone,) = experiment.load(write_toml(base.split("[variants.b]")[0])).points()
+    assert a.point_id == alone.point_id
+    with pytest.raises(experiment.ExperimentError, match=r"variants.b.loss"):
+        experiment.load(write_toml(base.replace('loss = "chunked"', 'loss = "fused"')))

@@ -40,13 +40,16 @@ def test_model_matches_loop_bf16(model):
     ids = torch.randint(0, 512, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     moe.enable(model, moe_backend="loop", moe_lora="merged")
     ref_loss, ref_logits, ref_grads = run_model(model, ids, params)
-    for backend, lora in MODES[1:] + [("auto", "split")]:
-        moe.enable(model, moe_backend=backend, moe_lora=lora)
+    # grouped_mm with moe_compile on (the CUDA default) and off (the eager grouped path)
+    for backend, lora, comp in [(b, lo, "auto") for b, lo in MODES[1:]] + [("grouped_mm", "split", False),
+                                                                        ("auto", "split", "auto")]:
+        moe.enable(model, moe_backend=backend, moe_lora=lora, moe_compile=comp)
         loss, logits, grads = run_model(model, ids, params)
-        assert abs(loss.item() - ref_loss.item()) < 1e-2 * abs(ref_loss.item()), (backend, lora)
-        assert rel_err(logits, ref_logits) < TOL, (backend, lora)
+        assert "moe_compile_errors" not in moe.describe(model), moe.describe(model)
+        assert abs(loss.item() - ref_loss.item()) < 1e-2 * abs(ref_loss.item()), (backend, lora, comp)
+        assert rel_err(logits, ref_logits) < TOL, (backend, lora, comp)
         for n in ref_grads:
-            assert rel_err(grads[n], ref_grads[n]) < TOL, (backend, lora, n)
+            assert rel_err(grads[n], ref_grads[n]) < TOL, (backend, lora, comp, n)
     moe.enable(model)
 
 
@@ -79,8 +82,9 @@ def test_observed_host_syncs_per_layer(model):
     idx = routings(32, E, k, "cuda")[0][1]
     hidden = torch.randn(32, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     wts = torch.rand(32, k, device="cuda", dtype=torch.bfloat16)
-    for backend, want in (("loop", E), ("sorted", 1), ("grouped_mm", 0)):
-        moe.enable(model, moe_backend=backend, moe_lora="split")
+    for backend, want, comp in (("loop", E, "auto"), ("sorted", 1, "auto"), ("grouped_mm", 0, False),
+                                ("grouped_mm", 0, True)):
+        moe.enable(model, moe_backend=backend, moe_lora="split", moe_compile=comp)
         experts(hidden, idx, wts).sum().backward()  # warm-up (lazy init may sync)
         with moe.count_host_syncs("cuda") as s:
             out = experts(hidden, idx, wts)

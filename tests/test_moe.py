@@ -209,3 +209,56 @@ def test_enable_on_dense_model_is_noop():
 def test_import_does_not_pull_harness():
     code = "import sys, optim.moe; assert not any(m == 'harness' or m.startswith('harness.') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# moe_compile: the grouped path as one torch.compile'd graph (bf16: grouped_mm's compiled meta
+# takes bf16 only). Checked against the fp32 loop, with the bf16 loop's own error as the bar.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_grouped_matches_loop(name):
+    from optim import _moe_ops as ops
+
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for label, dtype, settings, ckpt in (
+        ("ref", torch.float32, dict(moe_backend="loop", moe_lora="merged"), False),
+        ("loop_bf16", torch.bfloat16, dict(moe_backend="loop", moe_lora="merged"), False),
+        ("compiled", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True), True),
+    ):
+        m = build(name, "cpu", dtype, RANK, gradient_checkpointing=ckpt)  # rank 4: padded to 8 in bf16
+        moe.enable(m, **settings)
+        runs[label] = run_model(m, ids, _lora_params(m))
+        if label == "compiled":
+            assert ("cpu", torch.bfloat16) not in ops._compile_failed
+            assert "moe_compile_errors" not in moe.describe(m)
+    (rl, rg, rgr), (bl, bg, bgr), (cl, cg, cgr) = runs["ref"], runs["loop_bf16"], runs["compiled"]
+    bar = lambda a, b: 1.5 * rel_err(a.float(), b.float()) + 2e-2  # noqa: E731
+    assert abs(cl.float() - rl) <= 1.5 * abs(bl.float() - rl) + 2e-2
+    assert rel_err(cg.float(), rg) <= bar(bg, rg)
+    for n in rgr:
+        assert rel_err(cgr[n].float(), rgr[n]) <= bar(bgr[n], rgr[n]), n
+
+
+def test_compile_failure_falls_back_to_eager(caplog):
+    """fp32 on CPU: the compiled grouped_mm rejects fp32, so the layer logs once and runs eager,
+    with the eager grouped path's exact numbers."""
+    from optim import _moe_ops as ops
+
+    name = "qwen3-30b-a3b-tiny"
+    ids = torch.randint(0, 512, (1, 16))
+    eager = build(name, "cpu", torch.float32, RANK)
+    moe.enable(eager, moe_backend="grouped_mm", moe_compile=False)
+    ref = run_model(eager, ids, _lora_params(eager))
+    comp = build(name, "cpu", torch.float32, RANK)
+    moe.enable(comp, moe_backend="grouped_mm", moe_compile=True)
+    with caplog.at_level("WARNING", logger="optim._moe_ops"):
+        got = run_model(comp, ids, _lora_params(comp))
+    assert ("cpu", torch.float32) in ops._compile_failed
+    assert "cpu/torch.float32" in moe.describe(comp)["moe_compile_errors"]
+    assert sum("torch.compile of the grouped experts failed" in r.message for r in caplog.records) == 1
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for n in ref[2]:
+        torch.testing.assert_close(got[2][n], ref[2][n], rtol=0, atol=0)

@@ -9,28 +9,28 @@ from harness.profile import analyze
 
 
 def test_analyze_busy_launches_syncs_per_phase():
-    X = lambda **kw: {"ph": "X", **kw}  # noqa: E731 - chrome-trace events, ts/dur in µs
-    ev = [
+    X = lambda c=None, **kw: {"ph": "X", **kw, **({"args": {"correlation": c}} if c else {})}  # noqa: E731
+    ev = [  # chrome-trace events, ts/dur in µs; kernels find their launch by correlation id
         X(cat="user_annotation", name="phase:forward", ts=0, dur=100),
-        X(cat="gpu_user_annotation", name="phase:forward", ts=10, dur=200),
-        X(cat="cuda_runtime", name="cudaLaunchKernel", ts=5, dur=2),
-        X(cat="cuda_runtime", name="cudaLaunchKernel", ts=50, dur=2),
-        X(cat="cuda_runtime", name="cudaStreamSynchronize", ts=60, dur=30),
-        X(cat="cuda_runtime", name="cudaLaunchKernel", ts=150, dur=2),  # after the phase: not counted
-        X(cat="kernel", name="gemm", ts=10, dur=50),
-        X(cat="kernel", name="gemm", ts=40, dur=50),  # overlaps the first: counted once
-        X(cat="kernel", name="softmax", ts=150, dur=20),
-        X(cat="kernel", name="softmax", ts=400, dur=20),  # outside the phase's GPU span
+        X(1, cat="cuda_runtime", name="cudaLaunchKernel", ts=5, dur=2),
+        X(2, cat="cuda_runtime", name="cudaLaunchKernel", ts=50, dur=2),
+        X(3, cat="cuda_runtime", name="cudaLaunchKernel", ts=60, dur=2),
+        X(cat="cuda_runtime", name="cudaStreamSynchronize", ts=70, dur=20),
+        X(4, cat="cuda_runtime", name="cudaLaunchKernel", ts=150, dur=2),  # after the phase
+        X(1, cat="kernel", name="gemm", ts=10, dur=50),
+        X(2, cat="kernel", name="gemm", ts=40, dur=50),  # overlaps the first: counted once
+        X(3, cat="kernel", name="softmax", ts=190, dur=10),  # span [10, 200): 90 of 190 busy
+        X(4, cat="kernel", name="softmax", ts=400, dur=20),  # launched outside the phase
     ]
     s = analyze(ev)
     f = s["phases"]["forward"]
-    assert f["gpu_span_ms"] == pytest.approx(0.2) and f["cpu_span_ms"] == pytest.approx(0.1)
-    assert f["gpu_busy_ms"] == pytest.approx(0.1)  # [10, 90) and [150, 170)
-    assert f["gpu_busy_pct"] == pytest.approx(50.0)
-    assert f["launches"] == 2 and f["host_syncs"] == 1
+    assert f["gpu_span_ms"] == pytest.approx(0.19) and f["cpu_span_ms"] == pytest.approx(0.1)
+    assert f["gpu_busy_ms"] == pytest.approx(0.09)
+    assert f["gpu_busy_pct"] == pytest.approx(100 * 90 / 190)
+    assert f["kernels"] == 3 and f["launches"] == 3 and f["host_syncs"] == 1
     assert s["phases"]["backward"]["gpu_busy_pct"] is None
     assert s["top_kernels"][0]["name"] == "gemm" and s["top_kernels"][0]["count"] == 2
-    assert s["kernel_ms_total"] == pytest.approx(0.14)
+    assert s["kernel_ms_total"] == pytest.approx(0.13)
 
 
 def test_profile_cli_on_a_tiny_model(tmp_path, capsys):
