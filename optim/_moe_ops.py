@@ -318,16 +318,28 @@ def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, 
 
 _compiled = None
 _compile_failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the error
+# Every model, shape and gate seen in one process is one more entry of the same compiled
+# function; dynamo's default limit (8) was reached on the H200 by the GPU test suite, which runs
+# two models over many routing shapes. A training run needs one or two entries.
+RECOMPILE_LIMIT = 64
 
 
 def compiled_grouped(device: torch.device, dtype: torch.dtype):
     """``grouped_pure`` under torch.compile (one per process), or None where compiling failed
     before for this device type and dtype."""
-    global _compiled
     if (device.type, dtype) in _compile_failed:
         return None
+    global _compiled
     if _compiled is None:
-        _compiled = torch.compile(grouped_pure, fullgraph=True)
+        fn = torch.compile(grouped_pure, fullgraph=True)
+        cfg = torch._dynamo.config
+        key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+
+        def call(*args):
+            with cfg.patch(**{key: max(RECOMPILE_LIMIT, getattr(cfg, key))}):
+                return fn(*args)
+
+        _compiled = call
     return _compiled
 
 
