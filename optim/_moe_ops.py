@@ -244,7 +244,7 @@ def grouped_forward(mod, hidden, router_indices, routing_weights, lora) -> torch
 #
 # The eager grouped path is host-bound on a GPU: ~60 kernels per experts layer in the forward,
 # more in the backward, each behind Python and dispatcher overhead, and most of them elementwise
-# (bias gathers, the gate, casts of the LoRA factors, the routing weight). With static shapes
+# (bias gathers, the gate, the routing weight). With static shapes
 # (the grouped path never reads a count on the host) the whole layer compiles into a handful of
 # fused kernels around the grouped GEMMs. The function takes only tensors and plain data, so the
 # one compiled graph serves every layer of the model.
@@ -294,7 +294,7 @@ def compile_factors(wa, wb, num_experts: int, dtype: torch.dtype):
     return _pad_rank(*raw_to_factors(wa, wb, num_experts, dtype))
 
 
-def _proj_pure(x, offs, eids, w, b, lora, num_experts):
+def _proj_pure(x, offs, eids, w, b, lora):
     y = _GMM(x, w.to(x.dtype), offs=offs)
     if b is not None:
         y = y + b.index_select(0, eids).to(y.dtype)
@@ -310,9 +310,9 @@ def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, 
     with contiguous (E, in, r) / (E, r, out) factors, rank padded (``compile_factors``)."""
     g = Grouping(router_indices, num_experts)
     x, w = g.gather(hidden, routing_weights)
-    h = _proj_pure(x.contiguous(), g.offs, g.eids, w_gu, b_gu, lora_gu, num_experts)
+    h = _proj_pure(x.contiguous(), g.offs, g.eids, w_gu, b_gu, lora_gu)
     h = apply_gate(h, gate).contiguous()
-    y = _proj_pure(h, g.offs, g.eids, w_d, b_d, lora_d, num_experts) * w[:, None]
+    y = _proj_pure(h, g.offs, g.eids, w_d, b_d, lora_d) * w[:, None]
     return g.combine(y, *router_indices.shape).to(hidden.dtype)
 
 

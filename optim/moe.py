@@ -23,8 +23,8 @@ rows only. ``moe_lora="merged"`` keeps peft's behaviour (our backends then read 
 weight). The router is frozen unless ``moe_train_router=True``.
 
 ``moe_compile`` (``auto`` = on CUDA): the grouped_mm layer runs as one ``torch.compile``'d pure
-function (``_moe_ops.grouped_pure``) shared by every layer; the gate, biases, LoRA casts and
-routing weights fuse around the grouped GEMMs. A compiler failure logs one line and falls back
+function (``_moe_ops.grouped_pure``) shared by every layer; the gate, bias gathers and routing
+weights fuse around the grouped GEMMs (the LoRA factors are cast and laid out eagerly first). A compiler failure logs one line and falls back
 to the eager grouped path.
 
 Only torch, transformers and peft are imported here.
@@ -71,7 +71,7 @@ SWITCHES: dict[str, Switch] = {
             ("auto", True, False),
             "auto",
             "torch.compile the grouped_mm experts layer (static shapes, one graph for every layer): "
-            "fuses the gate, biases, casts and routing weights around the grouped GEMMs and cuts "
+            "fuses the gate, biases and routing weights around the grouped GEMMs and cuts "
             "the kernel launches; auto = on CUDA",
         ),
         Switch(
@@ -202,8 +202,8 @@ if ParamWrapper is not None:
                 return super().forward(x, *args, **kwargs)
             self._check_forward_args(x, *args, **kwargs)
             stash = experts.__dict__.setdefault(_LORA_ATTR, {})
-            # peft's own weights: the backend casts and lays them out (inside the compiled graph
-            # on the compiled path, where that fuses)
+            # peft's own weights: the backend casts and lays them out as its path needs (the
+            # compiled path also pads the rank for grouped_mm)
             stash[self.parameter_name] = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a])
                                           for a in adapters]
             try:

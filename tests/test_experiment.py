@@ -107,8 +107,7 @@ def test_subset_keeps_point_identity_and_rejects_unknown(write_toml):
         experiment.subset(exp, seq_lens=[999])
 
 
-def test_loss_option(write_toml):
-    base = """
+LOSS_BASE = """
 [experiment]
 name = "l"
 models = ["llama-3.2-1b-tiny"]
@@ -117,6 +116,10 @@ device = "cpu"
 [variants.a]
 attn_implementation = "sdpa"
 """
+
+
+def test_loss_option(write_toml):
+    base = LOSS_BASE
     full = experiment.load(write_toml(base))
     chunked = experiment.load(write_toml(base.replace('device = "cpu"', 'device = "cpu"\nloss = "chunked"')))
     assert full.loss == "full" and chunked.loss == "chunked"
@@ -128,15 +131,7 @@ attn_implementation = "sdpa"
 
 
 def test_variant_loss_overrides_the_experiment(write_toml):
-    base = """
-[experiment]
-name = "l"
-models = ["llama-3.2-1b-tiny"]
-seq_lens = [32]
-device = "cpu"
-[variants.a]
-attn_implementation = "sdpa"
-[variants.b]
+    base = LOSS_BASE + """[variants.b]
 attn_implementation = "sdpa"
 loss = "chunked"
 """
