@@ -266,6 +266,10 @@ def _optim_stats(model, optim_applied: dict) -> dict:
         from optim import packing
 
         out["packing_counters"] = dict(packing.counters())
+    if "optim.regional" in optim_applied:
+        from optim import regional
+
+        out["compile_stats"] = regional.describe(model)  # after the run: failures show at a call
     return out
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from optim.switches import Switch
 
-OPTIM_MODULES = ("optim.packing", "optim.offload", "optim.moe")
+# In the order they are enabled: optim.regional compiles the layers the others have set up.
+OPTIM_MODULES = ("optim.packing", "optim.offload", "optim.moe", "optim.regional")
 
 
 SWITCHES: dict[str, Switch] = {
@@ -78,7 +79,7 @@ def optim_settings(switches: dict[str, Any]) -> dict[str, dict[str, Any]]:
         module = OWNER.get(name)
         if module:
             out.setdefault(module, {})[name] = value
-    return out
+    return {m: out[m] for m in OPTIM_MODULES if m in out}
 
 
 def stock_attn_for(family: str, attn: str) -> str:

@@ -10,7 +10,10 @@
 - ``optim.offload``: checkpointed layer inputs in pinned host memory, double-buffered reload
   (``offload``, ``offload_guard``); off by default, since it trades time for memory.
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
-  (``moe_backend``, ``moe_lora``, ``moe_train_router``); a dense model is left unchanged.
+  (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_train_router``); a dense model is left
+  unchanged.
+- ``optim.regional``: each decoder layer through torch.compile, one graph shared by all layers
+  (``compile_layers``); cuts the kernel launches of host-bound steps.
 
 ``optim`` imports only torch, transformers and peft; it never imports the benchmark harness.
 Each optimization is one module exposing ``SWITCHES`` and ``enable(model, **settings)``.
@@ -24,9 +27,10 @@ __all__ = ["Switch", "SWITCHES", "enable"]
 
 
 def _modules():
-    from optim import moe, offload, packing
+    from optim import moe, offload, packing, regional
 
-    return {"packing": packing, "moe": moe, "offload": offload}
+    # regional last: it compiles the layers as the others left them
+    return {"packing": packing, "moe": moe, "offload": offload, "regional": regional}
 
 
 def __getattr__(name):

@@ -684,7 +684,9 @@ def register() -> None:
     if not _registered:
         from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTN_NAME, packed_attention_forward)
+        # Opaque to torch.compile (optim.regional compiles the layers around it): the metadata
+        # cache is host state, and a graph break here keeps one graph valid for every batch.
+        AttentionInterface.register(ATTN_NAME, torch.compiler.disable(packed_attention_forward))
         _registered = True
 
 
