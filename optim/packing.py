@@ -43,6 +43,7 @@ layers (``module.sliding_window``/``config.layer_types``) get their own cached s
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import itertools
 import weakref
@@ -56,6 +57,8 @@ from optim.switches import Switch
 
 ATTN_NAME = "optim_packed"
 FORWARD_KWARG = "packing"  # the model forward kwarg that carries a PackedMetadata
+# Prebuilt flex BlockMasks per sliding window, handed to compiled layers (see prebuild_structures)
+STRUCTURES_KWARG = "packing_structures"
 FLEX_BLOCK = 128  # flex_attention's default sparse block size
 BACKENDS = ("sdpa", "flex", "varlen")
 
@@ -408,17 +411,20 @@ def build_flex_block_mask(entry: _Entry, window: int | None):
         return counts, order
 
     doc = F.pad(entry.doc, (0, nb * bs - T), value=-1)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
-        if window is not None:
-            keep = keep & (q_idx - kv_idx < window)
-        return keep
-
+    # a partial of a module-level function rather than a closure: a compiled layer that takes the
+    # mask as input guards on the function, and a new closure per batch would recompile it
+    mask_mod = functools.partial(_doc_mask_mod, doc, window)
     kv_num, kv_idx = ordered(partial)
     full_num, full_idx = ordered(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
                                     mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def _doc_mask_mod(doc, window, b, h, q_idx, kv_idx):
+    keep = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+    if window is not None:
+        keep = keep & (q_idx - kv_idx < window)
+    return keep
 
 
 def build_varlen_args(entry: _Entry) -> tuple[torch.Tensor, int]:
@@ -483,7 +489,10 @@ def _flex_fn(device: torch.device):
 
 def _flex(entry, q, k, v, scale, window, sinks, cache):
     block_mask = _structure(entry, ("flex", window), lambda: build_flex_block_mask(entry, window), cache)
-    fn = _flex_fn(q.device)
+    return _flex_attend(_flex_fn(q.device), q, k, v, block_mask, scale, sinks)
+
+
+def _flex_attend(fn, q, k, v, block_mask, scale, sinks):
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
         out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
@@ -648,9 +657,31 @@ def packed_attention_forward(
     s_aux: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     packing: PackedMetadata | None = None,
+    packing_structures: dict | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: (B, H, T, D) q/k/v in, (B, T, H, D) out."""
+    """transformers attention interface: (B, H, T, D) q/k/v in, (B, T, H, D) out.
+
+    Inside a compiled layer (``optim.regional``) with the batch's flex BlockMasks prebuilt
+    outside the graph (``prebuild_structures``), flex attention is traced into the layer's
+    graph. Everything else runs eager, behind a graph break: the metadata cache is host state.
+    """
+    if packing_structures is not None and torch.compiler.is_compiling() and not dropout \
+            and key.shape[2] == query.shape[2]:
+        block_mask = packing_structures.get(_layer_window(module, sliding_window))
+        if block_mask is not None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+            return _flex_attend(flex_attention, query, key, value, block_mask, scale, sinks), None
+    return _packed_attention_eager(module, query, key, value, attention_mask, scaling, dropout,
+                                   sliding_window, s_aux, position_ids, packing, **kwargs)
+
+
+@torch.compiler.disable
+def _packed_attention_eager(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                            s_aux, position_ids, packing, **kwargs):
     settings: PackingSettings = getattr(module, "_optim_packing", _DEFAULT)
     B, H, T, D = query.shape
     if key.shape[2] != T:
@@ -684,10 +715,54 @@ def register() -> None:
     if not _registered:
         from transformers import AttentionInterface
 
-        # Opaque to torch.compile (optim.regional compiles the layers around it): the metadata
-        # cache is host state, and a graph break here keeps one graph valid for every batch.
-        AttentionInterface.register(ATTN_NAME, torch.compiler.disable(packed_attention_forward))
+        AttentionInterface.register(ATTN_NAME, packed_attention_forward)
         _registered = True
+
+
+def _structures_hook(settings: PackingSettings, windows: tuple):
+    def hook(module, args, kwargs):
+        meta = kwargs.get(FORWARD_KWARG)
+        if meta is None or kwargs.get(STRUCTURES_KWARG) is not None:
+            return None
+        ref = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None),
+                   args[0] if args else None)
+        param = next(module.parameters(), None)
+        if ref is None or param is None:
+            return None
+        device, pos = ref.device, kwargs.get("position_ids")
+        if resolve_backend(settings.backend, device, param.dtype) != "flex":
+            return None
+        validate = settings.validate if settings.validate is not None else (
+            pos is not None and pos.device.type == "cpu")
+        entry = _entry_for(meta, pos, meta.batch_size, meta.seq_len, device, True, validate)
+        masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
+                 for w in windows}
+        return args, {**kwargs, STRUCTURES_KWARG: masks}
+
+    return hook
+
+
+def prebuild_structures(model) -> int:
+    """Build each packed batch's flex BlockMasks once, before the decoder layers run, and hand
+    them to every layer as the ``packing_structures`` kwarg; returns the stacks hooked.
+
+    For compiled layers (``optim.regional`` calls this): the masks enter the graph as inputs, so
+    flex attention is traced into the layer and one graph serves every batch. Only with the
+    cache on and the flex backend; other backends keep their graph break. Idempotent.
+    """
+    settings = getattr(model, "_optim_packing", None)
+    if settings is None or not settings.cache or settings.backend in ("off", "sdpa", "varlen"):
+        return 0
+    windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
+                           key=lambda w: -1 if w is None else w))
+    n = 0
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and not getattr(m, "_optim_packing_prebuild", False):
+            m.register_forward_pre_hook(_structures_hook(settings, windows), with_kwargs=True)
+            m._optim_packing_prebuild = True
+            n += 1
+    return n
 
 
 def _attention_modules(model) -> Iterable[torch.nn.Module]:
@@ -805,8 +880,8 @@ class PackingCollator:
 
 
 __all__ = [
-    "ATTN_NAME", "FORWARD_KWARG", "SWITCHES", "COUNTERS", "PackedMetadata", "PackingCollator",
+    "ATTN_NAME", "FORWARD_KWARG", "STRUCTURES_KWARG", "SWITCHES", "COUNTERS", "PackedMetadata", "PackingCollator",
     "PackingSettings", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args",
-    "cached_entry", "counters", "enable", "packed_attention_forward", "packed_kwargs", "register",
+    "cached_entry", "counters", "enable", "packed_attention_forward", "packed_kwargs", "prebuild_structures", "register",
     "release", "reset_counters", "resolve_backend", "varlen_available",
 ]

@@ -13,9 +13,10 @@ What is compiled, and what is not:
   layer call, and the recompute runs the same compiled code. The layers share one code object,
   and dynamo treats their parameters as inputs, so one graph serves every layer: it compiles
   once, not L times.
-- ``optim.packing``'s attention stays eager behind a graph break (``packing.register`` marks it).
-  Its per-batch metadata cache is host state, and keeping it out of the graph keeps one graph
-  valid for every batch. The kernels it calls (SDPA, compiled flex, varlen) are one launch each.
+- ``optim.packing``'s flex attention (cache on) is traced into the layer's graph: the batch's
+  BlockMasks are built once before the layers run (``packing.prebuild_structures``) and enter
+  the graph as inputs, so one graph serves every batch. Its other paths (SDPA mask, varlen, cache
+  off) stay eager behind a graph break: the metadata cache is host state.
 - A MoE block stays eager too. Its routing is data-dependent, and ``optim.moe`` compiles its
   experts itself (``moe_compile``).
 
@@ -57,6 +58,7 @@ class CompileState:
     mode: Any
     layers: int = 0
     eager_blocks: int = 0
+    prebuilt: bool = False
     failed: str | None = None
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "eager": 0})
 
@@ -127,6 +129,9 @@ def enable(model: nn.Module, *, compile_layers=None, **_ignored) -> nn.Module:
     if not layers:
         raise ValueError("regional.enable: found no decoder layers (transformers GradientCheckpointingLayer) "
                          "in the model")
+    from optim import packing
+
+    state.prebuilt = packing.prebuild_structures(model) > 0  # flex traced into the layer graph
     for layer in layers:
         block = _moe_block(layer)
         if block is not None and not getattr(block, "_optim_regional_eager", False):
@@ -145,6 +150,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
     if s is None:
         return {}
     d = {"compile_layers": s.mode, "compiled_layers": s.layers, "eager_moe_blocks": s.eager_blocks,
+         "flex_traced": s.prebuilt,
          "layer_calls": dict(s.calls)}
     if s.failed:
         d["compile_error"] = s.failed

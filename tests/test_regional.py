@@ -103,3 +103,34 @@ def test_switch_resolution(monkeypatch):
         R.enable(m, compile_layers="sometimes")
     with pytest.raises(ValueError, match="no decoder layers"):
         R.enable(torch.nn.Linear(2, 2), compile_layers=True)
+
+
+def test_flex_is_traced_into_the_layer_graph():
+    """Packed flex with the cache on: the BlockMasks are built once per batch before the layers
+    and enter the graph as inputs, so there is no graph break and no recompile per batch.
+    Forward only: compiled flex on CPU supports inference only."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    models_ = []
+    for comp in (False, True):
+        m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4)
+        P.enable(m, packing_backend="flex")
+        R.enable(m, compile_layers=comp)
+        models_.append(m)
+    eager, comp = models_
+    P.reset_counters()
+    for lengths in LENGTHS:
+        meta = P.PackedMetadata.from_lengths(lengths)
+        ids = torch.randint(0, 100, (meta.batch_size, meta.seq_len), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            outs = [m(input_ids=ids, position_ids=meta.position_ids(), **P.packed_kwargs(meta)).logits
+                    for m in (eager, comp)]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    d = R.describe(comp)
+    assert d["flex_traced"] and "compile_error" not in d and d["layer_calls"]["eager"] == 0
+    assert not counters["graph_break"] and not counters["recompiles"]
+    # one BlockMask per batch: built before the compiled model's layers, then a cache hit for
+    # the eager model on the same batch (the cache is per device and keyed by the batch)
+    assert P.counters()["flex_block_mask"] == len(LENGTHS)
