@@ -668,7 +668,10 @@ def packed_attention_forward(
     """
     if packing_structures is not None and torch.compiler.is_compiling() and not dropout \
             and key.shape[2] == query.shape[2]:
-        block_mask = packing_structures.get(_layer_window(module, sliding_window))
+        # the window recorded by enable(), not _layer_window: that reads layer_idx, and a graph
+        # guarded on layer_idx would be compiled once per layer
+        window = int(sliding_window) if sliding_window else getattr(module, "_optim_packing_window", None)
+        block_mask = packing_structures.get(window)
         if block_mask is not None:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -798,6 +801,7 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
     n = 0
     for m in _attention_modules(model):
         m._optim_packing = settings
+        m._optim_packing_window = _layer_window(m, None)
         n += 1
     if n == 0:
         raise ValueError("packing.enable: found no attention modules (q_proj + layer_idx) in the model")

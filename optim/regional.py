@@ -152,6 +152,21 @@ def describe(model: nn.Module) -> dict[str, Any]:
     d = {"compile_layers": s.mode, "compiled_layers": s.layers, "eager_moe_blocks": s.eager_blocks,
          "flex_traced": s.prebuilt,
          "layer_calls": dict(s.calls)}
+    graphs = _graphs(model)
+    if graphs is not None:
+        d["graphs"] = graphs  # more than a few: something guards per layer or per batch
     if s.failed:
         d["compile_error"] = s.failed
     return d
+
+
+def _graphs(model: nn.Module) -> int | None:
+    """Compiled graphs cached for the layers' forward (dynamo's private debug API; None if absent)."""
+    layers = decoder_layers(model) if getattr(model, "_optim_regional", None) and model._optim_regional.layers else []
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return sum(len(_debug_get_cache_entry_list(code)) for code in {type(m).forward.__code__ for m in layers}) \
+            if layers else None
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return None

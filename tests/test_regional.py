@@ -64,6 +64,17 @@ def test_compiled_layers_match_eager(name, moe_backend):
     assert "compile_error" not in d and R.describe(eager)["compiled_layers"] == 0
     assert d["eager_moe_blocks"] == (n if moe_backend else 0)
     assert not counters["recompiles"], dict(counters["recompiles"])  # the metadata is not guarded on
+    # one graph for every layer: nothing guards on a layer's index (8 layers would hit dynamo's
+    # recompile limit; the H100 did with a layer_idx guard)
+    assert _graphs_per_layer_code(comp) == 1
+
+
+def _graphs_per_layer_code(model) -> int:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    layer = R.decoder_layers(model)[0]
+    return max(len(_debug_get_cache_entry_list(type(layer).forward.__code__)),
+               len(_debug_get_cache_entry_list(torch.nn.Module._call_impl.__code__)))
 
 
 def test_compiler_failure_falls_back_to_eager_once(caplog):
@@ -115,7 +126,10 @@ def test_flex_is_traced_into_the_layer_graph():
     counters.clear()
     models_ = []
     for comp in (False, True):
-        m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4)
+        # no checkpointing: its input hook makes layer 0's input require grad even under
+        # no_grad, which is a second graph for layer 0 (training has one for all layers)
+        m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4,
+                         gradient_checkpointing=False)
         P.enable(m, packing_backend="flex")
         R.enable(m, compile_layers=comp)
         models_.append(m)
@@ -131,6 +145,7 @@ def test_flex_is_traced_into_the_layer_graph():
     d = R.describe(comp)
     assert d["flex_traced"] and "compile_error" not in d and d["layer_calls"]["eager"] == 0
     assert not counters["graph_break"] and not counters["recompiles"]
+    assert _graphs_per_layer_code(comp) == 1  # one graph for every layer and every batch
     # one BlockMask per batch: built before the compiled model's layers, then a cache hit for
     # the eager model on the same batch (the cache is per device and keyed by the batch)
     assert P.counters()["flex_block_mask"] == len(LENGTHS)
