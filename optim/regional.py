@@ -24,7 +24,10 @@ A compiler failure logs one line, and that layer call and every later one run ea
 checkpoint's early stop of the recompute pass through. An error that eager raises as well (bad
 input) is raised as eager raises it, and compilation stays on.
 
-Switch ``compile_layers``: ``auto`` (on for CUDA models), ``True``, ``False``.
+Switch ``compile_layers``: ``auto`` (the default: on for CUDA models), ``True``, ``False``.
+Measured on the H100 (``experiments/packing.toml``, Qwen3-0.6B at 8192 packed tokens, one run):
+stock flex_attention 494.5 ms/step, the same with compiled layers 222.2 ms, packed flex traced
+into the compiled layers 220.1 ms.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ SWITCHES = {
     "compile_layers": Switch(
         "compile_layers",
         ("auto", True, False),
-        False,
+        "auto",
         "torch.compile each decoder layer (one shared graph; attention of optim.packing and MoE "
         "blocks stay eager): fewer kernel launches where the step is host-bound. auto = on CUDA",
     ),

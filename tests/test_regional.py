@@ -4,6 +4,7 @@ and a compiler failure that falls back to eager once. Each test compiles: kept t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -149,3 +150,30 @@ def test_flex_is_traced_into_the_layer_graph():
     # one BlockMask per batch: built before the compiled model's layers, then a cache hit for
     # the eager model on the same batch (the cache is per device and keyed by the batch)
     assert P.counters()["flex_block_mask"] == len(LENGTHS)
+
+
+@pytest.mark.parametrize("mode", ["double", "save_on_cpu"])
+def test_compiled_layers_under_offloaded_checkpointing(mode):
+    """optim.offload wraps each layer call; the compiled layer runs inside, forward and recompute,
+    and the loss and LoRA gradients stay those of plain eager checkpointing."""
+    import optim.offload as oo
+
+    def run(offload, compile_layers):
+        spec = dataclasses.replace(models.get("qwen3-0.6b-tiny"), num_hidden_layers=4)  # 2 offloaded
+        m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
+        torch.manual_seed(1)
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(0, 0.05)
+        oo.enable(m, offload=offload, min_bytes=0)
+        R.enable(m, compile_layers=compile_layers)
+        out = [_step(m, lengths) for lengths in LENGTHS[:2]]
+        return out, R.describe(m), oo.get(m)
+
+    ref, _, _ = run("none", False)
+    got, d, off = run(mode, True)
+    for a, b in zip(ref, got):
+        _assert_same(a, b)
+    assert "compile_error" not in d and d["layer_calls"]["eager"] == 0
+    if mode == "double":
+        assert off.stats()["offloaded"] > 0

@@ -335,3 +335,127 @@ def test_packing_cache_predicted_vs_measured():
     assert p["gain_pct"] == pytest.approx(7.5)
     # a point measured with the cache on only gives no row
     assert packing_cache_points([row(True, 400.0, 10)], m) == []
+
+
+def _packing_row(variant, p50, *, model="qwen3-0.6b", seq_len=8192, status="ok", peak=None,
+                 at="2026-11-22T00:30:00+00:00", sha="aaaa1111", spread=1.0, **switches) -> dict:
+    backend = "off" if variant.startswith("stock-") else variant.split("-")[1]
+    sw = {"packing_backend": backend, **switches}
+    if variant.endswith("-compiled"):
+        sw["compile_layers"] = True
+    if variant.startswith("packed-") and not variant.endswith("-compiled"):
+        sw.setdefault("packing_cache", not variant.endswith("-nocache"))
+    return {"kind": "step", "gpu_slug": "g", "model": model, "seq_len": seq_len, "variant": variant,
+            "status": status, "switches": sw, "batch_size": 1, "num_layers": 28, "measured_steps": 10,
+            "step_ms": {"p20": p50, "p50": p50, "p80": p50 * spread} if status == "ok" else None,
+            "peak_allocated_gib": peak, "recorded_at": at, "env": {"git_sha": sha}}
+
+
+def test_packing_cache_compiled_rows_do_not_collide():
+    from harness.report_bench import packing_cache_md, packing_cache_points
+
+    # compiled rows that record the cache default must not become the "on" row of the uncompiled pair
+    rows = [_packing_row("packed-flex-compiled", 200.0, packing_cache=True),
+            _packing_row("packed-flex", 400.0), _packing_row("packed-flex-nocache", 500.0)]
+    (p,) = packing_cache_points(rows, [])
+    assert (p["compiled"], p["on_ms"], p["off_ms"]) == (False, 400.0, 500.0)
+    # a compiled on/off pair, should one be run, is its own point with its own label
+    rows.append(_packing_row("packed-flex-compiled", 260.0, packing_cache=False))
+    pts = packing_cache_points(rows, [])
+    assert [(q["compiled"], q["on_ms"], q["off_ms"]) for q in pts] == [(False, 400.0, 500.0), (True, 200.0, 260.0)]
+    md = packing_cache_md(rows, [])
+    assert "| g | qwen3-0.6b | 8192 | flex | " in md and "| g | qwen3-0.6b | 8192 | flex (compiled) | " in md
+
+
+def test_packing_best_packed_vs_stock_flex_met():
+    from harness.report_bench import packing_targets_md
+
+    rows = [_packing_row("stock-flex", 500.0, at="2026-11-22T00:30:00+00:00"),
+            _packing_row("stock-flex-compiled", 250.0),
+            _packing_row("packed-flex", 400.0),
+            _packing_row("packed-sdpa", None, status="oom"),
+            _packing_row("packed-varlen-compiled", 200.0, at="2026-11-22T00:40:00+00:00"),
+            _packing_row("stock-flex", 300.0, seq_len=2048)]  # no packed row at 2048
+    md = packing_targets_md(rows, [])
+    assert ("| best packed path ≥ 1.3× faster than stock flex_attention, qwen3-0.6b at 8192 tokens "
+            "(REFERENCE: stock 411 ms on the H100) | 2.50× (stock-flex 500.0 → packed-varlen-compiled 200.0 ms); "
+            "over stock-flex-compiled 1.25× | met |") in md
+    assert "| g | qwen3-0.6b | 8192 | 500.0 | 200.0 (packed-varlen-compiled) | 2.50× | 250.0 | 1.25× |" in md
+    assert "| g | qwen3-0.6b | 2048 | 300.0 | not run | – | – | – |" in md
+    assert "same sweep file" in md
+    assert ("stock-flex recorded 2026-11-22T00:30:00+00:00 (git aaaa1111) and packed-varlen-compiled recorded "
+            "2026-11-22T00:40:00+00:00 (git aaaa1111): they are 10 minutes apart at one commit, so they likely "
+            "come from one run.") in md
+
+
+def test_packing_best_packed_vs_stock_flex_not_met_and_different_runs():
+    from harness.report_bench import packing_targets_md
+
+    rows = [_packing_row("stock-flex", 500.0, at="2026-11-21T20:00:00+00:00"),
+            _packing_row("packed-flex", 450.0, at="2026-11-22T00:00:00+00:00")]
+    md = packing_targets_md(rows, [])
+    assert "| 1.11× (stock-flex 500.0 → packed-flex 450.0 ms); over stock-flex-compiled – | not met |" in md
+    assert "they are 240 minutes apart, so they come from different runs." in md
+    # within 30 minutes but at another commit: still different runs
+    rows[1].update(recorded_at="2026-11-21T20:05:00+00:00", env={"git_sha": "bbbb2222"})
+    assert "recorded at different commits, so they come from different runs." in packing_targets_md(rows, [])
+
+
+def test_packing_targets_missing_stock_flex_and_odd_rows():
+    from harness.report_bench import packing_targets_md
+
+    rows = [_packing_row("packed-flex", 400.0), _packing_row("packed-varlen", 380.0, peak=15.0),
+            {"kind": "step"}, {"kind": "step", "variant": "stock-flex", "status": "ok", "step_ms": "fast"},
+            {"kind": "step", "variant": "packed-sdpa", "model": "qwen3-0.6b", "seq_len": "8192", "status": "ok",
+             "switches": None, "recorded_at": None, "peak_allocated_gib": float("nan")}]
+    md = packing_targets_md(rows, [])
+    assert "None" not in md and "nan" not in md
+    assert "qwen3-0.6b at 8192 tokens (REFERENCE: stock 411 ms on the H100) | not measured | – |" in md
+    assert "#### Best packed path vs stock flex_attention" not in md
+    assert "| g | qwen3-0.6b | 8192 | – | – | 15.000 | – / – | 0.062 | yes |" in md
+    # a stock-flex row but no packed path at all: stated, not judged
+    md = packing_targets_md([_packing_row("stock-flex", 500.0)], [])
+    assert "| stock-flex 500.0 ms, no packed row | – |" in md
+    # and nothing at all still renders the target lines
+    assert "not measured" in packing_targets_md([], [])
+    assert report_bench.sweep_targets("packing", [{"kind": "step"}]) != []
+
+
+def test_packing_cache_gain_vs_seeds():
+    from harness.report_bench import packing_targets_md
+
+    rows = [_packing_row("packed-flex", 400.0), _packing_row("packed-flex-nocache", 500.0),  # +25%
+            _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 420.0),  # +5%
+            _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b"),
+            _packing_row("packed-sdpa-nocache", 303.0, model="llama-3.2-1b")]  # +1%
+    md = packing_targets_md(rows, [])
+    assert ("| cache on saves ≥ the seeds' +14.8% per step (qwen3-0.6b) | best +25.0% (flex, 8192 tokens; "
+            "spread ±0%) | met |") in md
+    assert ("| cache on saves ≥ the seeds' +11.5% per step (llama-3.2-1b) | best +1.0% (sdpa, 8192 tokens; spread ±0%) | "
+            "not met: see the measured / predicted column; the saving is (builds_off − builds_on)·m |") in md
+    assert "| cache on saves ≥ the seeds' +14.3% per step (qwen3-14b) | not measured | – |" in md
+
+
+def test_packing_cache_gain_within_noise_is_not_judged():
+    """Host-bound rows: a gain smaller than the rows' own p80/p20 spread measures nothing; the
+    largest gain that clears its spread is the one judged."""
+    from harness.report_bench import packing_targets_md
+
+    rows = [_packing_row("packed-flex", 400.0, spread=1.4), _packing_row("packed-flex-nocache", 500.0),  # +25% < 40%
+            _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 440.0, spread=1.05),  # +10% > 5%
+            _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b", spread=1.3),
+            _packing_row("packed-sdpa-nocache", 330.0, model="llama-3.2-1b")]  # +10% < 30%
+    md = packing_targets_md(rows, [])
+    assert "(qwen3-0.6b) | best +10.0% (varlen, 8192 tokens; spread ±5%) | not met" in md
+    assert "(llama-3.2-1b) | best +10.0% (sdpa, 8192 tokens; spread ±30%) | within noise" in md
+
+
+def test_packing_peak_memory_side_by_side():
+    from harness.report_bench import packing_targets_md
+
+    rows = [_packing_row("packed-sdpa", 410.0, peak=15.8), _packing_row("packed-flex", 400.0, peak=15.7),
+            _packing_row("packed-varlen", 390.0, peak=15.75, at="2026-11-22T02:00:00+00:00"),
+            _packing_row("packed-flex-compiled", 200.0, peak=1.0)]  # compiled: not in this table
+    md = packing_targets_md(rows, [])
+    assert "`tests/test_gpu_packing.py` (a GPU test) asserts it" in md
+    assert "| g | qwen3-0.6b | 8192 | 15.800 | 15.700 | 15.750 | +0.100 / +0.050 | 0.062 | no |" in md
