@@ -19,7 +19,8 @@ from harness.switches import SWITCHES, resolve
 
 MIN_WARMUP_STEPS = 3
 MIN_MEASURED_STEPS = 10
-LAUNCHERS = ("process",)  # "torchrun" slots in here (harness/launchers.py)
+LAUNCHERS = ("process", "preloaded")  # "torchrun" slots in here (harness/launchers.py)
+MULTI_GPU_LAUNCHERS: tuple[str, ...] = ()  # ...and here
 DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
 DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -79,6 +80,8 @@ class SweepPoint:
             key.pop("pin_cpu")  # added later: unpinned points keep their earlier identity
         if key["loss"] == "full":
             key.pop("loss")  # likewise
+        if key["launcher"] == "preloaded":
+            key["launcher"] = "process"  # one process per point either way; only the imports differ
         blob = json.dumps(key, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -236,8 +239,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     dtype = _choice(path, "experiment.dtype", exp.get("dtype", "bf16"), DTYPES)
     device = _choice(path, "experiment.device", exp.get("device", "auto"), DEVICES)
     launcher = _choice(path, "experiment.launcher", exp.get("launcher", "process"), LAUNCHERS)
-    if gpus > 1 and launcher == "process":
-        raise ExperimentError(path, "experiment.gpus", f"{gpus} GPUs per point needs a multi-GPU launcher", LAUNCHERS[1:] or ["(none registered yet)"])
+    if gpus > 1 and launcher not in MULTI_GPU_LAUNCHERS:
+        raise ExperimentError(path, "experiment.gpus", f"{gpus} GPUs per point needs a multi-GPU launcher",
+                              list(MULTI_GPU_LAUNCHERS) or ["(none registered yet)"])
     timeout_s = exp.get("timeout_s", 900)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ExperimentError(path, "experiment.timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")

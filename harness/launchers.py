@@ -44,23 +44,27 @@ class Launcher:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-            cmd = self.command(spec_path, out_path, point)
-            returncode, timed_out = self._supervise(cmd, env, log_path, point.timeout_s, on_progress)
+            child = self.spawn(spec_path, out_path, point, env)
+            returncode, timed_out = self._supervise(child, log_path, point.timeout_s, on_progress)
             if os.path.exists(out_path):
                 with open(out_path) as f:
                     return json.load(f)
             return self._failure_row(point, returncode, timed_out, log_path)
 
-    def _supervise(self, cmd, env, log_path, timeout_s, on_progress) -> tuple[int, bool]:
+    def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> "Child":
+        """Start the point's process in its own session, stdout and stderr on one pipe."""
+        proc = subprocess.Popen(
+            self.command(spec_path, out_path, point), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+        )
+        return Child(proc.pid, proc.stdout, lambda timeout: proc.wait(timeout=timeout))
+
+    def _supervise(self, child: "Child", log_path, timeout_s, on_progress) -> tuple[int, bool]:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, bufsize=1, start_new_session=True,
-            )
 
             def pump() -> None:
                 # a reader thread, so a child that hangs silently still meets the deadline
-                for line in proc.stdout:  # type: ignore[union-attr]
+                for line in child.stdout:
                     if line.startswith(PROGRESS_PREFIX):
                         if on_progress:
                             try:
@@ -75,23 +79,16 @@ class Launcher:
             reader.start()
             try:
                 try:
-                    code, timed_out = proc.wait(timeout=timeout_s), False
+                    code, timed_out = child.wait(timeout_s), False
                 except subprocess.TimeoutExpired:
-                    self._kill(proc)
-                    code, timed_out = proc.wait(), True
+                    child.kill()
+                    code, timed_out = child.wait(None), True
                 reader.join(timeout=10)
                 return code, timed_out
             except BaseException:
                 # Ctrl-C or a dying parent: take the child (and its children) down with us.
-                self._kill(proc)
+                child.kill()
                 raise
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     @staticmethod
     def _failure_row(point: SweepPoint, returncode: int, timed_out: bool, log_path: Path) -> dict:
@@ -116,7 +113,107 @@ class Launcher:
         }
 
 
-LAUNCHERS: dict[str, type[Launcher]] = {"process": Launcher}
+class Child:
+    """A running point: its pid (also its session and process group), its output lines, and
+    ``wait(timeout)`` that returns the exit code (negative: killed by that signal) or raises
+    ``subprocess.TimeoutExpired``."""
+
+    def __init__(self, pid: int, stdout, wait: Callable[[float | None], int]):
+        self.pid, self.stdout, self.wait = pid, stdout, wait
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # not yet its own group leader: the process alone
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Preloaded: the same isolation without paying the imports per point
+# ---------------------------------------------------------------------------------------------
+
+# Imported once by a fork server; every point is a fresh fork of it. None of these touches CUDA
+# at import, so each point still creates its own CUDA context, and the allocator reads
+# PYTORCH_CUDA_ALLOC_CONF in the point.
+PRELOAD = ["torch", "transformers", "peft", "harness.point"]
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _context = ctx
+    return _context
+
+
+def _preloaded_main(spec_path: str, out_path: str, env: dict, conn) -> None:
+    """The point process of ``PreloadedLauncher``: own session, output into the sweep's pipe,
+    the sweep's environment of now (the fork server's is that of its start)."""
+    os.setsid()
+    # multiprocessing hands every forked child the write end of the server's "alive" pipe, so a
+    # child would keep the server (its parent) running after the sweep died, and the point's
+    # parent-death signal would never fire. Only the sweep holds it now.
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    for fd in (1, 2):
+        os.dup2(conn.fileno(), fd)
+    conn.close()
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    from harness import point
+
+    code = point.main(spec_path, out_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)  # through multiprocessing's exit: its finalizers release the point's semaphores
+
+
+class PreloadedLauncher(Launcher):
+    """Each point in a fresh process forked from a server that has imported torch,
+    transformers and peft once: the isolation of ``process`` without ~5-15 s of imports per
+    point. An OOM, a crash or a leak still ends with the point's own process.
+
+    Environment variables that a preloaded module reads at import time take the value the
+    sweep had when the fork server started (its first point); everything read later, including
+    OPTIM_* and PYTORCH_CUDA_ALLOC_CONF, takes the sweep's value at each point.
+    """
+
+    name = "preloaded"
+
+    def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> Child:
+        ctx = _forkserver()
+        r, w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_preloaded_main, args=(spec_path, out_path, env, w), daemon=False)
+        proc.start()
+        w.close()
+        stdout = os.fdopen(os.dup(r.fileno()), "r", buffering=1, errors="replace")
+        r.close()
+
+        def wait(timeout: float | None) -> int:
+            proc.join(timeout)
+            if proc.exitcode is None:
+                raise subprocess.TimeoutExpired("preloaded point", timeout or 0)
+            return proc.exitcode
+
+        return Child(proc.pid, stdout, wait)
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {"process": Launcher, "preloaded": PreloadedLauncher}
 
 
 def for_point(point: SweepPoint) -> Launcher:

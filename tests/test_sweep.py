@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,12 +38,21 @@ gradient_checkpointing = false
 """
 
 
+LAUNCHERS = ["process", "preloaded"]
+
+
+def _with(launcher: str, text: str = EXP) -> str:
+    """The experiment text run by ``launcher`` (both give one process per point)."""
+    return text.replace("bandwidth = false", f'bandwidth = false\nlauncher = "{launcher}"', 1)
+
+
 def _rows(tmp_path):
     return res.read_rows(res.results_path(tmp_path / "results", "iso", "cpu"))
 
 
-def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monkeypatch):
-    exp = experiment.load(write_toml(EXP))
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monkeypatch, launcher):
+    exp = experiment.load(write_toml(_with(launcher)))
     # One process per point: each faulty variant fails in its own way, the good one still runs.
     monkeypatch.setenv("PACKBENCH_FAULT", "boom=error,oom=oom,dies=crash")
     summary = sweep.run(exp, tmp_path / "results", progress=False)
@@ -74,15 +84,19 @@ def test_overwrite_reruns_and_replaces(tmp_path, write_toml):
     assert after[0]["point_id"] == before[0]["point_id"] and after[0]["step_ms"] != before[0]["step_ms"]
 
 
-def test_timeout_kills_point(tmp_path, write_toml, monkeypatch):
-    exp = experiment.load(write_toml(EXP.replace("timeout_s = 120", "timeout_s = 1").split("[variants.boom]")[0]))
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_timeout_kills_point(tmp_path, write_toml, monkeypatch, launcher):
+    text = _with(launcher, EXP.replace("timeout_s = 120", "timeout_s = 2").split("[variants.boom]")[0])
+    exp = experiment.load(write_toml(text))
+    monkeypatch.setenv("PACKBENCH_FAULT", "good=hang")  # a preloaded point would finish inside 2 s
     s = sweep.run(exp, tmp_path / "results", progress=False)
     (row,) = _rows(tmp_path)
     assert s.ran == 1 and row["status"] == "error" and "timed out" in row["message"]
 
 
-def test_killed_midway_then_resumed(tmp_path, write_toml):
-    path = write_toml(EXP.split("[variants.boom]")[0] + """
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_killed_midway_then_resumed(tmp_path, write_toml, launcher):
+    path = write_toml(_with(launcher, EXP.split("[variants.boom]")[0]) + """
 [variants.b]
 attn_implementation = "eager"
 [variants.c]
@@ -112,14 +126,31 @@ gradient_checkpointing = false
     assert all(r["status"] == "ok" for r in rows)
 
 
-def _child_of(pid, deadline):
+def _children(pid):
+    try:
+        return [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def _descendants(pid):
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(_children(p))
+    return out
+
+
+def _point_of(pid, deadline):
+    """The point process: the sweep's child (process launcher) or its fork server's child."""
     while time.time() < deadline:
-        try:
-            kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        except OSError:
-            kids = []
-        if kids:
-            return int(kids[0])
+        for p in _descendants(pid):
+            try:
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[3] == str(p):
+                    return p  # its own process group: the point, which calls setsid
+            except OSError:
+                pass
         time.sleep(0.1)
     raise AssertionError("the sweep started no point process")
 
@@ -138,16 +169,17 @@ def _gone(pid, deadline):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
-def test_point_dies_with_its_sweep(tmp_path, write_toml, how):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_point_dies_with_its_sweep(tmp_path, write_toml, how, launcher):
     """A sweep stopped by a signal to its own process (timeout, CI cancel, OOM killer) must not
     leave its point running: a point in its own session would keep holding the GPU."""
-    path = write_toml(EXP.split("[variants.boom]")[0])
+    path = write_toml(_with(launcher, EXP.split("[variants.boom]")[0]))
     cmd = [sys.executable, "-m", "harness", "sweep", str(path), "--results", str(tmp_path / "r"),
            "--no-report", "--quiet"]
     env = dict(os.environ, PACKBENCH_FAULT="good=hang")
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        child = _child_of(proc.pid, time.time() + 60)
+        child = _point_of(proc.pid, time.time() + 60)
         time.sleep(1.0)  # past the child's start-up
         os.kill(proc.pid, how)  # the sweep alone, not its group
         proc.wait(timeout=30)
