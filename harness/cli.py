@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def cmd_sweep(args) -> int:
         return 2
     try:
         exp = experiment.subset(exp, models=args.models, seq_lens=args.seq_lens, variants=args.variants)
+        if args.launcher and exp.gpus == 1:  # same point identities: only how the process starts
+            exp = dataclasses.replace(exp, launcher=args.launcher)
     except experiment.ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -178,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", help="run only these of the file's models")
     p.add_argument("--seq-lens", nargs="+", type=int, help="run only these of the file's sequence lengths")
     p.add_argument("--variants", nargs="+", help="run only these of the file's variants")
+    p.add_argument("--launcher", choices=["process", "preloaded"],
+                   help="override the file's launcher: a fresh interpreter per point, or a fork of a "
+                        "server that imported torch/transformers/peft once (same isolation)")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("report", help="rebuild reports/ from results/ (reads nothing else)")
