@@ -9,8 +9,11 @@ fuses those elementwise chains, so a layer issues a few dozen kernels from one g
 What is compiled, and what is not:
 
 - Every decoder layer (transformers' ``GradientCheckpointingLayer``), the way
-  ``nn.Module.compile`` does it. Gradient checkpointing and ``optim.offload`` still wrap the
-  layer call, and the recompute runs the same compiled code. The layers share one code object,
+  ``nn.Module.compile`` does it. Up to transformers 5.22 checkpointing wraps the layer call, so
+  the recompute calls the same compiled code; from 5.23 it wraps ``forward``, inside the compiled
+  call, and dynamo turns torch's checkpoint into a recompute in the compiled backward
+  (``optim.offload``'s function, which dynamo cannot trace, runs eager with the layer body
+  compiled inside it). The layers share one code object,
   and dynamo treats their parameters as inputs, so one graph serves every layer: it compiles
   once, not L times.
 - ``optim.packing``'s flex attention (cache on) is traced into the layer's graph: the batch's

@@ -60,8 +60,12 @@ def test_compiled_layers_match_eager(name, moe_backend):
         _assert_same(_step(eager, lengths), _step(comp, lengths))
     d = R.describe(comp)
     n = len(R.decoder_layers(comp))
-    # every layer call compiled: forward and checkpoint recompute, per batch
-    assert d["compiled_layers"] == n and d["layer_calls"] == {"compiled": 2 * n * len(LENGTHS), "eager": 0}
+    # every layer call compiled. transformers < 5.23 checkpoints the layer call, so the recompute
+    # calls the layer again (2 calls per layer and batch); later versions checkpoint forward(),
+    # inside the compiled call, and dynamo recomputes in the compiled backward (1 call)
+    calls = d["layer_calls"]
+    assert d["compiled_layers"] == n and calls["eager"] == 0
+    assert calls["compiled"] in (n * len(LENGTHS), 2 * n * len(LENGTHS)), calls
     assert "compile_error" not in d and R.describe(eager)["compiled_layers"] == 0
     assert d["eager_moe_blocks"] == (n if moe_backend else 0)
     assert not counters["recompiles"], dict(counters["recompiles"])  # the metadata is not guarded on
