@@ -51,7 +51,7 @@ class Launcher:
                     return json.load(f)
             return self._failure_row(point, returncode, timed_out, log_path)
 
-    def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> "Child":
+    def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> Child:
         """Start the point's process in its own session, stdout and stderr on one pipe."""
         proc = subprocess.Popen(
             self.command(spec_path, out_path, point), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -59,7 +59,7 @@ class Launcher:
         )
         return Child(proc.pid, proc.stdout, lambda timeout: proc.wait(timeout=timeout))
 
-    def _supervise(self, child: "Child", log_path, timeout_s, on_progress) -> tuple[int, bool]:
+    def _supervise(self, child: Child, log_path, timeout_s, on_progress) -> tuple[int, bool]:
         with open(log_path, "w") as log:
 
             def pump() -> None:
@@ -122,14 +122,12 @@ class Child:
         self.pid, self.stdout, self.wait = pid, stdout, wait
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # not yet its own group leader: the process alone
+        # the group (the point and what it started), then the pid itself: a preloaded point
+        # killed before its setsid() has no group of its own yet
+        for kill in (os.killpg, os.kill):
             try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
 
 

@@ -876,9 +876,11 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
 
 def _noise_pct(*rows) -> float | None:
     """The larger within-run step-time spread (p80/p20 − 1, in %) of the rows compared."""
-    spreads = [_f((r.get("step_ms") or {}).get("p80")) and _f((r.get("step_ms") or {}).get("p20"))
-               and _f(r["step_ms"]["p80"]) / _f(r["step_ms"]["p20"]) for r in rows]
-    spreads = [x for x in spreads if isinstance(x, float)]
+    spreads = []
+    for r in rows:
+        p20, p80 = _stat(r, "step_ms", "p20"), _stat(r, "step_ms", "p80")
+        if p20 and p80:
+            spreads.append(p80 / p20)
     return (max(spreads) - 1) * 100 if spreads else None
 
 

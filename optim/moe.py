@@ -42,6 +42,7 @@ from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from optim import _moe_ops as ops
+from optim._fallback import passes_through
 from optim.switches import Switch
 
 try:  # peft is optional: without it there is simply no LoRA to split
@@ -127,10 +128,8 @@ def _make_impl(backend: str):
                         ops._weight(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
                         lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts,
                     )
-                except Exception as e:  # noqa: BLE001 - a compiler failure must not stop training
-                    # ...but out-of-memory is the run's, and checkpoint's recompute stops early
-                    # by raising through the forward: neither is the compiler's.
-                    if isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "_StopRecomputationError":
+                except Exception as e:  # a compiler failure must not stop training
+                    if passes_through(e):
                         raise
                     ops.compile_failed(dev, dtype, e)
         dtype = self.gate_up_proj.dtype

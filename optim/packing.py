@@ -632,6 +632,13 @@ class PackingSettings:
 _DEFAULT = PackingSettings()
 
 
+def _should_validate(settings: PackingSettings, position_ids) -> bool:
+    """Check position_ids against the metadata where it costs no sync (CPU tensors), unless told."""
+    if settings.validate is not None:
+        return settings.validate
+    return position_ids is not None and position_ids.device.type == "cpu"
+
+
 def _layer_window(module, sliding_window) -> int | None:
     if sliding_window:
         return int(sliding_window)
@@ -696,8 +703,7 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     window = _layer_window(module, sliding_window)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     device = query.device
-    validate = settings.validate if settings.validate is not None else (
-        position_ids is not None and position_ids.device.type == "cpu")
+    validate = _should_validate(settings, position_ids)
     entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate)
     if settings.cache and torch.is_grad_enabled() and query.requires_grad:
         if entry.first_module is None:
@@ -735,9 +741,8 @@ def _structures_hook(settings: PackingSettings, windows: tuple):
         device, pos = ref.device, kwargs.get("position_ids")
         if resolve_backend(settings.backend, device, param.dtype) != "flex":
             return None
-        validate = settings.validate if settings.validate is not None else (
-            pos is not None and pos.device.type == "cpu")
-        entry = _entry_for(meta, pos, meta.batch_size, meta.seq_len, device, True, validate)
+        entry = _entry_for(meta, pos, meta.batch_size, meta.seq_len, device, True,
+                           _should_validate(settings, pos))
         masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
                  for w in windows}
         return args, {**kwargs, STRUCTURES_KWARG: masks}

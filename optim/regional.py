@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from optim._fallback import passes_through
 from optim.switches import Switch
 
 _LOG = logging.getLogger(__name__)
@@ -69,11 +70,6 @@ class CompileState:
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "eager": 0})
 
 
-def _passes_through(e: BaseException) -> bool:
-    # out-of-memory is the run's; checkpoint stops its recompute early by raising through it
-    return isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "_StopRecomputationError"
-
-
 class _LayerCall:
     """A layer's ``_compiled_call_impl``: the compiled call, or eager once the compiler failed."""
 
@@ -88,8 +84,8 @@ class _LayerCall:
             state.calls["compiled"] += 1  # counted before: checkpoint's early stop raises out
             try:
                 return self.compiled(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - a compiler failure must not stop training
-                if _passes_through(e):
+            except Exception as e:  # a compiler failure must not stop training
+                if passes_through(e):
                     raise
                 out = self.eager(*args, **kwargs)  # bad input raises here, as it would eager
                 state.calls["compiled"] -= 1
@@ -168,11 +164,11 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
 def _graphs(model: nn.Module) -> int | None:
     """Compiled graphs cached for the layers' forward (dynamo's private debug API; None if absent)."""
-    layers = decoder_layers(model) if getattr(model, "_optim_regional", None) and model._optim_regional.layers else []
+    if not model._optim_regional.layers:
+        return None
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return sum(len(_debug_get_cache_entry_list(code)) for code in {type(m).forward.__code__ for m in layers}) \
-            if layers else None
-    except Exception:  # noqa: BLE001 - diagnostics only
+    except ImportError:
         return None
+    codes = {type(m).forward.__code__ for m in decoder_layers(model)}
+    return sum(len(_debug_get_cache_entry_list(code)) for code in codes)

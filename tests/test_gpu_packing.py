@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _lora import randomize_lora_b
 
 import optim.packing as P
 from harness import models
@@ -20,11 +21,7 @@ LENGTHS = [[37, 150, 13], [200]]  # not multiples of 128, a full row, docs > win
 def _build(name, dtype=torch.bfloat16):
     model = models.build(models.get(name), device="cuda", dtype=dtype, lora_rank=4,
                          gradient_checkpointing=True)
-    torch.manual_seed(1)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            p.data.normal_(0, 0.05)
-    return model
+    return randomize_lora_b(model)
 
 
 def _grads(model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _lora import randomize_lora_b
 
 import optim.packing as P
 import optim.regional as R
@@ -21,10 +22,7 @@ def _build(name, packing_backend, compile_layers, attn="sdpa"):
     dtype = torch.float32 if models.get(name).is_moe else torch.bfloat16
     model = models.build(models.get(name), device="cuda", dtype=dtype, lora_rank=4,
                          attn_implementation=attn)
-    torch.manual_seed(1)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            p.data.normal_(0, 0.05)
+    randomize_lora_b(model)
     P.enable(model, packing_backend=packing_backend)
     R.enable(model, compile_layers=compile_layers)
     return model

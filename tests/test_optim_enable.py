@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _lora import randomize_lora_b
 
 import optim
 from harness import models
@@ -27,11 +28,7 @@ def test_one_call_keeps_loss_and_grads(name):
 
     def build():
         m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
-        torch.manual_seed(3)
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                p.data.normal_(0, 0.05)  # peft starts B at zero, which would hide A's gradient
-        return m
+        return randomize_lora_b(m, seed=3)
 
     stock = build()
     ref_loss = _step(stock, batch)

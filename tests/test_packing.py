@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from _lora import randomize_lora_b
 
 import optim.packing as P
 from harness import models
@@ -29,11 +30,7 @@ LENGTHS = [[37, 50, 13], [100]]
 def _build(name, checkpointing=True):
     model = models.build(models.get(name), device="cpu", dtype=torch.float32, lora_rank=4,
                          gradient_checkpointing=checkpointing)
-    torch.manual_seed(1)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:  # peft starts B at 0; make the adapters matter for the gradient check
-            p.data.normal_(0, 0.05)
-    return model
+    return randomize_lora_b(model)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from _lora import randomize_lora_b
 
 import optim
 import optim.moe as M
@@ -21,10 +22,7 @@ LENGTHS = [[[37, 50, 13], [100]], [[60, 40], [30, 70]], [[100], [1] * 100]]
 
 def _build(name, compile_layers, moe_backend=None):
     model = models.build(models.get(name), device="cpu", dtype=torch.float32, lora_rank=4)
-    torch.manual_seed(1)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:  # peft starts B at 0; make the adapters matter for the gradients
-            p.data.normal_(0, 0.05)
+    randomize_lora_b(model)
     P.enable(model, packing_backend="sdpa")
     if moe_backend:
         M.enable(model, moe_backend=moe_backend)
@@ -165,10 +163,7 @@ def test_compiled_layers_under_offloaded_checkpointing(mode):
     def run(offload, compile_layers):
         spec = dataclasses.replace(models.get("qwen3-0.6b-tiny"), num_hidden_layers=4)  # 2 offloaded
         m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
-        torch.manual_seed(1)
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                p.data.normal_(0, 0.05)
+        randomize_lora_b(m)
         oo.enable(m, offload=offload, min_bytes=0)
         R.enable(m, compile_layers=compile_layers)
         out = [_step(m, lengths) for lengths in LENGTHS[:2]]
