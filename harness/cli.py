@@ -60,6 +60,8 @@ def cmd_sweep(args) -> int:
         exp = experiment.subset(exp, models=args.models, seq_lens=args.seq_lens, variants=args.variants)
         if args.launcher and exp.gpus == 1:  # same point identities: only how the process starts
             exp = dataclasses.replace(exp, launcher=args.launcher)
+        if args.timeout is not None:  # not part of a point's identity either
+            exp = dataclasses.replace(exp, timeout_s=args.timeout)
     except experiment.ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -105,6 +107,16 @@ A point present on one side only is a warning and does not fail the gate.
 exit codes: 0 pass (warnings allowed), 1 regression, 2 unusable input (missing or corrupt file,
 no rows, nothing to match, or different GPUs without --allow-different-gpu).
 """
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -181,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", help="run only these of the file's models")
     p.add_argument("--seq-lens", nargs="+", type=int, help="run only these of the file's sequence lengths")
     p.add_argument("--variants", nargs="+", help="run only these of the file's variants")
+    p.add_argument("--timeout", type=_seconds, metavar="S",
+                   help="override the file's per-point time limit, in seconds; a point past it is "
+                        "recorded as an error with its Python stacks in its log")
     p.add_argument("--launcher", choices=["process", "preloaded"],
                    help="override the file's launcher: a fresh interpreter per point, or a fork of a "
                         "server that imported torch/transformers/peft once (same isolation)")
@@ -226,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_point"]:  # internal: the child process of one sweep point
+        from harness.stacks import stacks_on_request
+
+        stacks_on_request()  # before torch's import: a point stopped in it says so too
         from harness import point
 
         return point.main(*argv[1:3])

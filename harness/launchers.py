@@ -60,20 +60,29 @@ class Launcher:
         return Child(proc.pid, proc.stdout, lambda timeout: proc.wait(timeout=timeout))
 
     def _supervise(self, child: Child, log_path, timeout_s, on_progress) -> tuple[int, bool]:
+        last_progress: list[str] = []
         with open(log_path, "w") as log:
 
             def pump() -> None:
                 # a reader thread, so a child that hangs silently still meets the deadline
                 for line in child.stdout:
                     if line.startswith(PROGRESS_PREFIX):
+                        last_progress[:] = [line[len(PROGRESS_PREFIX):].strip()]
                         if on_progress:
                             try:
-                                on_progress(json.loads(line[len(PROGRESS_PREFIX):]))
+                                on_progress(json.loads(last_progress[0]))
                             except ValueError:
                                 log.write(line)
                     else:
                         log.write(line)
                         log.flush()
+
+            def stop(reason: str, grace_s: float) -> None:
+                # the point's stacks into its log first (see point._stacks_on_request), then kill
+                log.write(f"packbench: {reason}; last progress: {last_progress[0] if last_progress else 'none'}\n")
+                log.flush()
+                child.dump_stacks(grace_s)
+                child.kill()
 
             reader = threading.Thread(target=pump, daemon=True)
             reader.start()
@@ -81,13 +90,16 @@ class Launcher:
                 try:
                     code, timed_out = child.wait(timeout_s), False
                 except subprocess.TimeoutExpired:
-                    child.kill()
+                    stop(f"timed out after {timeout_s:.0f} s", 5.0)
                     code, timed_out = child.wait(None), True
                 reader.join(timeout=10)
                 return code, timed_out
             except BaseException:
                 # Ctrl-C or a dying parent: take the child (and its children) down with us.
-                child.kill()
+                try:
+                    stop("the sweep is stopping", 1.0)
+                finally:
+                    child.kill()
                 raise
 
     @staticmethod
@@ -120,6 +132,18 @@ class Child:
 
     def __init__(self, pid: int, stdout, wait: Callable[[float | None], int]):
         self.pid, self.stdout, self.wait = pid, stdout, wait
+
+    def dump_stacks(self, grace_s: float) -> None:
+        """Ask the point for its Python stacks (SIGUSR1, see ``point._stacks_on_request``) and
+        give it ``grace_s`` to write them; a point that exits meanwhile is fine too."""
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError, AttributeError):
+            return
+        try:
+            self.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
 
     def kill(self) -> None:
         # the group (the point and what it started), then the pid itself: a preloaded point

@@ -22,6 +22,7 @@ from harness import models as model_registry
 from harness.data import make_batch
 from harness.loss import causal_lm_loss
 from harness.experiment import SweepPoint
+from harness.stacks import stacks_on_request
 from harness.timing import PhaseTimer, percentiles
 
 PROGRESS_PREFIX = "@@progress "
@@ -157,6 +158,7 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    _progress(phase="building the model")
     model = model_registry.build(
         spec,
         device=device,
@@ -167,6 +169,7 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
         gradient_checkpointing=sw["gradient_checkpointing"],
         seed=point.data.seed,
     )
+    _progress(phase="enabling optim")
     optim_applied = _enable_optim(model, sw)
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -178,6 +181,7 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
     # What a packing collator hands the model besides the tensors: the document lengths it
     # already knows on the host, so no layer has to rediscover them from position_ids.
     extra = [_packing_kwargs(b, optim_applied) for b in batches]
+    _progress(phase="first step")
     return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core)
 
 
@@ -372,6 +376,7 @@ def _die_with_parent() -> None:
 def main(spec_path: str, out_path: str) -> int:
     """Entry of the child process: read the point, run it, write the row as JSON."""
     _die_with_parent()
+    stacks_on_request()
     with open(spec_path) as f:
         point = SweepPoint.from_json(f.read())
     row = run_point(point)

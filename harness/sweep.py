@@ -70,6 +70,9 @@ class Progress:
     def step(self, info: dict) -> None:
         if not self.tty:
             return
+        if "step" not in info:  # a phase before the first step: building the model, compiling
+            self._line(f"[{self.index}/{self.total}] {self.label}  {info.get('phase', '')}  ETA {self._eta()}")
+            return
         last = info.get("last_step_ms")
         last_s = f"{last:8.1f} ms" if last is not None else "      … ms"
         self._line(f"[{self.index}/{self.total}] {self.label}  step {info['step']}/{info['of']}  last {last_s}  ETA {self._eta()}")

@@ -92,6 +92,12 @@ def test_timeout_kills_point(tmp_path, write_toml, monkeypatch, launcher):
     s = sweep.run(exp, tmp_path / "results", progress=False)
     (row,) = _rows(tmp_path)
     assert s.ran == 1 and row["status"] == "error" and "timed out" in row["message"]
+    # the log says where the point hung: the last progress it reported and its Python stacks
+    (log,) = (tmp_path / "results").rglob("*.log")
+    text = log.read_text()
+    assert "timed out after 2 s; last progress:" in text and 'File "' in text
+    if launcher == "preloaded":  # past its imports within the 2 s: the stack shows the hang itself
+        assert "in _inject_fault" in text
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -205,3 +211,23 @@ def test_chunked_loss_point(tmp_path, write_toml):
     (row,) = _rows(tmp_path)
     assert row["status"] == "ok", row.get("message")
     assert row["loss_mode"] == "chunked" and all(x > 0 for x in row["loss"])
+
+
+def test_cli_overrides_launcher_and_timeout_keeping_point_ids(tmp_path, write_toml, monkeypatch, capsys):
+    from harness import cli
+
+    path = write_toml(_with("process", EXP.split("[variants.boom]")[0]))
+    (point,) = experiment.load(path).points()
+    monkeypatch.setenv("PACKBENCH_FAULT", "good=hang")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = cli.main(["sweep", str(path), "--results", str(tmp_path / "results"), "--no-report",
+                         "--quiet", "--launcher", "preloaded", "--timeout", "2"])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    (row,) = _rows(tmp_path)
+    assert code == 0 and row["point_id"] == point.point_id
+    assert row["status"] == "error" and row["message"] == "timed out after 2 s"
+    with pytest.raises(SystemExit):
+        cli.main(["sweep", str(path), "--timeout", "0"])
+    assert "positive number of seconds" in capsys.readouterr().err
