@@ -46,7 +46,8 @@ class Launcher:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             child = self.spawn(spec_path, out_path, point, env)
             returncode, timed_out = self._supervise(child, log_path, point.timeout_s, on_progress)
-            if os.path.exists(out_path):
+            # a point past its limit is an error even if it finished while its stacks were taken
+            if os.path.exists(out_path) and not timed_out:
                 with open(out_path) as f:
                     return json.load(f)
             return self._failure_row(point, returncode, timed_out, log_path)
@@ -61,11 +62,13 @@ class Launcher:
 
     def _supervise(self, child: Child, log_path, timeout_s, on_progress) -> tuple[int, bool]:
         last_progress: list[str] = []
+        lines = [0]  # output lines so far (to tell whether the stacks came)
         with open(log_path, "w") as log:
 
             def pump() -> None:
                 # a reader thread, so a child that hangs silently still meets the deadline
                 for line in child.stdout:
+                    lines[0] += 1
                     if line.startswith(PROGRESS_PREFIX):
                         last_progress[:] = [line[len(PROGRESS_PREFIX):].strip()]
                         if on_progress:
@@ -81,7 +84,12 @@ class Launcher:
                 # the point's stacks into its log first (see point._stacks_on_request), then kill
                 log.write(f"packbench: {reason}; last progress: {last_progress[0] if last_progress else 'none'}\n")
                 log.flush()
+                before = lines[0]
                 child.dump_stacks(grace_s)
+                if lines[0] == before:
+                    log.write(f"packbench: no stacks within {grace_s:.0f} s of asking (SIGUSR1): the point was "
+                              "not taking signals, e.g. in an uninterruptible driver call\n")
+                    log.flush()
                 child.kill()
 
             reader = threading.Thread(target=pump, daemon=True)
@@ -90,7 +98,7 @@ class Launcher:
                 try:
                     code, timed_out = child.wait(timeout_s), False
                 except subprocess.TimeoutExpired:
-                    stop(f"timed out after {timeout_s:.0f} s", 5.0)
+                    stop(f"timed out after {timeout_s:.0f} s", 2.0)
                     code, timed_out = child.wait(None), True
                 reader.join(timeout=10)
                 return code, timed_out
