@@ -835,9 +835,12 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
     (builds_off − builds_on)·m, the seeds' (L−1)·m, the measured off − on step time and their ratio.
     Rows with compiled layers are only ever paired with compiled rows (a missing key means not compiled)."""
     steps = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok"]
+    plain_m = [r for r in m_rows if r.get("kind") == "packing_m" and not r.get("from_position_ids")
+               and r.get("window") is None and not r.get("sinks")]
     m_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_ms"))
-            for r in m_rows if r.get("kind") == "packing_m" and not r.get("from_position_ids")
-            and r.get("window") is None and not r.get("sinks")}
+            for r in plain_m}
+    m_dev_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_device_ms"))
+                for r in plain_m}
     groups: dict[tuple, dict] = {}
     for r in steps:
         sw = r.get("switches") or {}
@@ -861,12 +864,15 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
 
         b_on, b_off = per_step(on), per_step(off)
         m = m_by.get((slug, backend, int(_f(t) or 0)))
+        m_dev = m_dev_by.get((slug, backend, int(_f(t) or 0)))
         pred = (b_off - b_on) * m if None not in (b_on, b_off, m) else None
+        pred_dev = (b_off - b_on) * m_dev if None not in (b_on, b_off, m_dev) else None
         layers = _f(on.get("num_layers"))
         p_on, p_off = _stat(on, "step_ms"), _stat(off, "step_ms")
         meas = _sub(p_off, p_on)
         out.append({"gpu": slug, "model": model, "seq_len": t, "backend": backend, "compiled": compiled,
                     "builds_on": b_on, "builds_off": b_off, "m_ms": m, "predicted_ms": pred,
+                    "predicted_device_ms": pred_dev,
                     "seeds_ms": (layers - 1) * m if layers and m is not None else None,
                     "on_ms": p_on, "off_ms": p_off, "measured_ms": meas,
                     "ratio": meas / pred if meas is not None and pred else None,
@@ -894,20 +900,33 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict]) -> str:
         return ""
     body = [[p["gpu"], p["model"], p["seq_len"], _backend_label(p),
              f"{_num(p['builds_on'], '.1f')} / {_num(p['builds_off'], '.1f')}", _ms(p["m_ms"]),
-             _ms(p["predicted_ms"]), _ms(p["seeds_ms"]), f"{_ms(p['off_ms'])} → {_ms(p['on_ms'])}",
+             _ms(p["predicted_ms"]), _ms(p["predicted_device_ms"]), _ms(p["seeds_ms"]),
+             f"{_ms(p['off_ms'])} → {_ms(p['on_ms'])}",
              _ms(p["measured_ms"]), _ratio_cell(p["ratio"]), _gain(p["gain_pct"]),
              _pct(SEEDS_PACKING_GAIN.get(p["model"])) if p["model"] in SEEDS_PACKING_GAIN else DASH]
             for p in pts]
     return ("### Cache on vs off: predicted and measured saving per step\n\n" + _table(
         ["GPU", "model", "seq_len", "backend", "structure builds / step on / off", "m ms",
-         "predicted (off − on)·m ms", "seeds' (L−1)·m ms", "step ms off → on", "measured saving ms",
+         "predicted (off − on)·m ms", "device part of it ms", "seeds' (L−1)·m ms", "step ms off → on",
+         "measured saving ms",
          "measured / predicted", "cache gain", "seeds' gain"], body)
         + "\n\nBuilds are counted (optim.packing counters over the measured steps), m comes from the "
           "packing bench (from lengths, same GPU type), the step times from this experiment's rows. "
           "A ratio above 1.5 means the uncached path costs more per rebuild in a training step than "
           "an isolated build: in a host-bound step every rebuild's host time (and its sync for "
           "max_seqlen) adds to the step, while m on an idle GPU measures the larger of device and "
-          "host time once.")
+          "host time once. A ratio below 0.5 on a GPU-bound step (spread near 1.00) means the "
+          "rebuilds' host time overlapped kernels already queued: there only their device time "
+          "must add, the \"device part\" column where the bench recorded it (`m_device_ms`)."
+        + _missing_m_note(pts))
+
+
+def _missing_m_note(pts: list[dict]) -> str:
+    missing = sorted({(p["gpu"], int(_f(p["seq_len"]) or 0)) for p in pts if p["m_ms"] is None})
+    if not missing:
+        return ""
+    return (" The bench has no m for " + ", ".join(f"{t} tokens on {g}" for g, t in missing)
+            + ", so those rows predict nothing.")
 
 
 def _packed_variants(rows: list[dict]) -> list[str]:

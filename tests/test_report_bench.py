@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import report, report_bench
 
@@ -333,8 +334,28 @@ def test_packing_cache_predicted_vs_measured():
     assert p["predicted_ms"] == pytest.approx(27.5) and p["seeds_ms"] == pytest.approx(13.5)
     assert p["measured_ms"] == pytest.approx(30.0) and p["ratio"] == pytest.approx(30 / 27.5)
     assert p["gain_pct"] == pytest.approx(7.5)
+    assert p["predicted_device_ms"] is None  # this bench row has no device split
     # a point measured with the cache on only gives no row
     assert packing_cache_points([row(True, 400.0, 10)], m) == []
+    # with the device part of m recorded: what a GPU-bound step must still pay per rebuild
+    m[0]["m_device_ms"] = 0.1
+    (p,) = packing_cache_points([row(True, 400.0, 10), row(False, 430.0, 560)], m)
+    assert p["predicted_device_ms"] == pytest.approx(5.5)
+
+
+def test_packing_cache_md_names_lengths_without_m():
+    from harness.report_bench import packing_cache_md
+
+    rows = [_packing_row("packed-flex", 400.0, seq_len=16384), _packing_row("packed-flex-nocache", 410.0, seq_len=16384)]
+    md = packing_cache_md(rows, [])
+    assert "device part of it ms" in md and "The bench has no m for 16384 tokens on g" in md
+
+
+def test_measure_m_splits_host_time_from_device_time():
+    from harness.bench_packing import measure_m
+
+    r = measure_m("sdpa", 256, warmup=1, repeats=3, device=torch.device("cpu"))
+    assert r["m_host_ms"] > 0 and r["m_device_ms"] is None and r["m_ms"] == pytest.approx(r["m_host_ms"])
 
 
 def _packing_row(variant, p50, *, model="qwen3-0.6b", seq_len=8192, status="ok", peak=None,
