@@ -915,9 +915,10 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict]) -> str:
           "A ratio above 1.5 means the uncached path costs more per rebuild in a training step than "
           "an isolated build: in a host-bound step every rebuild's host time (and its sync for "
           "max_seqlen) adds to the step, while m on an idle GPU measures the larger of device and "
-          "host time once. A ratio below 0.5 on a GPU-bound step (spread near 1.00) means the "
-          "rebuilds' host time overlapped kernels already queued: there only their device time "
-          "must add, the \"device part\" column where the bench recorded it (`m_device_ms`)."
+          "host time once. A ratio below 0.5 on a GPU-bound step (spread near 1.00) is what host "
+          "time that overlaps kernels already queued would give: there only the rebuilds' device "
+          "time must add. The \"device part\" column tests that where the bench recorded m's "
+          "device time (`m_device_ms`)."
         + _missing_m_note(pts))
 
 
