@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", nargs="+", default=None)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--median-doc-len", type=int, default=DataSpec.median_doc_len)
+    ap.add_argument("--m-only", action="store_true", help="measure m alone, without counting builds "
+                    "and syncs in a training step (no model is built)")
     args = ap.parse_args(argv)
     device = _device()
     backends = args.backends or _backends(device)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                        from_position_ids=True))
             print(f"m  {b:7s} T={T:6d}  {m_results[-2]['m_ms']:8.3f} ms (from lengths)  "
                   f"{m_results[-1]['m_ms']:8.3f} ms (from position_ids)", flush=True)
-    for name in args.models:
+    for name in [] if args.m_only else args.models:
         for T in args.lengths:
             for b in backends:
                 for with_meta in (True, False):

@@ -1,0 +1,8 @@
+# Not yet run. Issue 5: ours with compiled decoder layers (grouped_mm-split-layers) at the gpt-oss
+# lengths where only the uncompiled path ran, each side by side with stock in one run.
+. tools/lent_gpu_setup.sh || exit 1
+for T in 1024 4096 8192; do
+  timeout 180 python3 -m harness sweep experiments/moe.toml --models gpt-oss-20b --seq-lens $T --variants stock-grouped_mm grouped_mm-split-layers --overwrite --launcher preloaded --quiet --no-report 2>&1 | tail -1
+  mkdir -p $OUT/moe; cp results/moe/nvidia-h100*.jsonl $OUT/moe/
+done
+python3 tools/show_rows.py results/moe/nvidia-h100*.jsonl | tail -8
