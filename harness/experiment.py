@@ -25,6 +25,7 @@ DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
 DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
 LOSSES = ("full", "chunked")
+LORA_DTYPES = ("fp32", "model")
 
 
 class ExperimentError(ValueError):
@@ -70,6 +71,7 @@ class SweepPoint:
     baseline_variant: str = ""
     pin_cpu: bool = False
     loss: str = "full"
+    lora_dtype: str = "fp32"
 
     @property
     def point_id(self) -> str:
@@ -80,6 +82,8 @@ class SweepPoint:
             key.pop("pin_cpu")  # added later: unpinned points keep their earlier identity
         if key["loss"] == "full":
             key.pop("loss")  # likewise
+        if key["lora_dtype"] == "fp32":
+            key.pop("lora_dtype")  # likewise
         if key["launcher"] == "preloaded":
             key["launcher"] = "process"  # one process per point either way; only the imports differ
         blob = json.dumps(key, sort_keys=True, default=str).encode()
@@ -122,6 +126,8 @@ class Experiment:
     pin_cpu: bool = False
     loss: str = "full"
     variant_loss: dict[str, str] = field(default_factory=dict)  # per-variant override of ``loss``
+    lora_dtype: str = "fp32"
+    variant_lora_dtype: dict[str, str] = field(default_factory=dict)  # likewise for ``lora_dtype``
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -152,6 +158,7 @@ class Experiment:
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
                                 loss=self.variant_loss.get(vname, self.loss),
+                                lora_dtype=self.variant_lora_dtype.get(vname, self.lora_dtype),
                             )
                         )
         return out
@@ -161,7 +168,7 @@ _TOP_KEYS = {"experiment", "data", "variants"}
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
-    "baseline", "bandwidth", "pin_cpu", "loss",
+    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
 
@@ -251,6 +258,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     # full: the model's own loss (fp32 logits of the whole batch); chunked: harness.loss, lm_head +
     # cross-entropy in checkpointed token chunks, so the logits do not set the peak
     loss = _choice(path, "experiment.loss", exp.get("loss", "full"), LOSSES)
+    # fp32: peft's default, adapter weights (and so their grads and AdamW states) upcast to
+    # float32; model: adapters in the model's dtype (bf16 on GPU), half the trainable state
+    lora_dtype = _choice(path, "experiment.lora_dtype", exp.get("lora_dtype", "fp32"), LORA_DTYPES)
     bandwidth = exp.get("bandwidth", True)
     if not isinstance(bandwidth, bool):
         raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
@@ -283,11 +293,15 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         raise ExperimentError(path, "variants", "must hold at least one named table, e.g. [variants.stock]")
     variants: dict[str, dict[str, Any]] = {}
     variant_loss: dict[str, str] = {}
+    variant_lora_dtype: dict[str, str] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss"})
+        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype"})
+        settings = dict(settings)
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
-            settings = dict(settings)
             variant_loss[vname] = _choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
+        if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
+            variant_lora_dtype[vname] = _choice(path, f"variants.{vname}.lora_dtype",
+                                                settings.pop("lora_dtype"), LORA_DTYPES)
         for key, value in settings.items():
             _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
         if settings.get("offload", "none") != "none" and settings.get("gradient_checkpointing", True) is False:
@@ -304,7 +318,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
-        variant_loss=variant_loss,
+        variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
     )
 
 

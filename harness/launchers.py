@@ -128,7 +128,7 @@ class Launcher:
             "variant": point.variant, "baseline_variant": point.baseline_variant,
             "switches": point.switches, "gpus": point.gpus, "repeat": point.repeat,
             "warmup_steps": point.warmup_steps, "measured_steps": point.measured_steps,
-            "lora_rank": point.lora_rank, "dtype": point.dtype,
+            "lora_rank": point.lora_rank, "lora_dtype": point.lora_dtype, "dtype": point.dtype,
             "status": status, "message": message, "log_tail": tail[-1500:],
         }
 

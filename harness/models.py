@@ -174,10 +174,13 @@ def build(
     gradient_checkpointing: bool = True,
     checkpoint_fn=None,
     seed: int = 0,
+    lora_dtype: str = "fp32",
 ):
     """Build ``spec`` with random initialized weights directly on ``device``, optionally with LoRA.
 
-    Returns the (peft-wrapped) model in train mode.
+    ``lora_dtype``: "fp32" is peft's default (adapter weights upcast to float32, and so their
+    grads and AdamW states); "model" keeps them in ``dtype``. Returns the (peft-wrapped) model in
+    train mode.
     """
     from transformers import AutoModelForCausalLM
 
@@ -203,6 +206,9 @@ def build(
     if lora_rank:
         from peft import get_peft_model
 
-        model = get_peft_model(model, lora_config(spec, lora_rank))
+        if lora_dtype not in ("fp32", "model"):
+            raise ValueError(f"lora_dtype must be 'fp32' or 'model', got {lora_dtype!r}")
+        model = get_peft_model(model, lora_config(spec, lora_rank),
+                               autocast_adapter_dtype=lora_dtype == "fp32")
     model.train()
     return model

@@ -62,6 +62,7 @@ def _base_row(point: SweepPoint, spec) -> dict:
         "warmup_steps": point.warmup_steps,
         "measured_steps": point.measured_steps,
         "lora_rank": point.lora_rank,
+        "lora_dtype": point.lora_dtype,
         "dtype": point.dtype,
     }
 
@@ -168,6 +169,7 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
         lora_rank=point.lora_rank,
         gradient_checkpointing=sw["gradient_checkpointing"],
         seed=point.data.seed,
+        lora_dtype=point.lora_dtype,
     )
     _progress(phase="enabling optim")
     optim_applied = _enable_optim(model, sw)

@@ -444,7 +444,8 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
         f"Each point runs in its own fresh process: {_values(r.get('warmup_steps') for r in steps)} warm-up steps, "
         f"then {_values(r.get('measured_steps') for r in steps)} measured steps, "
         f"{len(repeats) if repeats else 'unknown'} repeat(s); dtype {_values(r.get('dtype') for r in steps)}, "
-        f"LoRA rank {_values(r.get('lora_rank') for r in steps)}.",
+        f"LoRA rank {_values(r.get('lora_rank') for r in steps)}, adapters in "
+        f"{_values(r.get('lora_dtype', 'fp32') for r in steps)} (fp32: peft's default upcast).",
         f"Statistic: {STATISTIC}.",
         "The Python garbage collector is collected, frozen and disabled for the measured steps.",
         "Speedups are ratios of medians measured side by side in one run, on the same GPU type.",

@@ -805,8 +805,75 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
     return "\n\n".join(out)
 
 
+# The model that stock cannot train on an 80 GB card (issue: "say what would make it fit").
+MOE_FIT_MODEL = "qwen3-30b-a3b"
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GIB = 2**30
+
+
+def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
+    """What would make ``model`` fit on the smallest GPU the rows ran on: its measured peaks split
+    into the fixed part (frozen weights; adapters, their grads and AdamW's two states) and the
+    per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic
+    on those measurements."""
+    ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
+            and "-split" in str(r.get("variant")) and not str(r.get("variant")).startswith("stock-")
+            and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
+    caps = {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
+            for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
+    if len({r["seq_len"] for r in ours}) < 2 or not caps:
+        return ""
+    small_gpu, cap = min(caps.items(), key=lambda kv: kv[1])
+    r0 = ours[0]
+    total, trainable = _f(r0.get("total_params")), _f(r0.get("trainable_params"))
+    if not total or not trainable:
+        return ""
+    w_b = _BYTES.get(str(r0.get("dtype")), 2)
+    a_b = 4 if (r0.get("lora_dtype") or "fp32") == "fp32" else w_b
+    frozen = (total - trainable) * w_b / GIB
+    state = trainable * a_b * 4 / GIB  # weights, grads, AdamW exp_avg and exp_avg_sq
+    by_t: dict[int, float] = {}
+    for r in ours:  # the lowest peak per length among our variants
+        t, pk = int(r["seq_len"]), _f(r["peak_allocated_gib"])
+        by_t[t] = min(by_t.get(t, pk), pk)
+    ts = sorted(by_t)
+    slope = (by_t[ts[-1]] - by_t[ts[0]]) / (ts[-1] - ts[0])  # GiB per token
+    line0 = by_t[ts[0]] - slope * ts[0]  # the peak at zero tokens, by the same line
+    base = max(line0, frozen + state)  # never below what the weights and the state take
+    rank = int(r0.get("lora_rank") or 16)
+
+    scen = [("as measured (adapters fp32, peft's default)" if a_b == 4 else "as measured", 0.0)]
+    if a_b == 4:
+        scen.append(("adapters in bf16 (`lora_dtype = \"model\"`)", state / 2))
+        if rank > 16:
+            scen.append((f"adapters in bf16, rank 16 instead of {rank}", state - state / 2 * 16 / rank))
+    scen.append(("AdamW's two states on the host", state / 2))
+    scen.append(("frozen weights in 8 bits", frozen / 2))
+    body = []
+    for name, saved in scen:
+        zero = base - saved
+        left = cap - zero
+        body.append([name, f"{saved:.1f}", f"{zero:.1f}",
+                     f"{left:.1f}" + (f" (≈ {int(left / slope):,} tokens)" if left > 0 else " (none)")])
+    peaks = ", ".join(f"{t}: {by_t[t]:.1f}" for t in ts)
+    return (f"### What would fit {model} on one {small_gpu}\n\n"
+            f"Our split-LoRA rows peaked at {peaks} GiB allocated (tokens: GiB): "
+            f"{slope * 1024:.2f} MiB per token on a line through {line0:.1f} GiB at zero tokens. Weights and "
+            f"trainable state alone take {frozen + state:.1f} GiB: {frozen:.1f} GiB for the "
+            f"{(total - trainable) / 1e9:.2f} B frozen weights ({w_b} bytes each) and {state:.1f} GiB for the "
+            f"{trainable / 1e9:.2f} B adapter parameters with their grads and AdamW's two states "
+            f"({a_b} bytes each); the table starts from the larger of the two. The {small_gpu} has "
+            f"{cap:.1f} GiB.\n\n" + _table(
+                ["change", "saves GiB", "peak at zero tokens GiB", f"left on the {small_gpu} GiB (tokens at the measured slope)"], body)
+            + "\n\nOnly the first row is measured; each other row is that line lowered by what the change "
+              "saves (a projection, not a run). The CUDA context and the allocator's reserve come on top "
+              "of the allocated peak. `lora_dtype = \"model\"` exists in the harness "
+              "(`grouped_mm-split-bf16lora` in `experiments/moe.toml`); the host-side optimizer and 8-bit "
+              "weights need code this project does not have (no bitsandbytes here).")
+
+
 # experiment name -> fn(sweep rows, results root) -> markdown
-SWEEP_TARGETS = {"moe": lambda rows, _root: moe_e2e_targets_md(rows)}
+SWEEP_TARGETS = {"moe": lambda rows, _root: "\n\n".join(x for x in (moe_e2e_targets_md(rows), moe_fit_md(rows)) if x)}
 
 
 def sweep_targets(experiment: str, rows: list[dict], results_root=None) -> list[str]:

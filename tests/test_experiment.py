@@ -144,3 +144,27 @@ loss = "chunked"
     assert a.point_id == alone.point_id
     with pytest.raises(experiment.ExperimentError, match=r"variants.b.loss"):
         experiment.load(write_toml(base.replace('loss = "chunked"', 'loss = "fused"')))
+
+
+def test_lora_dtype_per_experiment_and_variant_and_identity(write_toml):
+    base = """
+[experiment]
+name = "ld"
+models = ["llama-3.2-1b-tiny"]
+seq_lens = [128]
+device = "cpu"
+dtype = "fp32"
+[variants.a]
+attn_implementation = "sdpa"
+[variants.b]
+attn_implementation = "sdpa"
+lora_dtype = "model"
+"""
+    pts = {p.variant: p for p in experiment.load(write_toml(base)).points()}
+    assert (pts["a"].lora_dtype, pts["b"].lora_dtype) == ("fp32", "model")
+    # the default keeps the identity points had before the key existed
+    plain = experiment.load(write_toml(base.replace('lora_dtype = "model"\n', ""))).points()
+    assert pts["a"].point_id == plain[0].point_id and pts["b"].point_id != plain[1].point_id
+    with pytest.raises(experiment.ExperimentError) as e:
+        experiment.load(write_toml(base.replace('lora_dtype = "model"', 'lora_dtype = "fp8"')))
+    assert "variants.b.lora_dtype" in str(e.value) and "model" in str(e.value)

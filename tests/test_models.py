@@ -56,3 +56,13 @@ def test_tiny_builds_with_initialized_weights_and_lora(name):
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(named[n].grad is not None for n in trainable if "lora_A" in n)
+
+
+@pytest.mark.parametrize("lora_dtype, want", [("fp32", torch.float32), ("model", torch.bfloat16)])
+def test_lora_dtype_sets_the_adapters_dtype_on_moe_experts_too(lora_dtype, want):
+    spec = models.get("qwen3-30b-a3b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.bfloat16, lora_rank=4, lora_dtype=lora_dtype)
+    trainable = [(n, p.dtype) for n, p in m.named_parameters() if p.requires_grad]
+    assert trainable and all(d == want for _, d in trainable)
+    assert any("experts" in n for n, _ in trainable)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters() if not p.requires_grad)

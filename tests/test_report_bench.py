@@ -480,3 +480,24 @@ def test_packing_peak_memory_side_by_side():
     md = packing_targets_md(rows, [])
     assert "`tests/test_gpu_packing.py` (a GPU test) asserts it" in md
     assert "| g | qwen3-0.6b | 8192 | 15.800 | 15.700 | 15.750 | +0.100 / +0.050 | 0.062 | no |" in md
+
+
+def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
+    from harness.report_bench import moe_fit_md
+
+    def row(t, peak, device="NVIDIA H200", cap=139.8):
+        return {"kind": "step", "status": "ok", "model": "qwen3-30b-a3b", "variant": "grouped_mm-split",
+                "seq_len": t, "peak_allocated_gib": peak, "total_params": 33e9, "trainable_params": 2.5e9,
+                "dtype": "bf16", "lora_rank": 64, "device_name": device, "env": {"memory_total_gib": cap}}
+
+    h100 = {"kind": "step", "status": "ok", "model": "gpt-oss-20b", "variant": "stock-grouped_mm",
+            "device_name": "NVIDIA H100", "env": {"memory_total_gib": 79.6}}
+    md = moe_fit_md([row(1024, 96.0), row(8192, 104.0), h100])
+    frozen, state = 30.5e9 * 2 / 2**30, 2.5e9 * 4 * 4 / 2**30  # 56.8 and 37.3 GiB
+    assert "on one NVIDIA H100" in md and f"{frozen + state:.1f} GiB" in md
+    # bf16 adapters save half the state, from the larger of the zero-token line and weights + state
+    base = max(96.0 - 8.0 / 7168 * 1024, frozen + state)
+    assert f"| adapters in bf16 (`lora_dtype = \"model\"`) | {state / 2:.1f} | {base - state / 2:.1f} |" in md
+    assert "| as measured (adapters fp32, peft's default) | 0.0 |" in md and "(none)" in md
+    # one length only, or no GPU capacity recorded: nothing to say
+    assert moe_fit_md([row(1024, 96.0), h100]) == ""
