@@ -150,8 +150,9 @@ class Prepared:
         return loss.detach()
 
 
-def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
-    """Build the point's model (optim switches applied), its AdamW and ``n_batches`` batches."""
+def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None) -> Prepared:
+    """Build the point's model (optim switches applied), its AdamW and ``n_batches`` batches;
+    ``on_phase(name)`` is told what it starts (a sweep point reports it as progress)."""
     pinned_core = _pin_cpu() if point.pin_cpu else None
     device = resolve_device(point.device)
     dtype = DTYPES[point.dtype]
@@ -159,7 +160,7 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    _progress(phase="building the model")
+    on_phase("building the model")
     model = model_registry.build(
         spec,
         device=device,
@@ -171,7 +172,7 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
         seed=point.data.seed,
         lora_dtype=point.lora_dtype,
     )
-    _progress(phase="enabling optim")
+    on_phase("enabling optim")
     optim_applied = _enable_optim(model, sw)
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -183,13 +184,13 @@ def prepare(point: SweepPoint, spec, n_batches: int) -> Prepared:
     # What a packing collator hands the model besides the tensors: the document lengths it
     # already knows on the host, so no layer has to rediscover them from position_ids.
     extra = [_packing_kwargs(b, optim_applied) for b in batches]
-    _progress(phase="first step")
+    on_phase("first step")
     return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core)
 
 
 def _measure(point: SweepPoint, spec) -> dict:
     n_steps = point.warmup_steps + point.measured_steps
-    run = prepare(point, spec, n_steps)
+    run = prepare(point, spec, n_steps, on_phase=lambda phase: _progress(phase=phase))
     device, dtype, model, trainable = run.device, run.dtype, run.model, run.trainable
     optim_applied, pinned_core = run.optim_applied, run.pinned_core
     batches = run.batches
