@@ -107,6 +107,19 @@ def git_state() -> dict:
             "git_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}
 
 
+def code_sha() -> str:
+    """A hash of the measuring code itself (optim/ and harness/ sources): two rows with the same
+    value ran the same code even when the commits differ (a commit that only adds results or
+    tools), so they may be compared as one run."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for pkg in ("optim", "harness"):
+        for path in sorted((REPO_ROOT / pkg).rglob("*.py")):
+            h.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def collect() -> dict:
     import torch
 
@@ -120,6 +133,7 @@ def collect() -> dict:
         "triton": _version("triton"),
         "cuda": torch.version.cuda,
         **git_state(),
+        "code_sha": code_sha(),
         "cpu_count": os.cpu_count(),
     }
     if torch.cuda.is_available():

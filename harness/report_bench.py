@@ -1023,14 +1023,18 @@ def _when(r: dict):
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
+def _code_ids(rows: list[dict]) -> set:
+    """What ran: the hash of the measuring code where rows record it (env.code_sha), else the commit."""
+    return {e.get("code_sha") or e.get("git_sha") for r in rows if (e := r.get("env") or {})} - {None}
+
+
 def _one_run(rows: list[dict]) -> bool | None:
-    """True when the rows were recorded within SAME_RUN_MINUTES of each other at one commit, False when
-    not, None when a time is missing."""
+    """True when the rows were recorded within SAME_RUN_MINUTES of each other running the same code
+    (one code hash, or one commit for rows without one), False when not, None when a time is missing."""
     times = [_when(r) for r in rows]
     if not rows or None in times:
         return None
-    shas = {(r.get("env") or {}).get("git_sha") for r in rows} - {None}
-    return (max(times) - min(times)).total_seconds() <= SAME_RUN_MINUTES * 60 and len(shas) <= 1
+    return (max(times) - min(times)).total_seconds() <= SAME_RUN_MINUTES * 60 and len(_code_ids(rows)) <= 1
 
 
 def _run_note(labelled: list[tuple[str, list[dict]]]) -> str:
@@ -1048,15 +1052,15 @@ def _run_note(labelled: list[tuple[str, list[dict]]]) -> str:
     text = " and ".join(f"{name} recorded {seen(rs)}" for name, rs in labelled)
     times = [t for r in rows if (t := _when(r)) is not None]
     span = (max(times) - min(times)).total_seconds() / 60 if len(times) == len(rows) else None
-    shas = {(r.get("env") or {}).get("git_sha") for r in rows} - {None}
+    shas = _code_ids(rows)
     if span is None:
         verdict = "a recording time is missing, so it is unknown whether they come from one run"
     elif span > SAME_RUN_MINUTES:
         verdict = f"they are {span:.0f} minutes apart, so they come from different runs"
     elif len(shas) > 1:
-        verdict = "they were recorded at different commits, so they come from different runs"
+        verdict = "they ran different code (commits or code hashes differ), so they come from different runs"
     else:
-        verdict = f"they are {span:.0f} minutes apart at one commit, so they likely come from one run"
+        verdict = f"they are {span:.0f} minutes apart running the same code, so they likely come from one run"
     return f"{text}: {verdict}."
 
 
@@ -1181,7 +1185,8 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
             "allocate less than a quarter of a bool T×T mask. Below, the peak memory of the three packed "
             "paths (cache on, not compiled) side by side: the SDPA path holds a (B, T, T) mask, the others "
             "do not. The one run? column says yes when the rows were recorded within 30 minutes of each other "
-            "at one commit; peaks from different runs may differ for other reasons.\n\n" + _table(
+            "running the same code (one code hash; one commit for rows older than the hash); peaks from "
+            "different runs may differ for other reasons.\n\n" + _table(
                 ["GPU", "model", "tokens", "packed-sdpa GiB", "packed-flex GiB", "packed-varlen GiB",
                  "sdpa − flex / sdpa − varlen GiB", "bool B·T² mask GiB", "one run?"], peaks))
     return "\n\n".join(parts)

@@ -405,7 +405,7 @@ def test_packing_best_packed_vs_stock_flex_met():
     assert "| g | qwen3-0.6b | 2048 | 300.0 | not run | – | – | – |" in md
     assert "same sweep file" in md
     assert ("stock-flex recorded 2026-11-22T00:30:00+00:00 (git aaaa1111) and packed-varlen-compiled recorded "
-            "2026-11-22T00:40:00+00:00 (git aaaa1111): they are 10 minutes apart at one commit, so they likely "
+            "2026-11-22T00:40:00+00:00 (git aaaa1111): they are 10 minutes apart running the same code, so they likely "
             "come from one run.") in md
 
 
@@ -419,7 +419,12 @@ def test_packing_best_packed_vs_stock_flex_not_met_and_different_runs():
     assert "they are 240 minutes apart, so they come from different runs." in md
     # within 30 minutes but at another commit: still different runs
     rows[1].update(recorded_at="2026-11-21T20:05:00+00:00", env={"git_sha": "bbbb2222"})
-    assert "recorded at different commits, so they come from different runs." in packing_targets_md(rows, [])
+    assert "ran different code (commits or code hashes differ), so they come from different runs." \
+        in packing_targets_md(rows, [])
+    # different commits but one hash of the measuring code (a commit that added only results): one run
+    rows[0]["env"] = {"git_sha": "aaaa1111", "code_sha": "c0de"}
+    rows[1]["env"] = {"git_sha": "bbbb2222", "code_sha": "c0de"}
+    assert "5 minutes apart running the same code, so they likely come from one run." in packing_targets_md(rows, [])
 
 
 def test_packing_targets_missing_stock_flex_and_odd_rows():
@@ -501,3 +506,18 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
     assert "| as measured (adapters fp32, peft's default) | 0.0 |" in md and "(none)" in md
     # one length only, or no GPU capacity recorded: nothing to say
     assert moe_fit_md([row(1024, 96.0), h100]) == ""
+
+
+def test_code_sha_tracks_the_measuring_code_only(tmp_path, monkeypatch):
+    from harness import env
+
+    monkeypatch.setattr(env, "REPO_ROOT", tmp_path)
+    for pkg in ("optim", "harness"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "a.py").write_text("x = 1\n")
+    first = env.code_sha()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.py").write_text("y = 2\n")  # not measuring code
+    assert env.code_sha() == first
+    (tmp_path / "optim" / "a.py").write_text("x = 2\n")
+    assert env.code_sha() != first
