@@ -1071,24 +1071,31 @@ def _gpu_steps(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def packing_vs_stock_points(rows: list[dict]) -> list[dict]:
-    """Per (gpu, model, seq_len) with an ok ``stock-flex`` row: the best packed path (lowest step p50,
-    median over repeats, of any packed variant) against stock flex_attention, plain and compiled."""
+    """Per (gpu, model, seq_len) with a ``stock-flex`` row: the best packed path (lowest step p50,
+    median over repeats, of any packed variant) against stock flex_attention, plain and compiled. A
+    stock row that failed (timed out, out of memory) keeps its point, with its status instead of a time."""
     out = []
     for slug, g in _gpu_steps(rows).items():
-        points = {(r.get("model"), r.get("seq_len")) for r in g
-                  if r.get("variant") == "stock-flex" and r.get("status") == "ok" and _stat(r, "step_ms")}
+        points = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") == "stock-flex"
+                  and r.get("model") and (_stat(r, "step_ms") if r.get("status") == "ok" else r.get("status"))}
         for model, t in sorted(points, key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
             mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
-            stock, _, _ = _p50_by(mine, model, t, ["stock-flex"])
+            stock, _, stock_failed = _p50_by(mine, model, t, ["stock-flex"])
             compiled, _, _ = _p50_by(mine, model, t, ["stock-flex-compiled"])
             best, variant, failed = _p50_by(mine, model, t, _packed_variants(mine))
             out.append({"gpu": slug, "model": model, "seq_len": t, "stock_ms": stock,
                         "stock_compiled_ms": compiled, "best_ms": best, "best_variant": variant,
-                        "failed": failed, "ratio": stock / best if stock and best else None,
+                        "failed": failed, "stock_failed": [_failure_text(r) for r in mine if r.get("variant")
+                                                           == "stock-flex" and r.get("status") != "ok"],
+                        "ratio": stock / best if stock and best else None,
                         "compiled_ratio": compiled / best if compiled and best else None,
                         "stock_rows": _ok_rows(mine, model, t, "stock-flex"),
                         "best_rows": _ok_rows(mine, model, t, variant) if variant else []})
     return out
+
+
+def _failure_text(r: dict) -> str:
+    return f"{r.get('status')}: {r.get('message')}" if r.get("message") else str(r.get("status"))
 
 
 def _times(x) -> str:
@@ -1109,7 +1116,8 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
     hits = [p for p in vs if p["model"] == model and p["seq_len"] == t0]
     for p in hits or [None]:
         if p is None or p["ratio"] is None:
-            measured = "not measured" if p is None else f"stock-flex {_ms(p['stock_ms'])} ms, no packed row"
+            measured = ("not measured" if p is None else f"stock-flex {_ms(p['stock_ms'])} ms, no packed row"
+                        if p["stock_ms"] else f"stock-flex {'; '.join(p['stock_failed'])}")
             targets.append([goal, measured, DASH])
             continue
         measured = (f"{_times(p['ratio'])} (stock-flex {_ms(p['stock_ms'])} → {p['best_variant']} "
@@ -1143,7 +1151,8 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
                "among those larger than the spread (p80/p20 − 1) of the two rows compared."]
 
     if vs:
-        body = [[p["gpu"], p["model"], p["seq_len"], _ms(p["stock_ms"]),
+        body = [[p["gpu"], p["model"], p["seq_len"],
+                 _ms(p["stock_ms"]) if p["stock_ms"] else "; ".join(p["stock_failed"]),
                  f"{_ms(p['best_ms'])} ({p['best_variant']})" if p["best_ms"]
                  else ("; ".join(p["failed"]) or "not run"),
                  _times(p["ratio"]), _ms(p["stock_compiled_ms"]), _times(p["compiled_ratio"])] for p in vs]

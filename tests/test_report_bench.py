@@ -521,3 +521,12 @@ def test_code_sha_tracks_the_measuring_code_only(tmp_path, monkeypatch):
     assert env.code_sha() == first
     (tmp_path / "optim" / "a.py").write_text("x = 2\n")
     assert env.code_sha() != first
+
+
+def test_packing_vs_stock_keeps_a_point_whose_stock_run_failed():
+    from harness.report_bench import packing_targets_md
+
+    failed = _packing_row("stock-flex", None, seq_len=16384, status="error")
+    failed["message"] = "timed out after 150 s"
+    md = packing_targets_md([failed, _packing_row("packed-flex", 700.0, seq_len=16384)], [])
+    assert "| g | qwen3-0.6b | 16384 | error: timed out after 150 s | 700.0 (packed-flex) | – |" in md
