@@ -25,7 +25,7 @@ DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
 DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
 LOSSES = ("full", "chunked")
-LORA_DTYPES = ("fp32", "model")
+LORA_DTYPES = model_registry.LORA_DTYPES
 
 
 class ExperimentError(ValueError):

@@ -163,6 +163,10 @@ def lora_config(spec: ModelSpec, rank: int, *, attention_only_for_moe: bool = Tr
     return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
 
 
+# fp32: peft's default, adapters upcast to float32; model: adapters in the model's dtype
+LORA_DTYPES = ("fp32", "model")
+
+
 def build(
     spec: ModelSpec,
     *,
@@ -206,8 +210,8 @@ def build(
     if lora_rank:
         from peft import get_peft_model
 
-        if lora_dtype not in ("fp32", "model"):
-            raise ValueError(f"lora_dtype must be 'fp32' or 'model', got {lora_dtype!r}")
+        if lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {lora_dtype!r}")
         model = get_peft_model(model, lora_config(spec, lora_rank),
                                autocast_adapter_dtype=lora_dtype == "fp32")
     model.train()

@@ -821,6 +821,10 @@ def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
             and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
     caps = {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
             for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
+    # one adapter dtype for the line: peft's default where measured (bf16-adapter rows would lower it)
+    dtypes = {r.get("lora_dtype") or "fp32" for r in ours}
+    keep = "fp32" if "fp32" in dtypes else min(dtypes, default="fp32")
+    ours = [r for r in ours if (r.get("lora_dtype") or "fp32") == keep]
     if len({r["seq_len"] for r in ours}) < 2 or not caps:
         return ""
     small_gpu, cap = min(caps.items(), key=lambda kv: kv[1])

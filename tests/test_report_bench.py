@@ -504,6 +504,9 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
     base = max(96.0 - 8.0 / 7168 * 1024, frozen + state)
     assert f"| adapters in bf16 (`lora_dtype = \"model\"`) | {state / 2:.1f} | {base - state / 2:.1f} |" in md
     assert "| as measured (adapters fp32, peft's default) | 0.0 |" in md and "(none)" in md
+    # a bf16-adapter row does not bend the fp32 line
+    bf16 = {**row(8192, 80.0), "variant": "grouped_mm-split-bf16lora", "lora_dtype": "model"}
+    assert moe_fit_md([row(1024, 96.0), row(8192, 104.0), bf16, h100]) == md
     # one length only, or no GPU capacity recorded: nothing to say
     assert moe_fit_md([row(1024, 96.0), h100]) == ""
 
