@@ -45,11 +45,17 @@ def cmd_sweep(args) -> int:
     import signal
 
     from harness import experiment, sweep
+    from harness.stacks import stacks_every
 
     # `timeout`, a CI runner or a job scheduler stops the sweep with SIGTERM: turn it into an
     # exit that unwinds, so the launcher kills the point in flight (its own session) on the way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
+    try:  # every point would fail on it: say so once, before the first
+        stacks_every()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     path = Path(args.experiment) if args.experiment else default_experiment()
     try:
         exp = experiment.load(path)

@@ -100,6 +100,22 @@ def test_timeout_kills_point(tmp_path, write_toml, monkeypatch, launcher):
         assert "in _inject_fault" in text
 
 
+def test_periodic_stacks_show_where_a_slow_point_spent_its_time(tmp_path, write_toml, monkeypatch, capsys):
+    from harness import cli
+
+    text = _with("preloaded", EXP.replace("timeout_s = 120", "timeout_s = 3").split("[variants.boom]")[0])
+    exp = experiment.load(write_toml(text))
+    monkeypatch.setenv("PACKBENCH_FAULT", "good=hang")
+    monkeypatch.setenv("PACKBENCH_STACKS_EVERY", "0.5")
+    sweep.run(exp, tmp_path / "results", progress=False)
+    (log,) = (tmp_path / "results").rglob("*.log")
+    assert log.read_text().count("in _inject_fault") >= 3  # every 0.5 s, then once more at the kill
+    monkeypatch.setenv("PACKBENCH_STACKS_EVERY", "soon")
+    assert cli.main(["sweep", str(write_toml(text)), "--results", str(tmp_path / "r2"), "--no-report"]) == 2
+    assert "PACKBENCH_STACKS_EVERY='soon': give a number of seconds" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists()  # refused before any point ran
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_killed_midway_then_resumed(tmp_path, write_toml, launcher):
     path = write_toml(_with(launcher, EXP.split("[variants.boom]")[0]) + """
