@@ -7,6 +7,6 @@ nvidia-smi -L
 # For the call scripts: END is the call's deadline (10 min box less a margin for copying back);
 # left prints the seconds to it; keep EXP copies an experiment's rows and point logs under $OUT,
 # after every sweep, so a call cut short still brings back what ran.
-END=$((SECONDS + 560))
+END=$((SECONDS + ${CALL_S:-560}))
 left() { echo $((END - SECONDS)); }
 keep() { mkdir -p "$OUT/$1"; cp results/"$1"/*.jsonl "$OUT/$1/" 2>/dev/null; tar czf "$OUT/$1/logs.tgz" -C results/"$1" logs 2>/dev/null; true; }
