@@ -33,6 +33,8 @@ from harness.timing import percentiles
 
 DEFAULT_MODELS = ["llama-3.2-1b", "qwen3-0.6b", "qwen3-14b"]
 DEFAULT_LENGTHS = [2048, 8192, 16384]
+# ~50 ms of a spin kernel at H100/H200 clocks: longer than the host takes to issue any build
+SPIN_CYCLES = 100_000_000
 
 
 def _device() -> torch.device:
@@ -133,14 +135,23 @@ def measure_m(backend: str, seq_len: int, *, window: int | None = None, sinks: b
     samples, host, dev = [], [], []
     for i in range(warmup + repeats):
         if device.type == "cuda":
+            # host: issuing the build (and any sync inside it), on an idle GPU
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = once(i)
+            torch.cuda.synchronize()
+            host_ms = (time.perf_counter() - t0) * 1e3
+            del out
+            # device: the build's kernels alone. A spin kernel keeps the GPU busy while the host
+            # issues them, so the events do not count the host's gaps between launches (on an
+            # idle GPU they would: the span would be the host time again). A sync inside the
+            # build waits for the spin, and the gaps after it count, as they do in a step.
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
+            torch.cuda._sleep(SPIN_CYCLES)
             start.record()
-            out = once(i)
+            out = once(warmup + repeats + i)
             end.record()
-            # host: issuing the build (and any sync inside it); device: first to last of its kernels
-            host_ms = (time.perf_counter() - t0) * 1e3
             torch.cuda.synchronize()
             dev_ms = start.elapsed_time(end)
             # the build costs a step the larger of the two when nothing overlaps it (an idle GPU)
