@@ -299,7 +299,7 @@ def test_moe_end_to_end_targets_from_sweep_rows():
     from harness.report_bench import moe_e2e_targets_md
 
     def row(t, v, p50, status="ok"):
-        return {"kind": "step", "gpu_slug": "h", "device_name": "H", "model": "gpt-oss-20b",
+        return {"kind": "step", "gpu_slug": "h", "device_name": "NVIDIA H100 80GB HBM3", "model": "gpt-oss-20b",
                 "seq_len": t, "variant": v, "status": status,
                 "step_ms": {"p20": p50, "p50": p50, "p80": p50} if status == "ok" else None}
 
@@ -314,6 +314,12 @@ def test_moe_end_to_end_targets_from_sweep_rows():
     assert "+20.0% (3600.0 → 3000.0 ms) | yes |" in md
     # 4096 and 8192 were not run: the every-length target is not judged
     assert "1024: yes, 2048: yes, 16384: yes | – |" in md
+    # judged on the GPU the issue names for that model only (gpt-oss-20b: the H100)
+    assert "ours below the seeds'" not in moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in rows])
+    qwen = [{**r, "model": "qwen3-30b-a3b", "device_name": "NVIDIA H100 80GB HBM3"} for r in rows]
+    assert "ours below the seeds'" not in moe_e2e_targets_md(qwen)
+    assert "ours below the seeds' H100 figures at every length (qwen3-30b-a3b) | 1024: yes" in \
+        moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in qwen])
 
 
 def test_packing_cache_predicted_vs_measured():
@@ -341,6 +347,29 @@ def test_packing_cache_predicted_vs_measured():
     m[0]["m_device_ms"] = 0.1
     (p,) = packing_cache_points([row(True, 400.0, 10), row(False, 430.0, 560)], m)
     assert p["predicted_device_ms"] == pytest.approx(5.5)
+    assert p["ratio_device"] == pytest.approx(30 / 5.5)
+
+
+def test_packing_cache_md_sorts_pairs_by_who_bounds_the_step():
+    from harness.report_bench import packing_cache_md
+
+    def row(t, cache, p50, spread, builds):
+        return {"kind": "step", "status": "ok", "gpu_slug": "g", "model": "qwen3-0.6b", "seq_len": t,
+                "num_layers": 28, "measured_steps": 10,
+                "step_ms": {"p20": p50, "p50": p50, "p80": p50 * spread},
+                "switches": {"packing_backend": "flex", "packing_cache": cache},
+                "packing_counters": {"flex_block_mask": builds}}
+
+    m = [{"kind": "packing_m", "gpu_slug": "g", "backend": "flex", "seq_len": t, "from_position_ids": False,
+          "m_ms": 2.5, "m_device_ms": 0.3, "window": None, "sinks": False} for t in (2048, 8192, 16384)]
+    rows = [row(16384, True, 700.0, 1.001, 10), row(16384, False, 716.0, 1.001, 560),   # GPU-bound
+            row(8192, True, 700.0, 1.04, 10), row(8192, False, 701.0, 1.04, 560),       # within its band
+            row(2048, True, 400.0, 1.2, 10), row(2048, False, 530.0, 1.2, 560)]         # host-bound
+    md = packing_cache_md(rows, m)
+    # 16 ms saved of a 16.5 ms device part; 2048: 130 ms of 137.5 ms predicted from the whole m
+    assert "- GPU-bound: measured / device part median 0.97, range 0.97–0.97, 1 pairs." in md
+    assert "1 more GPU-bound pairs predict a device part within their steps' p20–p80 band" in md
+    assert "- Host-bound: measured / predicted (the whole m) median 0.95, range 0.95–0.95, 1 pairs." in md
 
 
 def test_packing_cache_md_names_lengths_without_m():
@@ -506,7 +535,10 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
     assert "| as measured (adapters fp32, peft's default) | 0.0 |" in md and "(none)" in md
     # a bf16-adapter row does not bend the fp32 line
     bf16 = {**row(8192, 80.0), "variant": "grouped_mm-split-bf16lora", "lora_dtype": "model"}
-    assert moe_fit_md([row(1024, 96.0), row(8192, 104.0), bf16, h100]) == md
+    with_bf16 = moe_fit_md([row(1024, 96.0), row(8192, 104.0), bf16, h100])
+    assert with_bf16.startswith(md)
+    # ... and is set beside the table's projection for it
+    assert with_bf16.endswith(f"8192 tokens on the NVIDIA H200: 80.0 GiB (projected {base - state / 2 + 8.0 / 7168 * 8192:.1f}).")
     # one length only, or no GPU capacity recorded: nothing to say
     assert moe_fit_md([row(1024, 96.0), h100]) == ""
 
