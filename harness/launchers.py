@@ -170,7 +170,7 @@ class Child:
 # Imported once by a fork server; every point is a fresh fork of it. None of these touches CUDA
 # at import, so each point still creates its own CUDA context, and the allocator reads
 # PYTORCH_CUDA_ALLOC_CONF in the point.
-PRELOAD = ["torch", "transformers", "peft", "harness.point"]
+PRELOAD = ["harness._server", "torch", "transformers", "peft", "harness.point"]
 _context = None
 
 
@@ -179,8 +179,17 @@ def _forkserver():
     if _context is None:
         import multiprocessing
 
+        from multiprocessing import forkserver
+
+        from harness import _server
+
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
+        os.environ[_server.ENV] = "1"  # the server reads it at its start (see harness._server)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop(_server.ENV, None)
         _context = ctx
     return _context
 
@@ -189,6 +198,7 @@ def _preloaded_main(spec_path: str, out_path: str, env: dict, conn) -> None:
     """The point process of ``PreloadedLauncher``: own session, output into the sweep's pipe,
     the sweep's environment of now (the fork server's is that of its start)."""
     os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (harness._server)
     # multiprocessing hands every forked child the write end of the server's "alive" pipe, so a
     # child would keep the server (its parent) running after the sweep died, and the point's
     # parent-death signal would never fire. Only the sweep holds it now.

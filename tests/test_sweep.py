@@ -116,6 +116,36 @@ def test_periodic_stacks_show_where_a_slow_point_spent_its_time(tmp_path, write_
     assert not (tmp_path / "r2").exists()  # refused before any point ran
 
 
+def test_group_sigterm_still_gets_the_stacks_of_the_point_in_flight(tmp_path, write_toml):
+    # what `timeout`, a CI runner or a scheduler does: SIGTERM to the sweep's whole process group,
+    # the preloaded launcher's fork server included, whose death would kill the point at once
+    # (on the H100 a sweep stopped by `timeout` logged "no stacks" for its point in flight)
+    path = write_toml(_with("preloaded", EXP.split("[variants.boom]")[0]))
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "harness", "sweep", str(path), "--results", str(results), "--no-report", "--quiet"]
+    env = {**os.environ, "PACKBENCH_FAULT": "good=hang", "PACKBENCH_STACKS_EVERY": "5"}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, start_new_session=True, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    logs = []
+    while time.time() < deadline and not (logs and "in _inject_fault" in logs[0].read_text()):
+        time.sleep(0.2)
+        logs = list(results.rglob("*.log"))
+    assert logs and "in _inject_fault" in logs[0].read_text(), "the point never reached its hang"
+    # the group's signal as the kernel may deliver it: the fork server first, the sweep after
+    for pid in _children(proc.pid):
+        if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)  # soon after a periodic dump: the next is 5 s away
+    assert proc.wait(timeout=60) != 0
+    text = logs[0].read_text()
+    assert "the sweep is stopping; last progress:" in text
+    # the stacks it was asked for came whole: the point lived until the sweep had them
+    last = text.split("the sweep is stopping")[-1]
+    assert "in _inject_fault" in last and "in main" in last  # to its bottom frames
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_killed_midway_then_resumed(tmp_path, write_toml, launcher):
     path = write_toml(_with(launcher, EXP.split("[variants.boom]")[0]) + """
