@@ -135,7 +135,8 @@ def measure_m(backend: str, seq_len: int, *, window: int | None = None, sinks: b
     samples, host, dev = [], [], []
     for i in range(warmup + repeats):
         if device.type == "cuda":
-            # host: issuing the build (and any sync inside it), on an idle GPU
+            # "host" (m_host_ms): the build end to end on an idle GPU, from issuing it to its last
+            # kernel's end: the host's time, plus any device time the host did not cover
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = once(i)
@@ -146,7 +147,6 @@ def measure_m(backend: str, seq_len: int, *, window: int | None = None, sinks: b
             # issues them, so the events do not count the host's gaps between launches (on an
             # idle GPU they would: the span would be the host time again). A sync inside the
             # build waits for the spin, and the gaps after it count, as they do in a step.
-            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(SPIN_CYCLES)
             start.record()

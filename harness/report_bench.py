@@ -868,7 +868,7 @@ def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
     tried = {}
     for r in rows:
         if (r.get("kind") == "step" and r.get("model") == model and r.get("lora_dtype") == "model"
-                and str(r.get("variant", "")).find("-split") > 0 and (r.get("loss_mode") or "full") == "full"):
+                and "-split" in str(r.get("variant")) and (r.get("loss_mode") or "full") == "full"):
             key = (str(r.get("device_name")), int(r["seq_len"]))
             pk = _f(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
             if key not in tried or (pk is not None and (tried[key] is None or pk < tried[key])):
