@@ -72,6 +72,7 @@ class SweepPoint:
     pin_cpu: bool = False
     loss: str = "full"
     lora_dtype: str = "fp32"
+    cuda_graph: bool = False
 
     @property
     def point_id(self) -> str:
@@ -84,6 +85,8 @@ class SweepPoint:
             key.pop("loss")  # likewise
         if key["lora_dtype"] == "fp32":
             key.pop("lora_dtype")  # likewise
+        if not key["cuda_graph"]:
+            key.pop("cuda_graph")  # likewise
         if key["launcher"] == "preloaded":
             key["launcher"] = "process"  # one process per point either way; only the imports differ
         blob = json.dumps(key, sort_keys=True, default=str).encode()
@@ -128,6 +131,7 @@ class Experiment:
     variant_loss: dict[str, str] = field(default_factory=dict)  # per-variant override of ``loss``
     lora_dtype: str = "fp32"
     variant_lora_dtype: dict[str, str] = field(default_factory=dict)  # likewise for ``lora_dtype``
+    variant_cuda_graph: dict[str, bool] = field(default_factory=dict)  # variants timed as graph replays
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -159,6 +163,7 @@ class Experiment:
                                 pin_cpu=self.pin_cpu,
                                 loss=self.variant_loss.get(vname, self.loss),
                                 lora_dtype=self.variant_lora_dtype.get(vname, self.lora_dtype),
+                                cuda_graph=self.variant_cuda_graph.get(vname, False),
                             )
                         )
         return out
@@ -294,14 +299,27 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     variants: dict[str, dict[str, Any]] = {}
     variant_loss: dict[str, str] = {}
     variant_lora_dtype: dict[str, str] = {}
+    variant_cuda_graph: dict[str, bool] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype"})
+        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph"})
         settings = dict(settings)
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
             variant_loss[vname] = _choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
         if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
             variant_lora_dtype[vname] = _choice(path, f"variants.{vname}.lora_dtype",
                                                 settings.pop("lora_dtype"), LORA_DTYPES)
+        if "cuda_graph" in settings:  # how the harness runs the step (optim.graphs), not a model switch
+            graphed = settings.pop("cuda_graph")
+            if not isinstance(graphed, bool):
+                raise ExperimentError(path, f"variants.{vname}.cuda_graph", f"must be true or false, got {graphed!r}")
+            if graphed and device == "cpu":
+                raise ExperimentError(path, f"variants.{vname}.cuda_graph",
+                                      "replays the step as a CUDA graph, so it needs device = 'cuda' or 'auto'")
+            if graphed and settings.get("offload", "none") != "none":
+                raise ExperimentError(path, f"variants.{vname}.cuda_graph",
+                                      "cannot capture optim.offload's host copies on side streams; "
+                                      "set offload = 'none' in this variant")
+            variant_cuda_graph[vname] = graphed
         for key, value in settings.items():
             _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
         if settings.get("offload", "none") != "none" and settings.get("gradient_checkpointing", True) is False:
@@ -319,6 +337,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
+        variant_cuda_graph=variant_cuda_graph,
     )
 
 

@@ -179,6 +179,7 @@ def build(
     checkpoint_fn=None,
     seed: int = 0,
     lora_dtype: str = "fp32",
+    checkpoint_preserve_rng: bool = True,
 ):
     """Build ``spec`` with random initialized weights directly on ``device``, optionally with LoRA.
 
@@ -201,6 +202,8 @@ def build(
         )
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
+        if not checkpoint_preserve_rng:  # a CUDA-graph capture cannot read the RNG state
+            kwargs["preserve_rng_state"] = False
         if checkpoint_fn is not None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             # transformers routes every layer through this function

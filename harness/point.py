@@ -64,6 +64,7 @@ def _base_row(point: SweepPoint, spec) -> dict:
         "lora_rank": point.lora_rank,
         "lora_dtype": point.lora_dtype,
         "dtype": point.dtype,
+        "cuda_graph": point.cuda_graph,
     }
 
 
@@ -149,6 +150,54 @@ class Prepared:
         mark()
         return loss.detach()
 
+    def capture(self, point: SweepPoint) -> "GraphedRun":
+        """Capture this point's step as CUDA graphs (``optim.graphs``), fed from static copies of
+        the batches. Host metadata (optim.packing's lengths) is frozen at capture, so it must be
+        the same for every batch."""
+        from optim import graphs
+
+        graphs.check_capturable(self.model, self.optimizer)
+        if self.extra[0] and any(b.lengths != self.batches[0].lengths for b in self.batches):
+            raise graphs.CaptureError(
+                "cuda_graph freezes optim.packing's host metadata at capture, but the batches' document "
+                "lengths differ; use [data] distribution = 'fixed' or turn packing off in this variant")
+        first = self.batches[0]
+        static = {"input_ids": first.input_ids.clone(), "labels": first.labels.clone(),
+                  "position_ids": first.position_ids.clone()}
+        extra = self.extra[0]
+
+        def forward_loss():
+            return causal_lm_loss(self.model, static["input_ids"], static["labels"],
+                                  chunked=point.loss == "chunked", position_ids=static["position_ids"], **extra)
+
+        step = graphs.GraphedStep(forward_loss, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        step.capture()
+        return GraphedRun(step, static, self.batches)
+
+
+@dataclass
+class GraphedRun:
+    """A captured step: each call refills the static inputs from batch ``i`` (untimed), then
+    replays forward, backward and optimizer with a timer mark after each."""
+
+    step: object
+    static: dict
+    batches: list
+
+    def __call__(self, i: int, timer: PhaseTimer) -> torch.Tensor:
+        batch = self.batches[i]
+        for name, buf in self.static.items():
+            buf.copy_(getattr(batch, name))
+        timer.start_step()
+        loss = self.step.forward()
+        timer.mark()
+        self.step.backward()
+        timer.mark()
+        self.step.optimizer_step()
+        timer.mark()
+        return loss.clone()
+
 
 def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None) -> Prepared:
     """Build the point's model (optim switches applied), its AdamW and ``n_batches`` batches;
@@ -157,6 +206,9 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
     device = resolve_device(point.device)
     dtype = DTYPES[point.dtype]
     sw = point.switches
+    if point.cuda_graph and device.type != "cuda":
+        raise RuntimeError(f"variant {point.variant!r} sets cuda_graph = true, which needs a CUDA device; "
+                           f"this point runs on {device.type}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
@@ -171,12 +223,14 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
         gradient_checkpointing=sw["gradient_checkpointing"],
         seed=point.data.seed,
         lora_dtype=point.lora_dtype,
+        # a captured step cannot read the RNG state; check_capturable refuses any dropout it would need
+        checkpoint_preserve_rng=not point.cuda_graph,
     )
     on_phase("enabling optim")
     optim_applied = _enable_optim(model, sw)
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda", capturable=point.cuda_graph)
     batches = [
         make_batch(point.data, point.seq_len, point.batch_size, spec.vocab_size, step=i).to(device)
         for i in range(n_batches)
@@ -197,8 +251,12 @@ def _measure(point: SweepPoint, spec) -> dict:
     timer = PhaseTimer(("forward", "backward", "optimizer"), device)
     losses = []
     last_end = None
+    graphed = None
     for i in range(n_steps):
         if i == point.warmup_steps:
+            if point.cuda_graph:
+                _progress(phase="capturing the step as CUDA graphs")
+                graphed = run.capture(point)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -213,7 +271,7 @@ def _measure(point: SweepPoint, spec) -> dict:
             gc.collect()
             gc.freeze()
             gc.disable()
-        losses.append(run.step(point, i, timer))
+        losses.append(graphed(i, timer) if graphed is not None else run.step(point, i, timer))
         last_end = _report_progress(i, n_steps, timer, last_end)
 
     times = timer.results_ms()
@@ -243,6 +301,7 @@ def _measure(point: SweepPoint, spec) -> dict:
         "loss_mode": point.loss,
         **optim_stats,
         "dtype_used": str(dtype).replace("torch.", ""),
+        "graph_capture_ms": graphed.step.capture_ms if graphed is not None else None,
     }
 
 

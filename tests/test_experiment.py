@@ -168,3 +168,31 @@ lora_dtype = "model"
     with pytest.raises(experiment.ExperimentError) as e:
         experiment.load(write_toml(base.replace('lora_dtype = "model"', 'lora_dtype = "fp8"')))
     assert "variants.b.lora_dtype" in str(e.value) and "model" in str(e.value)
+
+
+def test_cuda_graph_per_variant_keeps_identity_and_refuses_what_cannot_be_captured(write_toml):
+    base = """
+[experiment]
+name = "cg"
+models = ["llama-3.2-1b-tiny"]
+seq_lens = [128]
+device = "cuda"
+[variants.a]
+attn_implementation = "sdpa"
+[variants.b]
+attn_implementation = "sdpa"
+cuda_graph = true
+"""
+    pts = {p.variant: p for p in experiment.load(write_toml(base)).points()}
+    assert (pts["a"].cuda_graph, pts["b"].cuda_graph) == (False, True)
+    # unset keeps the identity points had before the key existed
+    plain = experiment.load(write_toml(base.replace("cuda_graph = true\n", ""))).points()
+    assert pts["a"].point_id == plain[0].point_id and pts["b"].point_id != plain[1].point_id
+    for edit, fragment in [
+        (('device = "cuda"', 'device = "cpu"'), "needs device = 'cuda'"),
+        (("cuda_graph = true", "cuda_graph = 1"), "must be true or false"),
+        (("cuda_graph = true", 'cuda_graph = true\noffload = "double"'), "offload = 'none'"),
+    ]:
+        with pytest.raises(ExperimentError) as e:
+            experiment.load(write_toml(base.replace(*edit)))
+        assert "variants.b.cuda_graph" in str(e.value) and fragment in str(e.value)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import experiment, results as res, sweep
 from harness.env import REPO_ROOT
@@ -277,3 +278,14 @@ def test_cli_overrides_launcher_and_timeout_keeping_point_ids(tmp_path, write_to
     with pytest.raises(SystemExit):
         cli.main(["sweep", str(path), "--timeout", "0"])
     assert "positive number of seconds" in capsys.readouterr().err
+
+
+def test_a_graphed_variant_on_a_machine_without_cuda_is_an_error_row(tmp_path, write_toml):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/test_gpu_graphs.py covers the graphed point")
+    exp = experiment.load(write_toml(EXP.split("[variants.boom]")[0].replace(
+        'attn_implementation = "sdpa"', 'attn_implementation = "sdpa"\ncuda_graph = true', 1)
+        .replace('device = "cpu"', 'device = "auto"')))
+    sweep.run(exp, tmp_path / "results", progress=False)
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "error" and "cuda_graph = true, which needs a CUDA device" in row["message"]

@@ -1,0 +1,131 @@
+"""A whole training step captured once as CUDA graphs and replayed: the host leaves the step.
+
+A LoRA step of a small model, or of a MoE model at short lengths, is host-bound on the lent
+GPUs: the GPU waits between kernels while Python issues the next one, so the step takes as long
+as the host needs and varies with the host CPU (``results/host-diag``: a pure-Python loop pinned
+to one vCPU spreads 1.07-1.14 p80/p20 there). Replaying a captured graph issues the same kernels
+with one launch per phase, so the step takes what the GPU needs.
+
+    step = GraphedStep(lambda: loss_fn(model, static_ids, static_labels), optimizer)
+    step.capture()                      # after the eager warm-up steps
+    for batch in loader:
+        static_ids.copy_(batch.ids); static_labels.copy_(batch.labels)
+        loss = step.forward(); step.backward(); step.optimizer_step()
+
+Three graphs, forward (with the loss), backward and optimizer, share one memory pool and replay in
+that order, so a caller can time each phase between replays. What a step needs to be captured:
+
+- every input it reads lives in tensors the caller refills in place (``copy_``) before each
+  replay; anything the step computes on the host from a batch is frozen at capture;
+- no host sync inside the step (``.item()``, ``nonzero``, a CUDA ``bincount``, ``print`` of a
+  tensor); transformers skips its own data-dependent checks while a stream captures;
+- a capturable optimizer (``torch.optim.AdamW(..., capturable=True)``): its step count lives on
+  the device;
+- no randomness torch's checkpoint would have to replay: no dropout with p > 0, and
+  checkpointing with ``preserve_rng_state=False`` (the RNG state cannot be read during capture);
+- no host copies on side streams (``optim.offload``).
+
+The gradients become static buffers of the backward graph: replaying it overwrites them, so do
+not call ``optimizer.zero_grad()`` between replays (that would free them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class CaptureError(RuntimeError):
+    """The step could not be captured; the message says what in the step prevents it."""
+
+
+def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before any capture, a model or optimizer whose step a graph would replay wrongly."""
+    for group in optimizer.param_groups:
+        if "capturable" in group and not group["capturable"]:
+            raise CaptureError(f"{type(optimizer).__name__} was built with capturable=False; its step count "
+                               "would stay on the host and freeze at capture. Build it with capturable=True")
+    if model.training:
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                raise CaptureError(f"{name} is a Dropout with p={m.p}: a replayed graph would repeat the "
+                                   "captured random stream. Set the dropout to 0 to capture the step")
+    config = getattr(model, "config", None)
+    p = getattr(config, "attention_dropout", 0.0) or 0.0
+    if model.training and p > 0:
+        raise CaptureError(f"config.attention_dropout={p}: a replayed graph would repeat the captured random "
+                           "stream. Set it to 0 to capture the step")
+
+
+class GraphedStep:
+    """Forward + loss, backward and optimizer step of one training step, each a CUDA graph.
+
+    ``forward_loss()`` runs the model on the caller's static input tensors and returns the
+    scalar loss. ``warmup`` eager steps run on a side stream before the capture, as torch asks
+    (they train the model like any other step).
+    """
+
+    def __init__(self, forward_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+                 *, warmup: int = 2):
+        if not torch.cuda.is_available():
+            raise CaptureError("a CUDA graph needs a CUDA device; none is visible")
+        self.forward_loss = forward_loss
+        self.optimizer = optimizer
+        self.warmup = warmup
+        self.graphs: tuple[torch.cuda.CUDAGraph, ...] | None = None
+        self.loss: torch.Tensor | None = None
+        self.capture_ms: float | None = None
+
+    def capture(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.forward_loss().backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        fwd, bwd, opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        phase = "forward"
+        try:
+            with torch.cuda.graph(fwd):
+                loss = self.forward_loss()
+            phase = "backward"
+            with torch.cuda.graph(bwd, pool=fwd.pool()):
+                loss.backward()
+            phase = "optimizer"
+            with torch.cuda.graph(opt, pool=fwd.pool()):
+                self.optimizer.step()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise CaptureError(
+                f"the {phase} could not be captured as a CUDA graph: {str(e).splitlines()[0]}. The usual "
+                "cause is a host sync inside the step (.item(), nonzero, a CUDA bincount, a data-dependent "
+                "shape); see optim.graphs for what a capturable step needs") from e
+        torch.cuda.synchronize()
+        self.graphs = (fwd, bwd, opt)
+        self.loss = loss.detach()
+        self.capture_ms = (time.perf_counter() - t0) * 1e3
+
+    def _graph(self, i: int) -> torch.cuda.CUDAGraph:
+        if self.graphs is None:
+            raise RuntimeError("GraphedStep.capture() has not run")
+        return self.graphs[i]
+
+    def forward(self) -> torch.Tensor:
+        """Replay forward + loss; returns the static loss tensor (overwritten by the next replay)."""
+        self._graph(0).replay()
+        return self.loss
+
+    def backward(self) -> None:
+        self._graph(1).replay()
+
+    def optimizer_step(self) -> None:
+        self._graph(2).replay()
