@@ -31,10 +31,19 @@ not call ``optimizer.zero_grad()`` between replays (that would free them).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from typing import Callable
 
 import torch
 from torch import nn
+
+# transformers skips its data-dependent mask checks while a stream captures (``is_tracing``), so
+# a captured forward can take another mask path than an eager one: with one document per row,
+# eager finds no packing and builds a plain causal mask, the capture builds the packed one, and a
+# compiled mask builder then compiles anew inside the capture, which fails it (Qwen3-30B-A3B at
+# 1024 tokens on the H200). The warm-up before the capture takes the capture's path.
+_CAPTURE_PATH_MODULES = ("transformers.masking_utils",)
 
 
 class CaptureError(RuntimeError):
@@ -57,6 +66,25 @@ def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
     if model.training and p > 0:
         raise CaptureError(f"config.attention_dropout={p}: a replayed graph would repeat the captured random "
                            "stream. Set it to 0 to capture the step")
+
+
+@contextlib.contextmanager
+def capture_paths():
+    """Inside: transformers takes the code paths it takes while a CUDA stream captures."""
+    patched = []
+    for name in _CAPTURE_PATH_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "is_tracing"):
+            patched.append((mod, mod.is_tracing))
+            mod.is_tracing = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        for mod, fn in patched:
+            mod.is_tracing = fn
 
 
 class GraphedStep:
@@ -84,13 +112,14 @@ class GraphedStep:
         t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), capture_paths():
             for _ in range(self.warmup):
                 self.forward_loss().backward()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: the graphs' pool cannot use them
         fwd, bwd, opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         phase = "forward"
         try:

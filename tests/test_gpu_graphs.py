@@ -21,10 +21,13 @@ CASES = {
     "qwen3-flex": ("qwen3-0.6b-tiny", "flex_attention", {}),
     "gpt-oss-grouped_mm-split": ("gpt-oss-20b-tiny", "flex_attention", {"moe_backend": "grouped_mm", "moe_lora": "split"}),
     "qwen3-moe-grouped_mm-split": ("qwen3-30b-a3b-tiny", "sdpa", {"moe_backend": "grouped_mm", "moe_lora": "split"}),
+    # one document per row: eager transformers finds no packing, a capture builds the packed mask
+    "qwen3-moe-flex-one-doc": ("qwen3-30b-a3b-tiny", "flex_attention", {"moe_backend": "grouped_mm", "moe_lora": "split"}),
 }
+ONE_DOC = {"qwen3-moe-flex-one-doc"}
 
 
-def _build(name, attn, moe_settings):
+def _build(name, attn, moe_settings, one_doc=False):
     spec = models.get(name)
     model = models.build(spec, device="cuda", dtype=torch.bfloat16, attn_implementation=attn, lora_rank=8,
                          gradient_checkpointing=True, seed=0, checkpoint_preserve_rng=False)
@@ -39,7 +42,8 @@ def _build(name, attn, moe_settings):
         moe.enable(model, **moe_settings)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, fused=True, capturable=True)
-    batches = [make_batch(DataSpec(seed=3), T, 2, spec.vocab_size, step=i).to("cuda") for i in range(4)]
+    data = DataSpec(distribution="fixed", median_doc_len=T, seed=3) if one_doc else DataSpec(seed=3)
+    batches = [make_batch(data, T, 2, spec.vocab_size, step=i).to("cuda") for i in range(4)]
     return model, opt, batches
 
 
@@ -51,7 +55,7 @@ def _loss(model, b):
 def test_replayed_graph_trains_like_the_eager_steps(case):
     name, attn, moe_settings = CASES[case]
     # eager reference: the capture's two side-stream warm-up steps on batch 0, then batches 1-3
-    ref, ref_opt, batches = _build(name, attn, moe_settings)
+    ref, ref_opt, batches = _build(name, attn, moe_settings, case in ONE_DOC)
     ref_losses = []
     for b in [batches[0], batches[0], *batches[1:]]:
         loss = _loss(ref, b)
@@ -60,7 +64,7 @@ def test_replayed_graph_trains_like_the_eager_steps(case):
         ref_opt.zero_grad(set_to_none=True)
         ref_losses.append(loss.detach().float())
 
-    model, opt, batches = _build(name, attn, moe_settings)
+    model, opt, batches = _build(name, attn, moe_settings, case in ONE_DOC)
     graphs.check_capturable(model, opt)
     static = {k: getattr(batches[0], k).clone() for k in ("input_ids", "labels", "position_ids")}
     step = graphs.GraphedStep(lambda: causal_lm_loss(model, static["input_ids"], static["labels"], chunked=False,
