@@ -464,16 +464,18 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
             groups.setdefault(key, []).append(r)
     if not groups:
         return ""
-    body, worst_run, worst_step = [], 0.0, 0.0
+    body = []
+    worst = {False: [0.0, 0.0], True: [0.0, 0.0]}  # per how the step ran: [run to run, within]
     for key in sorted(groups):
         reps = groups[key]
+        graphed = bool(reps[0].get("cuda_graph"))
         medians = [r["step_ms"]["p50"] for r in reps]
         within = max(r["step_ms"]["p80"] / r["step_ms"]["p20"] for r in reps)
-        worst_step = max(worst_step, within)
+        worst[graphed][1] = max(worst[graphed][1], within)
         if len(medians) > 1:
             q = pd.Series(medians).quantile([0.2, 0.8])
             run_to_run = q[0.8] / q[0.2]
-            worst_run = max(worst_run, run_to_run)
+            worst[graphed][0] = max(worst[graphed][0], run_to_run)
             r2r = f"{run_to_run:.3f}"
         else:
             r2r = "n/a (1 repeat)"
@@ -481,8 +483,25 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
                      " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}"])
     header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
               "run-to-run p80/p20", "within-run p80/p20 (worst repeat)"]
-    summary = (f"Worst run-to-run spread {worst_run:.3f}; worst within-run spread {worst_step:.3f}."
-               if worst_run else f"Worst within-run spread {worst_step:.3f}.")
+
+    def worst_text(graphed: bool) -> str:
+        run, step = worst[graphed]
+        return (f"worst run-to-run spread {run:.3f}, worst within-run spread {step:.3f}" if run
+                else f"worst within-run spread {step:.3f}")
+
+    has = {g for g in (False, True) if any(bool(v[0].get("cuda_graph")) == g for v in groups.values())}
+    if has == {False}:
+        summary = worst_text(False)[0].upper() + worst_text(False)[1:] + "."
+    else:
+        lines = []
+        if True in has:
+            lines.append(f"- Steps replayed as CUDA graphs (`cuda_graph = true`, optim.graphs): {worst_text(True)}. "
+                         "The host issues one launch per phase, so these spreads are the GPU's.")
+        if False in has:
+            lines.append(f"- Eager steps: {worst_text(False)}. A host-bound eager step (the GPU waits "
+                         "for Python between kernels) varies with the host CPU; the graphed twin of the "
+                         "same point shows what the GPU itself does.")
+        summary = "\n".join(lines)
     return "### Spread\n\n" + _table(header, body) + "\n\n" + summary
 
 

@@ -14,6 +14,9 @@
   unchanged.
 - ``optim.regional``: each decoder layer through torch.compile, one graph shared by all layers
   (``compile_layers``); cuts the kernel launches of host-bound steps.
+- ``optim.graphs``: not a model switch but a training-loop tool: ``GraphedStep`` captures a whole
+  step (forward with the loss, backward, optimizer) as CUDA graphs and replays it, so a
+  host-bound step runs at the GPU's pace.
 
 ``optim`` imports only torch, transformers and peft; it never imports the benchmark harness.
 Each optimization is one module exposing ``SWITCHES`` and ``enable(model, **settings)``.

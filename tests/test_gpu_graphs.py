@@ -88,16 +88,6 @@ def test_replayed_graph_trains_like_the_eager_steps(case):
         assert err < 3e-2, f"{case}: {n} differs from the eager steps by {err:.3g}"
 
 
-def test_dropout_and_a_non_capturable_optimizer_are_refused():
-    model, opt, _ = _build("llama-3.2-1b-tiny", "sdpa", {})
-    eager_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
-    with pytest.raises(graphs.CaptureError, match="capturable=True"):
-        graphs.check_capturable(model, eager_opt)
-    model.get_base_model().model.layers[0].self_attn.q_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
-    with pytest.raises(graphs.CaptureError, match="Dropout with p=0.1"):
-        graphs.check_capturable(model, opt)
-
-
 EXP = """
 [experiment]
 name = "gpu-graph"
