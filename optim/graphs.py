@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import experiment, models, results as res, sweep
+from harness import experiment, models, sweep
+from harness import results as res
 from harness.data import make_batch
 from harness.experiment import DataSpec
 from harness.loss import causal_lm_loss
@@ -37,7 +38,7 @@ def _build(name, attn, moe_settings, one_doc=False):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g).mul_(0.05).to(p))
     if moe_settings:
-        import optim.moe as moe
+        from optim import moe
 
         moe.enable(model, **moe_settings)
     trainable = [p for p in model.parameters() if p.requires_grad]
