@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import models as model_registry
-from harness.switches import SWITCHES, resolve
+from harness.switches import OWNER, SWITCHES, resolve
 
 MIN_WARMUP_STEPS = 3
 MIN_MEASURED_STEPS = 10
@@ -319,6 +319,11 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                 raise ExperimentError(path, f"variants.{vname}.cuda_graph",
                                       "cannot capture optim.offload's host copies on side streams; "
                                       "set offload = 'none' in this variant")
+            packs = any(OWNER.get(k) == "optim.packing" for k in settings) and settings.get("packing_backend") != "off"
+            if graphed and packs and data.distribution != "fixed":
+                raise ExperimentError(path, f"variants.{vname}.cuda_graph",
+                                      "freezes optim.packing's per-batch document lengths at capture, so it "
+                                      "needs [data] distribution = 'fixed' (every batch the same lengths)")
             variant_cuda_graph[vname] = graphed
         for key, value in settings.items():
             _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)

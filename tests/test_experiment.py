@@ -192,6 +192,7 @@ cuda_graph = true
         (('device = "cuda"', 'device = "cpu"'), "needs device = 'cuda'"),
         (("cuda_graph = true", "cuda_graph = 1"), "must be true or false"),
         (("cuda_graph = true", 'cuda_graph = true\noffload = "double"'), "offload = 'none'"),
+        (("cuda_graph = true", 'cuda_graph = true\npacking_backend = "flex"'), "distribution = 'fixed'"),
     ]:
         with pytest.raises(ExperimentError) as e:
             experiment.load(write_toml(base.replace(*edit)))
