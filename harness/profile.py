@@ -114,6 +114,9 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
     events = trace_events(prof)
     summary = {"point_id": point.point_id, "model": point.model, "seq_len": point.seq_len,
                "variant": point.variant, "steps": steps, "device": str(run.device),
+               # the host side is what a profile explains; a replayed graph has none, so a
+               # cuda_graph variant is profiled as the eager steps it captures
+               "profiled": "eager steps of a cuda_graph variant" if point.cuda_graph else "eager steps",
                "device_name": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu",
                **analyze(events)}
     (out_dir / f"{stem}.summary.json").write_text(json.dumps(summary, indent=1))
@@ -124,7 +127,8 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"{s['model']} T={s['seq_len']} {s['variant']} on {s['device_name']} ({s['steps']} step(s))",
+    lines = [f"{s['model']} T={s['seq_len']} {s['variant']} on {s['device_name']} ({s['steps']} step(s), "
+             f"{s.get('profiled', 'eager steps')})",
              f"{'phase':10s} {'gpu ms':>9s} {'cpu ms':>9s} {'busy %':>7s} {'launches':>9s} {'syncs':>6s}"]
     for name, p in s["phases"].items():
         busy = f"{p['gpu_busy_pct']:.1f}" if p["gpu_busy_pct"] is not None else "-"
