@@ -112,6 +112,9 @@ def test_a_graphed_point_is_a_timed_row_beside_its_eager_twin(tmp_path, write_to
     graphed, eager = rows["sdpa-graph"], rows["sdpa"]
     assert graphed["cuda_graph"] is True and graphed["graph_capture_ms"] > 0
     assert eager["cuda_graph"] is False and eager["graph_capture_ms"] is None
+    # a replay allocates nothing: the graphed peak is the capture's, the same tensors as an eager step
+    assert graphed["peak_scope"] == "capture and replays"
+    assert graphed["peak_allocated_gib"] == pytest.approx(eager["peak_allocated_gib"], rel=0.15)
     phases = sum(graphed[k]["p50"] for k in ("forward_ms", "backward_ms", "optimizer_ms"))
     assert graphed["step_ms"]["p50"] == pytest.approx(phases, rel=0.15)
     assert all(torch.isfinite(torch.tensor(graphed["loss"])))

@@ -258,6 +258,7 @@ def test_chunked_loss_point(tmp_path, write_toml):
     (row,) = _rows(tmp_path)
     assert row["status"] == "ok", row.get("message")
     assert row["loss_mode"] == "chunked" and all(x > 0 for x in row["loss"])
+    assert row["cuda_graph"] is False and row["peak_scope"] == "measured steps"
 
 
 def test_cli_overrides_launcher_and_timeout_keeping_point_ids(tmp_path, write_toml, monkeypatch, capsys):
