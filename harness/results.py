@@ -9,14 +9,16 @@ Row schema (``schema`` = 1). Every row has:
     "error"), message (str, empty when ok), env (dict, see harness.env), recorded_at (ISO-8601 UTC).
 A ``step`` row (one sweep point) adds:
     point_id, model, family, seq_len, batch_size, variant, baseline_variant, switches (dict),
-    gpus, repeat, warmup_steps, measured_steps, lora_rank, dtype, num_layers,
+    gpus, repeat, warmup_steps, measured_steps, lora_rank, dtype, num_layers, cuda_graph (bool:
+    the measured steps were CUDA-graph replays, optim.graphs),
     and when ok:
     forward_ms / backward_ms / optimizer_ms / step_ms: {"p20", "p50", "p80", "samples": [...]},
     steps_per_s, tokens_per_s, loss (list, one per measured step),
     peak_allocated_gib, peak_reserved_gib, nvml_device_used_gib, nvml_process_gib (None on CPU),
     flops_per_step, model_flops_per_step, hardware_flops_per_step, mfu, hfu (None with
     mfu_note when the peak is unknown), num_docs, sum_len, sum_len_sq (per measured batch, lists),
-    trainable_params, total_params, wall_s.
+    trainable_params, total_params, wall_s, graph_capture_ms (None unless graphed), peak_scope
+    ("measured steps", or "capture and replays" when graphed: a replay allocates nothing).
 A ``bandwidth`` row adds:
     direction ("h2d"), memory ("pinned" | "pageable"), size_bytes, gbps {"p20","p50","p80","samples"},
     pcie_ceiling_gbps (None if unknown), pcie_gen, pcie_width.
