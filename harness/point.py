@@ -171,7 +171,6 @@ class Prepared:
                                   chunked=point.loss == "chunked", position_ids=static["position_ids"], **extra)
 
         step = graphs.GraphedStep(forward_loss, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
         step.capture()
         return GraphedRun(step, static, self.batches)
 

@@ -489,19 +489,17 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
         return (f"worst run-to-run spread {run:.3f}, worst within-run spread {step:.3f}" if run
                 else f"worst within-run spread {step:.3f}")
 
-    has = {g for g in (False, True) if any(bool(v[0].get("cuda_graph")) == g for v in groups.values())}
-    if has == {False}:
-        summary = worst_text(False)[0].upper() + worst_text(False)[1:] + "."
-    else:
-        lines = []
-        if True in has:
-            lines.append(f"- Steps replayed as CUDA graphs (`cuda_graph = true`, optim.graphs): {worst_text(True)}. "
-                         "The host issues one launch per phase, so these spreads are the GPU's.")
-        if False in has:
+    lines = []
+    if any(r[0].get("cuda_graph") for r in groups.values()):
+        lines.append(f"- Steps replayed as CUDA graphs (`cuda_graph = true`, optim.graphs): {worst_text(True)}. "
+                     "The host issues one launch per phase, so these spreads are the GPU's.")
+        if not all(r[0].get("cuda_graph") for r in groups.values()):
             lines.append(f"- Eager steps: {worst_text(False)}. A host-bound eager step (the GPU waits "
                          "for Python between kernels) varies with the host CPU; the graphed twin of the "
                          "same point shows what the GPU itself does.")
-        summary = "\n".join(lines)
+    else:
+        lines.append(worst_text(False).capitalize() + ".")
+    summary = "\n".join(lines)
     return "### Spread\n\n" + _table(header, body) + "\n\n" + summary
 
 

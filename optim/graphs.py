@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -107,8 +108,6 @@ class GraphedStep:
         self.capture_ms: float | None = None
 
     def capture(self) -> None:
-        import time
-
         t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -120,6 +119,7 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graphs' pool cannot use them
+        self.optimizer.zero_grad(set_to_none=True)  # the backward graph allocates the grads it replays into
         fwd, bwd, opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         phase = "forward"
         try:
