@@ -10,3 +10,15 @@ nvidia-smi -L
 END=$((SECONDS + ${CALL_S:-560}))
 left() { echo $((END - SECONDS)); }
 keep() { mkdir -p "$OUT/$1"; cp results/"$1"/*.jsonl "$OUT/$1/" 2>/dev/null; tar czf "$OUT/$1/logs.tgz" -C results/"$1" logs 2>/dev/null; true; }
+# sweep_groups EXP MODEL T:variant[,variant...] ...: one sweep per group (its variants side by
+# side in one run), in order, while the call has time; rows and logs kept after each.
+sweep_groups() {
+  local exp=$1 model=$2 name; shift 2
+  name=$(basename "$exp" .toml)
+  for g in "$@"; do
+    [ $(left) -gt 100 ] || { echo "no time left for $g"; break; }
+    PACKBENCH_STACKS_EVERY=90 timeout $(left) python3 -m harness sweep "$exp" --models "$model" --seq-lens ${g%%:*} \
+      --variants $(echo ${g#*:} | tr , ' ') --timeout $(( $(left) - 10 )) --quiet --no-report 2>&1 | tail -1
+    keep "$name"
+  done
+}
