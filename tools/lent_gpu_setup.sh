@@ -18,7 +18,7 @@ sweep_groups() {
   for g in "$@"; do
     [ $(left) -gt 100 ] || { echo "no time left for $g"; break; }
     PACKBENCH_STACKS_EVERY=90 timeout $(left) python3 -m harness sweep "$exp" --models "$model" --seq-lens ${g%%:*} \
-      --variants $(echo ${g#*:} | tr , ' ') --timeout $(( $(left) - 10 )) --quiet --no-report 2>&1 | tail -1
+      --variants $(echo ${g#*:} | tr , ' ') --timeout $(( $(left) - 10 )) --quiet --no-report $SWEEP_ARGS 2>&1 | tail -1
     keep "$name"
   done
 }
