@@ -540,7 +540,8 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
 
     rows = res.load_experiment_rows(results_root, experiment)
     bench = report_bench.sections(results_root, experiment)
-    if not rows and not bench:
+    profiles = report_bench.load_profiles(results_root, experiment)
+    if not rows and not bench and not profiles:
         raise ValueError(f"no result rows for experiment {experiment!r} under {Path(results_root) / experiment}")
     out_dir = Path(reports_root) / experiment
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -565,6 +566,7 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
         parts += [text.strip() for section in SECTIONS
                   if (text := section(df_steps, df_bw, gpu_rows, out_dir)) and text.strip()]
     parts += report_bench.sweep_targets(experiment, rows, results_root)
+    parts += report_bench.profile_sections(results_root, experiment)
     parts += bench
     readme = out_dir / "README.md"
     readme.write_text("\n\n".join(parts) + "\n")

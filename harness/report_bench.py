@@ -699,6 +699,82 @@ def sections(results_root: Path | str, experiment: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Profiles: `python -m harness profile ... --out results/<experiment>/profiles/<gpu_slug>`
+
+PROFILE_DIR = "profiles"
+# Kernel families by name, first match wins: what a step's GPU time is made of.
+KERNEL_FAMILIES = (
+    ("grouped GEMM (torch grouped_mm)", re.compile(r"GroupProblemShape|grouped_mm", re.I)),
+    ("GEMM", re.compile(r"gemm|nvjet|xmma|cublas|cutlass", re.I)),
+    ("attention", re.compile(r"flex_attention|flash|attention|fmha|sdpa", re.I)),
+    ("copies and fills", re.compile(r"memcpy|memset|copy_kernel|FillFunctor", re.I)),
+)
+
+
+def kernel_family(name: str) -> str:
+    return next((fam for fam, rx in KERNEL_FAMILIES if rx.search(name)), "other (elementwise, reductions, indexing)")
+
+
+def load_profiles(results_root: Path | str, experiment: str) -> list[dict]:
+    """The ``*.summary.json`` files ``harness profile`` wrote under results/<experiment>/profiles/."""
+    out = []
+    for path in sorted((Path(results_root) / experiment / PROFILE_DIR).rglob("*.summary.json")):
+        try:
+            s = json.loads(path.read_text())
+            s["phases"], s["top_kernels"], s["kernel_ms_total"]  # noqa: B018 (the fields the section reads)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BenchFileError(f"{path}: not a harness profile summary ({e})") from e
+        out.append({**s, "_path": path})
+    return out
+
+
+def _share(x) -> str:
+    """x in percent, unsigned: a part of a whole."""
+    return f"{v:.1f}%" if (v := _f(x)) is not None else DASH
+
+
+def profile_md(s: dict) -> str:
+    """One profiled step: its phases, then its kernel time by family (per 1k tokens too)."""
+    steps = int(s.get("steps") or 1)
+    tokens = _f(s.get("seq_len"))
+    phases = _table(["phase", "GPU span ms", "host span ms", "GPU busy", "launches", "host syncs"],
+                    [[name, _num(p.get("gpu_span_ms"), ".1f"), _num(p.get("cpu_span_ms"), ".1f"),
+                      _share(p.get("gpu_busy_pct")), p.get("launches", DASH), p.get("host_syncs", DASH)]
+                     for name, p in s["phases"].items()])
+    total = _f(s["kernel_ms_total"]) or 0.0
+    fams: dict[str, float] = {}
+    for k in s["top_kernels"]:
+        fam = kernel_family(str(k.get("name", "")))
+        fams[fam] = fams.get(fam, 0.0) + (_f(k.get("ms")) or 0.0)
+    listed = sum(fams.values())
+    rows = sorted(fams.items(), key=lambda kv: -kv[1])
+    if total - listed > 0.05:
+        rows.append((f"kernels outside the top {len(s['top_kernels'])}", total - listed))
+    per_k = (lambda ms: _num(ms / steps / tokens * 1024, ".1f")) if tokens else (lambda ms: DASH)
+    kinds = _table(["kernel family", "ms per step", "of kernel time", "ms per 1k tokens"],
+                   [[fam, _num(ms / steps, ".1f"), _share(100 * ms / total if total else None), per_k(ms)]
+                    for fam, ms in rows]
+                   + [["all kernels", _num(total / steps, ".1f"), _share(100.0 if total else None), per_k(total)]])
+    head = (f"#### {s.get('model')} at {s.get('seq_len')} tokens, `{s.get('variant')}` on "
+            f"{s.get('device_name', s.get('device'))}")
+    return (f"{head}\n\n{steps} profiled step(s), {s.get('profiled', 'eager steps')}, after warm-up; from "
+            f"`results/{Path(*s['_path'].parts[-4:])}`.\n\n{phases}\n\n{kinds}")
+
+
+def profile_sections(results_root: Path | str, experiment: str) -> list[str]:
+    """"## Where the step's time goes (profiles)" from results/<experiment>/profiles/ ([] if none)."""
+    profiles = load_profiles(results_root, experiment)
+    if not profiles:
+        return []
+    return ["\n\n".join(["## Where the step's time goes (profiles)",
+                          "Written by `python -m harness profile <experiment> ... --out "
+                          f"results/{experiment}/{PROFILE_DIR}/<gpu_slug>`: one training step under "
+                          "torch.profiler. GPU busy is the share of the phase's GPU span with a kernel "
+                          "running; below 100 % the GPU waited for the host. Kernel families are told "
+                          "apart by kernel name.", *(profile_md(s) for s in profiles)])]
+
+
+# ---------------------------------------------------------------------------------------------
 # End-to-end targets read from an experiment's sweep rows (not bench files)
 
 # The seeds' published ms/step (REFERENCE.md): Unsloth on a B200 for gpt-oss-20b, on an H100 for
@@ -729,33 +805,120 @@ def _p50_by(rows, model, seq_len, variants) -> tuple[float | None, str | None, l
     return best, name, failed
 
 
+def _runs(rows: list[dict]) -> list[list[dict]]:
+    """The rows split into runs, oldest first: rows recorded within SAME_RUN_MINUTES of a run's
+    first row, running the same code (env.code_sha, else the commit), belong to it. Rows without a
+    recording time form one run of their own, first."""
+    timed = sorted((r for r in rows if _when(r) is not None), key=_when)
+    runs: list[list[dict]] = [[r for r in rows if _when(r) is None]]
+    for r in timed:
+        cur = runs[-1]
+        if (len(runs) > 1 and (_when(r) - _when(cur[0])).total_seconds() <= SAME_RUN_MINUTES * 60
+                and _code_ids(cur + [r]) == _code_ids(cur)):
+            cur.append(r)
+        else:
+            runs.append([r])
+    return [run for run in runs if run]
+
+
+def _run_label(run: list[dict]) -> str:
+    t = _when(run[0]) if run else None
+    return t.strftime("%m-%d %H:%M") if t else "unknown"
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ms = a + b·tokens through the points; None for fewer than two lengths."""
+    if len({t for t, _ in points}) < 2:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    my = sum(y for _, y in points) / n
+    b = sum((t - mt) * (y - my) for t, y in points) / sum((t - mt) ** 2 for t, _ in points)
+    return my - b * mt, b
+
+
+def _moe_sides(variants) -> tuple[list[str], list[str]]:
+    stock = sorted(v for v in variants if v.startswith("stock-"))
+    ours = sorted(v for v in variants if "-split" in v and not v.startswith("stock-"))
+    return stock, ours
+
+
+def moe_pairs(rows: list[dict], model: str) -> dict[int, dict]:
+    """Per length: best stock and best ours measured side by side, from the latest run (``_runs``)
+    that has an ok row on each side, with that run's stock ``eager`` experts when it ran them.
+    A length with no such run gives each side's best over all runs, marked ``one_run = False``."""
+    mine = [r for r in rows if r.get("kind") == "step" and r.get("model") == model]
+    stock, ours = _moe_sides({r["variant"] for r in mine})
+    out = {}
+    for t in sorted({r["seq_len"] for r in mine}):
+        at = [r for r in mine if r["seq_len"] == t]
+        paired = [run for run in _runs(at)
+                  if _p50_by(run, model, t, stock)[0] is not None and _p50_by(run, model, t, ours)[0] is not None]
+        pick = paired[-1] if paired else at
+        s, sv, sf = _p50_by(pick, model, t, stock)
+        o, ov, of = _p50_by(pick, model, t, ours)
+        e, _, ef = _p50_by(pick, model, t, ["stock-eager"])
+        eager_here = e is not None or bool(ef)
+        if not eager_here:  # another run's eager experts: shown, but no ratio against ours
+            e, _, ef = _p50_by(at, model, t, ["stock-eager"])
+        out[t] = {"stock": s, "stock_variant": sv, "stock_failed": sf, "ours": o, "ours_variant": ov,
+                  "ours_failed": of, "eager": e, "eager_failed": ef, "one_run": bool(paired),
+                  "eager_same_run": eager_here and bool(paired),
+                  "run": _run_label(pick) if paired else "different runs"}
+    return out
+
+
+def moe_gap_md(pairs: dict[int, dict], model: str) -> str:
+    """Why the stock/ours ratio moves with length: a line ms = a + b·tokens fitted to each side's
+    side-by-side points. With a fixed part a and a per-token part b, stock/ours tends to
+    b_stock/b_ours at long lengths, and it rises with length only where that limit is above the
+    ratio at short lengths (a_stock/a_ours < b_stock/b_ours)."""
+    both = [(t, p["stock"], p["ours"]) for t, p in sorted(pairs.items()) if p["stock"] and p["ours"]]
+    fs, fo = _fit_line([(t, s) for t, s, _ in both]), _fit_line([(t, o) for t, _, o in both])
+    if not fs or not fo or fo[1] <= 0 or fo[0] <= 0:
+        return ""
+    (a_s, b_s), (a_o, b_o) = fs, fo
+    saved = ", ".join(f"{t}: {_ms(s - o)}" for t, s, o in both)
+    grows = a_s / a_o < b_s / b_o
+    return (f"**How the gap moves with length ({model}).** Fitted to the side-by-side points above "
+            f"({', '.join(str(t) for t, _, _ in both)} tokens), stock takes {a_s:.0f} ms + "
+            f"{b_s * 1024:.1f} ms per 1k tokens and ours {a_o:.0f} ms + {b_o * 1024:.1f} ms per 1k tokens. "
+            f"The fixed parts differ {a_s / a_o:.1f}×, the per-token parts {b_s / b_o:.2f}×, so stock / ours "
+            + ("rises with length toward" if grows else "falls with length toward")
+            + f" {b_s / b_o:.2f}×. A rising ratio needs ours to cost less than "
+            f"{b_s * 1024 / (a_s / a_o):.1f} ms per 1k tokens (stock's per-token part over the fixed-part "
+            f"ratio). The milliseconds saved per step do grow with length: {saved}.")
+
+
 def moe_e2e_targets_md(rows: list[dict]) -> str:
-    """Per GPU: ours (optim.moe, split LoRA) vs stock transformers experts + peft per length, and
-    the issue's end-to-end targets."""
+    """Per GPU: ours (optim.moe, split LoRA) vs stock transformers experts + peft per length, each
+    pair from one run (``moe_pairs``), and the issue's end-to-end targets."""
     steps = [r for r in rows if r.get("kind") == "step"]
     out = []
     for slug in sorted({r.get("gpu_slug") or "unknown" for r in steps}):
         g = [r for r in steps if (r.get("gpu_slug") or "unknown") == slug]
         device = next((r.get("device_name") for r in g if r.get("device_name")), slug)
-        body, targets = [], []
+        body, targets, notes = [], [], []
         for model in sorted({r["model"] for r in g}, key=_natural):
-            variants = {r["variant"] for r in g if r["model"] == model}
-            stock = sorted(v for v in variants if v.startswith("stock-"))
-            ours = sorted(v for v in variants if "-split" in v and not v.startswith("stock-"))
+            stock, ours = _moe_sides({r["variant"] for r in g if r["model"] == model})
             if not stock and not ours:
                 continue
             seeds_gpu, seeds, judged_on = SEEDS_MOE_MS.get(model, (None, {}, None))
+            pairs = moe_pairs(g, model)
             ratios = []
-            for t in sorted({r["seq_len"] for r in g if r["model"] == model}):
-                s, sv, sf = _p50_by(g, model, t, stock)
-                o, ov, of = _p50_by(g, model, t, ours)
+            for t, p in pairs.items():
+                s, o, e = p["stock"], p["ours"], p["eager"]
                 ratio = s / o if s and o else None
-                if ratio:
+                if ratio and p["one_run"]:
                     ratios.append((t, ratio))
                 ref = seeds.get(t)
-                body.append([model, t, f"{_ms(s)} ({sv})" if s else ("; ".join(sf) or "not run"),
-                             f"{_ms(o)} ({ov})" if o else ("; ".join(of) or "not run"),
+                body.append([model, t, p["run"],
+                             f"{_ms(s)} ({p['stock_variant']})" if s else ("; ".join(p["stock_failed"]) or "not run"),
+                             f"{_ms(o)} ({p['ours_variant']})" if o else ("; ".join(p["ours_failed"]) or "not run"),
                              f"{ratio:.2f}×" if ratio else DASH,
+                             (_ms(e) + ("" if p["eager_same_run"] else " (other run)")) if e
+                             else ("; ".join(p["eager_failed"]) or DASH),
+                             f"{e / o:.1f}×" if e and o and p["eager_same_run"] else DASH,
                              f"{ref} ({seeds_gpu})" if ref else DASH,
                              _met(None if o is None or ref is None else o < ref)])
             if model.startswith("gpt-oss"):
@@ -791,6 +954,8 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
                 targets.append([f"sorted over loop end to end ≥ +{MOE_SORTED_E2E_TARGET:.0f}% ({model}, 2048, peft merged LoRA)",
                                 f"{_gain(gain)} ({_ms(lp)} → {_ms(sp)} ms)" if gain is not None else "not run",
                                 _met(None if gain is None else gain >= MOE_SORTED_E2E_TARGET)])
+            if (gap := moe_gap_md({t: p for t, p in pairs.items() if p["one_run"]}, model)):
+                notes.append(gap)
             if seeds and judged_on and judged_on in str(device):
                 beats = [(t, o < seeds[t]) for t in seeds
                          if (o := _p50_by(g, model, t, ours)[0]) is not None]
@@ -800,8 +965,14 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
                                      else all(b for _, b in beats) and len(beats) == len(seeds))])
         if body:
             out.append(f"### {device} (`{slug}`): ours vs stock, end to end\n\n" + _table(
-                ["model", "tokens", "best stock ms p50", "best ours ms p50", "stock / ours",
-                 "seeds' ms", "ours below seeds'?"], body))
+                ["model", "tokens", "run", "best stock ms p50", "best ours ms p50", "stock / ours",
+                 "stock eager experts ms p50", "eager / ours", "seeds' ms", "ours below seeds'?"], body)
+                + "\n\nEach length's pair comes from one run: the latest run (rows recorded within "
+                  f"{SAME_RUN_MINUTES} minutes of each other, same code) with an ok row on both sides; `run` "
+                  "gives its start (UTC). Stock eager experts are transformers' per-expert loop, the other peer "
+                  "baseline, from the same run where it ran there. `different runs` marks a length no single "
+                  "run covered: each side's best over all runs, and no ratio.")
+        out += notes
         if targets:
             out.append("#### End-to-end targets\n\n" + _table(["target", "measured", "met?"], targets)
                        + "\n\nA target whose points were not all run shows `–` (not judged) rather than no.")

@@ -308,7 +308,9 @@ def test_moe_end_to_end_targets_from_sweep_rows():
             row(16384, "stock-grouped_mm", None, "oom"), row(16384, "grouped_mm-split", 1700),
             row(2048, "loop-merged", 3600), row(2048, "sorted-merged", 3000)]
     md = moe_e2e_targets_md(rows)
-    assert "| gpt-oss-20b | 2048 | 900.0 (stock-grouped_mm) | 290.0 (grouped_mm-split) | 3.10× | 293 (B200) | yes |" in md
+    # rows without a recording time count as one run ("unknown")
+    assert ("| gpt-oss-20b | 2048 | unknown | 900.0 (stock-grouped_mm) | 290.0 (grouped_mm-split) | 3.10× | – | – "
+            "| 293 (B200) | yes |") in md
     assert "| best ours ≥ 3× best stock at 2048 tokens (gpt-oss-20b) | 3.10× | yes |" in md
     assert "ours 1700.0, stock stock-grouped_mm: oom | yes |" in md
     assert "+20.0% (3600.0 → 3000.0 ms) | yes |" in md
@@ -320,6 +322,75 @@ def test_moe_end_to_end_targets_from_sweep_rows():
     assert "ours below the seeds'" not in moe_e2e_targets_md(qwen)
     assert "ours below the seeds' H100 figures at every length (qwen3-30b-a3b) | 1024: yes" in \
         moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in qwen])
+
+
+def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
+    from harness.report_bench import moe_e2e_targets_md, moe_pairs
+
+    def row(t, v, p50, when, sha="c1", status="ok"):
+        return {"kind": "step", "gpu_slug": "h", "device_name": "NVIDIA H100 80GB HBM3", "model": "gpt-oss-20b",
+                "seq_len": t, "variant": v, "status": status, "recorded_at": when, "env": {"code_sha": sha},
+                "step_ms": {"p20": p50, "p50": p50, "p80": p50} if status == "ok" else None}
+
+    old, new = "2026-11-20T10:00:00+00:00", "2026-11-22T07:00:00+00:00"
+    rows = [
+        # an older run at 2048 had a faster stock row and the stock eager experts
+        row(2048, "stock-grouped_mm", 500, old), row(2048, "grouped_mm-split", 400, old),
+        row(2048, "stock-eager", 3000, "2026-11-20T10:05:00+00:00"),
+        # the latest run: stock = 400 ms + 100 ms per 1k tokens, ours = 50 ms + 60 ms per 1k tokens
+        *(r for t in (1024, 2048, 4096, 8192)
+          for r in (row(t, "stock-grouped_mm", 400 + 100 * t / 1024, new),
+                    row(t, "grouped_mm-split", 50 + 60 * t / 1024, new))),
+        row(4096, "stock-eager", 4000, "2026-11-22T07:20:00+00:00"),
+        # a later run that measured only ours at 8192: no pair in it, so the earlier run stands
+        row(8192, "grouped_mm-split", 100, "2026-11-23T00:00:00+00:00"),
+        # a different code hash within 30 minutes is a different run
+        row(1024, "stock-grouped_mm", 200, "2026-11-22T07:10:00+00:00", sha="c2"),
+    ]
+    pairs = moe_pairs(rows, "gpt-oss-20b")
+    assert pairs[2048]["stock"] == 600 and pairs[2048]["ours"] == 170 and pairs[2048]["one_run"]
+    assert pairs[2048]["eager"] == 3000 and not pairs[2048]["eager_same_run"]
+    assert pairs[4096]["eager"] == 4000 and pairs[4096]["eager_same_run"]
+    assert pairs[8192]["ours"] == 530 and pairs[1024]["stock"] == 500
+    md = moe_e2e_targets_md(rows)
+    assert "| gpt-oss-20b | 2048 | 11-22 07:00 | 600.0 (stock-grouped_mm) | 170.0 (grouped_mm-split) | 3.53× | 3000.0 (other run) | – |" in md
+    assert "| 4000.0 | 13.8× |" in md
+    assert ("stock takes 400 ms + 100.0 ms per 1k tokens and ours 50 ms + 60.0 ms per 1k tokens. The fixed parts "
+            "differ 8.0×, the per-token parts 1.67×, so stock / ours falls with length toward 1.67×. A rising ratio "
+            "needs ours to cost less than 12.5 ms per 1k tokens") in md
+    assert "1024: 390.0, 2048: 430.0, 4096: 510.0, 8192: 670.0." in md
+    assert "| the gap grows with sequence length (gpt-oss-20b) | 1024: 4.55×, 2048: 3.53×, 4096: 2.76×, 8192: 2.26× | no |" in md
+    # only one side anywhere: each side's best over all runs, no ratio
+    solo = moe_pairs([row(2048, "grouped_mm-split", 170, new), row(2048, "stock-grouped_mm", 600, old)], "gpt-oss-20b")
+    assert not solo[2048]["one_run"] and solo[2048]["run"] == "different runs"
+
+
+def _profile_summary(**over):
+    s = {"model": "gpt-oss-20b", "seq_len": 8192, "variant": "ours", "steps": 1, "device_name": "NVIDIA H100",
+         "profiled": "eager steps",
+         "phases": {"forward": {"gpu_span_ms": 200.0, "cpu_span_ms": 150.0, "gpu_busy_pct": 75.0, "launches": 10,
+                                "host_syncs": 0}},
+         "top_kernels": [{"name": "cutlass_GroupProblemShape_x", "ms": 300.0, "count": 4},
+                         {"name": "triton_tem_fused_flex_attention_backward", "ms": 100.0, "count": 2},
+                         {"name": "Memcpy DtoD (Device -> Device)", "ms": 50.0, "count": 9},
+                         {"name": "masked_fill_kernel", "ms": 30.0, "count": 9}],
+         "kernel_ms_total": 500.0}
+    return {**s, **over}
+
+
+def test_profile_section_splits_kernel_time_by_family(tmp_path):
+    _write(tmp_path / "x" / "profiles" / H100 / "a.summary.json", _profile_summary())
+    text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
+    assert "## Where the step's time goes (profiles)" in text
+    assert "| forward | 200.0 | 150.0 | 75.0% | 10 | 0 |" in text
+    assert "| grouped GEMM (torch grouped_mm) | 300.0 | 60.0% | 37.5 |" in text
+    assert "| copies and fills | 50.0 | 10.0% | 6.2 |" in text
+    assert "| other (elementwise, reductions, indexing) | 30.0 | 6.0% | 3.8 |" in text  # masked_fill is not a fill
+    assert "| kernels outside the top 4 | 20.0 | 4.0% | 2.5 |" in text
+    assert "| all kernels | 500.0 | 100.0% | 62.5 |" in text
+    (tmp_path / "x" / "profiles" / H100 / "b.summary.json").write_text('{"phases": {}}')
+    with pytest.raises(report_bench.BenchFileError, match="b.summary.json: not a harness profile summary"):
+        report.build_report(tmp_path, "x", tmp_path / "reports")
 
 
 def test_packing_cache_predicted_vs_measured():
