@@ -14,6 +14,9 @@ up, and then ``--steps`` steps run under ``torch.profiler``. Written to ``--out`
 
 A step whose phases are mostly idle GPU is bound by the host (Python, kernel launches, syncs);
 one that is busy is bound by its kernels, and the kernel table says which.
+
+With ``--out results/<experiment>/profiles/<gpu_slug>`` the experiment's report gains a section
+built from the summaries: phases, and kernel time by family per step and per 1k tokens.
 """
 
 from __future__ import annotations
