@@ -82,11 +82,32 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def _experiment_name(arg: str) -> str:
+    """A report takes experiment names; an experiment file's path stands for its [experiment] name
+    (read from the file, so a file named differently from its experiment still finds its rows)."""
+    if not arg.endswith(".toml"):
+        return arg
+    import tomllib
+
+    try:
+        name = tomllib.loads(Path(arg).read_text())["experiment"]["name"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{arg}: cannot read the experiment name from it ({type(e).__name__}: {e})") from e
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{arg}: [experiment] name is not a non-empty string")
+    return name
+
+
 def cmd_report(args) -> int:
     from harness import report
 
     if args.experiments:
-        paths = [report.build_report(args.results, name, args.reports) for name in args.experiments]
+        try:
+            names = [_experiment_name(a) for a in args.experiments]
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        paths = [report.build_report(args.results, name, args.reports) for name in names]
     else:
         paths = report.build_all(args.results, args.reports)
     for p in paths:
@@ -208,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("report", help="rebuild reports/ from results/ (reads nothing else)")
-    p.add_argument("experiments", nargs="*", help="experiment names (default: all under results/)")
+    p.add_argument("experiments", nargs="*", help="experiment names, or experiment files standing for their [experiment] name (default: all under results/)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path)
     p.set_defaults(func=cmd_report)

@@ -194,3 +194,17 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
     readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
     assert "CUDA graphs (`cuda_graph = true`, optim.graphs): worst run-to-run spread 1.012, worst within-run spread 1.020" in readme
     assert "- Eager steps: worst run-to-run spread 1.556, worst within-run spread 1.182." in readme
+
+
+def test_report_cli_takes_an_experiment_file_for_its_name(tmp_path, capsys):
+    from harness import cli
+
+    shutil.copytree(FIXTURE_RESULTS / "demo", tmp_path / "results" / "demo")
+    exp = tmp_path / "other-file-name.toml"
+    exp.write_text('[experiment]\nname = "demo"\n')
+    args = ["report", "--results", str(tmp_path / "results"), "--reports", str(tmp_path / "reports")]
+    assert cli.main([*args, str(exp)]) == 0
+    assert (tmp_path / "reports" / "demo" / "README.md").is_file()
+    exp.write_text("[experiment\n")
+    assert cli.main([*args, str(exp)]) == 2
+    assert "other-file-name.toml: cannot read the experiment name from it (TOMLDecodeError" in capsys.readouterr().err
