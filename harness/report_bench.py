@@ -920,7 +920,9 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
                              else ("; ".join(p["eager_failed"]) or DASH),
                              f"{e / o:.1f}×" if e and o and p["eager_same_run"] else DASH,
                              f"{ref} ({seeds_gpu})" if ref else DASH,
-                             _met(None if o is None or ref is None else o < ref)])
+                             _met(None if o is None or ref is None else o < ref,
+                                  f"judged on the {judged_on}" if ref and judged_on and judged_on not in str(device)
+                                  else "")])
             if model.startswith("gpt-oss"):
                 t0, want = MOE_SPEEDUP_TARGET
                 got = dict(ratios).get(t0)

@@ -320,6 +320,7 @@ def test_moe_end_to_end_targets_from_sweep_rows():
     assert "ours below the seeds'" not in moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in rows])
     qwen = [{**r, "model": "qwen3-30b-a3b", "device_name": "NVIDIA H100 80GB HBM3"} for r in rows]
     assert "ours below the seeds'" not in moe_e2e_targets_md(qwen)
+    assert "| 366 (H100) | yes (judged on the H200) |" in moe_e2e_targets_md(qwen)
     assert "ours below the seeds' H100 figures at every length (qwen3-30b-a3b) | 1024: yes" in \
         moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in qwen])
 
