@@ -146,6 +146,16 @@ loss = "chunked"
         experiment.load(write_toml(base.replace('loss = "chunked"', 'loss = "fused"')))
 
 
+def _points_keep_identity_without(write_toml, base: str, key_line: str) -> dict:
+    """The points of ``base`` by variant, after checking that a per-variant key left unset keeps
+    the identity points had before the key existed: variant a (without it) keeps its point_id,
+    variant b (with ``key_line``) gets a new one."""
+    pts = {p.variant: p for p in experiment.load(write_toml(base)).points()}
+    plain = experiment.load(write_toml(base.replace(key_line, ""))).points()
+    assert pts["a"].point_id == plain[0].point_id and pts["b"].point_id != plain[1].point_id
+    return pts
+
+
 def test_lora_dtype_per_experiment_and_variant_and_identity(write_toml):
     base = """
 [experiment]
@@ -160,11 +170,8 @@ attn_implementation = "sdpa"
 attn_implementation = "sdpa"
 lora_dtype = "model"
 """
-    pts = {p.variant: p for p in experiment.load(write_toml(base)).points()}
+    pts = _points_keep_identity_without(write_toml, base, 'lora_dtype = "model"\n')
     assert (pts["a"].lora_dtype, pts["b"].lora_dtype) == ("fp32", "model")
-    # the default keeps the identity points had before the key existed
-    plain = experiment.load(write_toml(base.replace('lora_dtype = "model"\n', ""))).points()
-    assert pts["a"].point_id == plain[0].point_id and pts["b"].point_id != plain[1].point_id
     with pytest.raises(experiment.ExperimentError) as e:
         experiment.load(write_toml(base.replace('lora_dtype = "model"', 'lora_dtype = "fp8"')))
     assert "variants.b.lora_dtype" in str(e.value) and "model" in str(e.value)
@@ -183,11 +190,8 @@ attn_implementation = "sdpa"
 attn_implementation = "sdpa"
 cuda_graph = true
 """
-    pts = {p.variant: p for p in experiment.load(write_toml(base)).points()}
+    pts = _points_keep_identity_without(write_toml, base, "cuda_graph = true\n")
     assert (pts["a"].cuda_graph, pts["b"].cuda_graph) == (False, True)
-    # unset keeps the identity points had before the key existed
-    plain = experiment.load(write_toml(base.replace("cuda_graph = true\n", ""))).points()
-    assert pts["a"].point_id == plain[0].point_id and pts["b"].point_id != plain[1].point_id
     for edit, fragment in [
         (('device = "cuda"', 'device = "cpu"'), "needs device = 'cuda'"),
         (("cuda_graph = true", "cuda_graph = 1"), "must be true or false"),

@@ -12,6 +12,7 @@ left() { echo $((END - SECONDS)); }
 keep() { mkdir -p "$OUT/$1"; cp results/"$1"/*.jsonl "$OUT/$1/" 2>/dev/null; tar czf "$OUT/$1/logs.tgz" -C results/"$1" logs 2>/dev/null; true; }
 # sweep_groups EXP MODEL T:variant[,variant...] ...: one sweep per group (its variants side by
 # side in one run), in order, while the call has time; rows and logs kept after each.
+# SWEEP_ARGS=--overwrite reruns points that already have rows (otherwise the sweep skips them).
 sweep_groups() {
   local exp=$1 model=$2 name; shift 2
   name=$(basename "$exp" .toml)
