@@ -21,7 +21,8 @@ Modes (switch ``offload``, env ``OPTIM_OFFLOAD``):
 - ``double``: two staging buffers. Before layer i's recompute starts, the reload of layer i−1 is
   issued on the copy stream into the other buffer (explicit one-layer-ahead prefetch), so the
   copy hides behind layer i's compute: T ≈ c + (L−1)·max(c, g) + g. Events order every reuse of a
-  staging buffer after the compute that last read it.
+  staging buffer after the compute that last read it, and a newly allocated buffer's first copy
+  after the compute-stream work queued before its allocation (``_ensure_staging``).
 - ``save_on_cpu``: the peer, PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
   around non-reentrant checkpointing (what ``gradient_checkpointing_enable(offload=True)`` does in
   transformers 5.17): a fresh pinned buffer per tensor per step, copies on the compute stream.
@@ -36,10 +37,11 @@ a next one, so its input stays on the GPU, which is right: its backward runs fir
 reload it at once. Other tensor arguments (and keyword tensors, e.g. masks and rotary tables
 shared by every layer) stay where they are.
 
-Memory guard (switch ``offload_guard``): the second staging buffer is allocated only when free
-memory (``torch.cuda.mem_get_info``), less the growth the step has already shown, covers it plus
-a headroom; otherwise ``double`` falls back to ``single``. If a pinned host buffer or the first
-staging buffer cannot be had, the mode falls back to ``none`` (inputs stay on the GPU). One log
+Memory guard (switch ``offload_guard``): the second staging buffer is allocated only when the
+memory the process can still allocate covers the step's peak growth, the buffer and a headroom
+(see ``Offloader._guard_ok``); otherwise ``double`` falls back to ``single``. If a pinned host
+buffer or the first staging buffer cannot be had, the mode falls back to ``none`` (inputs stay
+on the GPU). One log
 line on logger ``optim.offload`` per fallback. Allocations happen only in the first step (or when
 a larger batch arrives), are caught on failure, and each replaces at least one layer input on
 the GPU, so the guard itself never causes an OOM.
@@ -89,8 +91,8 @@ SWITCHES: dict[str, Switch] = {
             "offload_guard",
             (True, False),
             True,
-            "use the second staging buffer only when free GPU memory covers it plus headroom "
-            "(else fall back to single)",
+            "use the second staging buffer only when the memory the process can still allocate "
+            "covers the step's peak growth, the buffer and a headroom (else fall back to single)",
         ),
     )
 }
@@ -187,6 +189,7 @@ class Offloader:
         self.preserve_rng_state = preserve_rng_state
         self._mem_get_info = mem_get_info  # test hook; None: torch.cuda.mem_get_info on CUDA
         self.fallbacks: list[str] = []
+        self.guard_decision: dict | None = None  # the memory figures of the last guard check
         # Host pool: slot -> flat uint8 buffer (pinned on CUDA). A slot is a layer position in the
         # forward; the lowest free slot is taken, so steady training maps layer k to slot k.
         self._host: dict[int, torch.Tensor] = {}
@@ -240,6 +243,7 @@ class Offloader:
             host_buffer_bytes=sum(b.numel() for b in self._host.values()),
             host_pinned=all(b.is_pinned() for b in self._host.values()) if self._host else None,
             staging_buffer_bytes=[0 if b is None else b.numel() for b in self._staging],
+            guard_decision=self.guard_decision,
         )
         return out
 
@@ -394,35 +398,59 @@ class Offloader:
                 self._fallback("none", "no GPU memory for a staging buffer")
             return False
         if buf.is_cuda:
-            buf.record_stream(self._copy_stream())  # written on the copy stream
+            # The caching allocator hands out a block as soon as the host has freed it, in the
+            # order of the stream that allocates: kernels already queued on the compute stream
+            # may still read or write the tensor that held it. Compute-stream work is ordered
+            # after them; copy-stream work is not, so the reload about to be written here would
+            # race them (the first step's gradients came out wrong, with only the second buffer,
+            # which is allocated mid-backward). The copy stream waits for everything queued on
+            # the compute stream so far, once per allocation.
+            cs = self._copy_stream()
+            cs.wait_stream(torch.cuda.current_stream(rec.device))
+            buf.record_stream(cs)  # written on the copy stream: freed only after its copies
         self._staging[i] = buf
         self._staging_owner[i] = None
         self.staging_allocs += 1
         return True
 
     def _guard_ok(self, rec: _Record) -> bool:
-        """Memory usable now (free on the device plus blocks the caching allocator holds but
-        does not use) must cover the second buffer plus headroom. Not the process's peak: a
-        transient allocation long gone would keep it high and refuse double forever (seen on
-        the H100)."""
+        """The second buffer stays allocated for the rest of training, so it must fit beside the
+        step's peak, not just in the memory free at this moment (mid-backward, when it is
+        allocated, the loss and the last layer's recompute have come and gone; they come back
+        every step). Allowed when what the process can still allocate (free on the device plus
+        blocks the caching allocator holds unused) covers the growth above today's allocation
+        that the peak has shown (``max_memory_allocated - memory_allocated``), plus the buffer,
+        plus a headroom for fragmentation and layers that need a little more.
+
+        The peak is the process's: one left by a larger computation before training (an eval
+        pass with a bigger batch) makes the guard stricter, never looser; reset it with
+        ``torch.cuda.reset_peak_memory_stats()`` before the first step to judge by training alone.
+        """
+        headroom = self.headroom_bytes
         if self._mem_get_info is not None:
-            free, total = self._mem_get_info()
-            grown = 0
+            usable, total = self._mem_get_info()
+            above = 0
         elif rec.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(rec.device)
-            # negative "growth": reserved-but-unallocated blocks are usable too
-            grown = -max(0, torch.cuda.memory_reserved(rec.device) - torch.cuda.memory_allocated(rec.device))
+            alloc = torch.cuda.memory_allocated(rec.device)
+            usable = free + max(0, torch.cuda.memory_reserved(rec.device) - alloc)
+            above = max(0, torch.cuda.max_memory_allocated(rec.device) - alloc)
         else:
             return True  # host memory: no device to exhaust
-        headroom = self.headroom_bytes
         if headroom is None:
             headroom = max(512 << 20, int(0.02 * total))
-        need = rec.nbytes + headroom
-        if free - grown >= need:
-            return True
-        self._fallback("single", f"free GPU memory {(free - grown) / 2**30:.2f} GiB < second buffer "
-                                 f"{rec.nbytes / 2**30:.2f} GiB + headroom {headroom / 2**30:.2f} GiB")
-        return False
+        need = above + rec.nbytes + headroom
+        ok = usable >= need
+        self.guard_decision = {
+            "usable_gib": usable / 2**30, "peak_growth_gib": above / 2**30,
+            "buffer_gib": rec.nbytes / 2**30, "headroom_gib": headroom / 2**30,
+            "second_buffer": ok,
+        }
+        if not ok:
+            self._fallback("single", f"usable GPU memory {usable / 2**30:.2f} GiB < the step's peak growth "
+                                     f"{above / 2**30:.2f} GiB + second buffer {rec.nbytes / 2**30:.2f} GiB "
+                                     f"+ headroom {headroom / 2**30:.2f} GiB")
+        return ok
 
     def _fallback(self, mode: str, why: str) -> None:
         order = {"none": 0, "single": 1, "double": 2}
