@@ -339,7 +339,41 @@ def _optim_stats(model, optim_applied: dict) -> dict:
         from optim import regional
 
         out["compile_stats"] = regional.describe(model)  # after the run: failures show at a call
+    out.update(attention_kernels(model, optim_applied))
     return out
+
+
+def attention_kernels(model, optim_applied: dict) -> dict:
+    """Which attention kernels ran, not which were asked for: ``attention_kernels`` maps each to
+    its calls since ``optim.packing.reset_counters()`` (None where only its use is known), and
+    ``attention_fallback`` says why optim.packing's fused flex could not run (None if it could).
+
+    Kernels: ``flex-fused``, ``flex-unfused``, ``varlen``, ``sdpa-mask`` (optim.packing's eager
+    path), ``flex-fused-traced`` (flex traced into optim.regional's compiled layers), and for a
+    stock model its attention implementation (``stock-<name>``); ``flex-unfused`` also when torch
+    warned that flex_attention ran uncompiled anywhere in this process (stock flex included)."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    ran: dict = {}
+    fallback = None
+    if "optim.packing" in optim_applied:
+        from optim import packing
+
+        ran.update(packing.kernels())
+        fallback = packing.fused_flex_failure()
+    if "optim.regional" in optim_applied:
+        from optim import regional
+
+        d = regional.describe(model)
+        if d.get("flex_traced") and d.get("layer_calls", {}).get("compiled"):
+            ran["flex-fused-traced"] = None  # inside the compiled graph: no per-call count
+    if not ran:
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl is not None:
+            ran[f"stock-{impl}"] = None
+    if "flex_attention_performance" in getattr(torch_flex, "_WARNINGS_SHOWN", ()):
+        ran.setdefault("flex-unfused", None)
+    return {"attention_kernels": ran, "attention_fallback": fallback}
 
 
 def _packing_kwargs(batch, optim_applied: dict) -> dict:

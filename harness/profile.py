@@ -93,7 +93,7 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
                   trace: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from harness.point import prepare
+    from harness.point import attention_kernels, prepare
 
     spec = model_registry.get(point.model)
     run = prepare(point, spec, warmup + steps)
@@ -101,6 +101,10 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
         run.step(point, i)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
+    if "optim.packing" in run.optim_applied:
+        from optim import packing
+
+        packing.reset_counters()  # the attention kernels of the profiled steps alone
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for i in range(warmup, warmup + steps):
@@ -121,6 +125,7 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
                # cuda_graph variant is profiled as the eager steps it captures
                "profiled": "eager steps of a cuda_graph variant" if point.cuda_graph else "eager steps",
                "device_name": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu",
+               **attention_kernels(run.model, run.optim_applied),
                **analyze(events)}
     (out_dir / f"{stem}.summary.json").write_text(json.dumps(summary, indent=1))
     if trace:
@@ -137,6 +142,10 @@ def format_summary(s: dict) -> str:
         busy = f"{p['gpu_busy_pct']:.1f}" if p["gpu_busy_pct"] is not None else "-"
         lines.append(f"{name:10s} {p['gpu_span_ms']:9.1f} {p['cpu_span_ms']:9.1f} {busy:>7s} "
                      f"{p['launches']:9d} {p['host_syncs']:6d}")
+    if s.get("attention_kernels"):
+        kinds = ", ".join(k if n is None else f"{k} x{n}" for k, n in s["attention_kernels"].items())
+        lines.append(f"attention kernels: {kinds}"
+                     + (f" (fused flex fell back: {s['attention_fallback']})" if s.get("attention_fallback") else ""))
     lines.append(f"top kernels (of {s['kernel_ms_total']:.1f} ms):")
     for k in s["top_kernels"][:12]:
         lines.append(f"  {k['ms']:8.2f} ms {k['pct']:5.1f}% x{k['count']:<5d} {k['name'][:100]}")

@@ -18,7 +18,10 @@ A ``step`` row (one sweep point) adds:
     flops_per_step, model_flops_per_step, hardware_flops_per_step, mfu, hfu (None with
     mfu_note when the peak is unknown), num_docs, sum_len, sum_len_sq (per measured batch, lists),
     trainable_params, total_params, wall_s, graph_capture_ms (None unless graphed), peak_scope
-    ("measured steps", or "capture and replays" when graphed: a replay allocates nothing).
+    ("measured steps", or "capture and replays" when graphed: a replay allocates nothing),
+    attention_kernels ({kernel: calls or None}: the attention kernels that ran, e.g.
+    "flex-fused", "varlen", "flex-unfused"; see harness.point.attention_kernels) and
+    attention_fallback (why optim.packing's fused flex could not run, or None).
 A ``bandwidth`` row adds:
     direction ("h2d"), memory ("pinned" | "pageable"), size_bytes, gbps {"p20","p50","p80","samples"},
     pcie_ceiling_gbps (None if unknown), pcie_gen, pcie_width.

@@ -46,6 +46,7 @@ import collections
 import functools
 import inspect
 import itertools
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -53,7 +54,10 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from optim._fallback import passes_through
 from optim.switches import Switch
+
+log = logging.getLogger("optim.packing")
 
 ATTN_NAME = "optim_packed"
 FORWARD_KWARG = "packing"  # the model forward kwarg that carries a PackedMetadata
@@ -89,14 +93,25 @@ SWITCHES: dict[str, Switch] = {
 
 # Build and sync counters: what the bench reports per training step ("count, don't assume").
 COUNTERS: collections.Counter = collections.Counter()
+# Calls per attention kernel that actually ran on the eager path: "flex-fused", "flex-unfused"
+# (CPU only), "varlen", "sdpa-mask". Flex traced into compiled layers (optim.regional) runs
+# inside the layer's graph and is not counted here; it is always the fused kernel.
+KERNEL_CALLS: collections.Counter = collections.Counter()
+ATTENTION_KERNELS = ("flex-fused", "flex-unfused", "varlen", "sdpa-mask")
 
 
 def reset_counters() -> None:
     COUNTERS.clear()
+    KERNEL_CALLS.clear()
 
 
 def counters() -> dict[str, int]:
     return dict(COUNTERS)
+
+
+def kernels() -> dict[str, int]:
+    """Calls per attention kernel since the last ``reset_counters()`` (see ``KERNEL_CALLS``)."""
+    return dict(KERNEL_CALLS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,49 +481,137 @@ def _sdpa(entry, q, k, v, scale, window, sinks, cache):
         sink_key = sink_key + F.pad((sinks.to(k.dtype) / scale).view(1, H, 1, 1), (D, pad - 1))
         k = torch.cat([k, sink_key], 2)
         v = F.pad(v, (0, pad, 0, 1))  # sink value 0; pad head dim to match q/k
+    KERNEL_CALLS["sdpa-mask"] += 1
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if sinks is not None:
         out = out[..., :D]
     return out.transpose(1, 2).contiguous()
 
 
-_compiled_flex = None
+# flex_attention has two implementations. Compiled, it is one fused Triton kernel that skips
+# masked blocks and never holds the scores. Called eagerly, it materializes the B×H×T×T scores:
+# O(T²) memory (27.9 GB for a 16K-token forward of a tiny Llama) and a far slower step. So on
+# CUDA the fused kernel runs or another packed kernel does, never the eager one:
+#
+# - It is compiled as a function of this module's own (``_fused_flex_body``), not as
+#   ``torch.compile(flex_attention)``. dynamo keeps one cache per code object, with a limit of 8
+#   entries by default, and every ``torch.compile(flex_attention)`` in the process shares
+#   flex_attention's: transformers' own flex path compiles it with ``dynamic=False``, one entry per
+#   shape. Once that cache was full, dynamo ran our call eagerly, with only a warning from torch
+#   (the GPU suite, after the stock-flex tests). Our cache holds our entries alone, with a limit of
+#   ``FLEX_RECOMPILE_LIMIT``.
+# - If dynamo still runs it eagerly (the limit reached, dynamo disabled, an eager stance), the body
+#   notices before flex_attention runs (``torch.compiler.is_compiling()`` is False) and says so; a
+#   compiler error is caught the same way. Either way optim.packing logs one line and runs varlen
+#   for the rest of the process, or raises ``FusedFlexUnavailable`` where varlen cannot run.
+# - ``kernels()`` counts the calls of each kernel that ran; result rows record it.
+#
+# On CPU the eager flex is the only one with a backward; it runs there, counted as unfused.
+
+FLEX_RECOMPILE_LIMIT = 64
+_FLEX_COMPILE_BACKEND = "inductor"  # the fused kernel is inductor's; CPU tests of the fallback swap it
+_fused_flex_compiled = None
+_fused_flex_failed: str | None = None  # why the fused kernel cannot run in this process
 
 
-def _flex_fn(device: torch.device):
-    """Compiled flex_attention on GPU (the eager one materializes scores); eager on CPU."""
-    global _compiled_flex
+class FusedFlexUnavailable(RuntimeError):
+    """flex_attention's fused kernel cannot run here, and no other packed kernel can stand in."""
+
+
+class _RanEager(Exception):
+    """dynamo ran the fused-flex body as plain Python: flex_attention would take its unfused path."""
+
+
+def _flex_core(flex, q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
+    """One flex_attention call, (out, lse or None); ``flex`` is traced or compiled by the caller."""
+    if not want_lse:
+        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                    return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def _fused_flex_body(q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
+    if not torch.compiler.is_compiling():  # a constant True wherever dynamo traces this
+        raise _RanEager
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type == "cpu":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    return _flex_core(flex_attention, q, k, v, block_mask, scale, gqa, want_lse)
+
+
+def fused_flex_failure() -> str | None:
+    """Why flex_attention's fused kernel cannot run in this process (None while it can)."""
+    return _fused_flex_failed
+
+
+def _fused_flex(q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
+    """(out, lse) from the fused kernel, or None once it cannot be had (the reason is kept)."""
+    global _fused_flex_compiled, _fused_flex_failed
+    if _fused_flex_failed is not None:
+        return None
+    if _fused_flex_compiled is None:
+        _fused_flex_compiled = torch.compile(_fused_flex_body, fullgraph=True, backend=_FLEX_COMPILE_BACKEND)
+    cfg = torch._dynamo.config
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    try:
+        with cfg.patch(**{key: max(FLEX_RECOMPILE_LIMIT, getattr(cfg, key))}):
+            return _fused_flex_compiled(q, k, v, block_mask, scale, gqa, want_lse)
+    except _RanEager:
+        why = "torch.compile ran it eagerly (dynamo disabled, or an eager stance)"
+    except Exception as e:  # a compiler failure (or the recompile limit) must not stop training
+        if passes_through(e):
+            raise
+        msg = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+    _fused_flex_failed = why
+    return None
 
 
 def _flex(entry, q, k, v, scale, window, sinks, cache):
     block_mask = _structure(entry, ("flex", window), lambda: build_flex_block_mask(entry, window), cache)
-    return _flex_attend(_flex_fn(q.device), q, k, v, block_mask, scale, sinks)
-
-
-def _flex_attend(fn, q, k, v, block_mask, scale, sinks):
     gqa = q.shape[1] != k.shape[1]
-    if sinks is None:
-        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    else:
-        # Exact sinks: renormalize with the kernel's log-sum-exp, out * Z / (Z + e^s) =
-        # out * sigmoid(lse - s). flex propagates gradients through lse, so this is exact.
-        try:
-            from torch.nn.attention.flex_attention import AuxRequest
+    if q.device.type == "cpu":
+        from torch.nn.attention.flex_attention import flex_attention
 
-            out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                          return_aux=AuxRequest(lse=True))
-            lse = aux.lse
-        except ImportError:  # torch < 2.9
-            out, lse = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+        KERNEL_CALLS["flex-unfused"] += 1
+        out, lse = _flex_core(flex_attention, q, k, v, block_mask, scale, gqa, sinks is not None)
+        return _flex_output(out, lse, sinks, q.dtype)
+    res = _fused_flex(q, k, v, block_mask, scale, gqa, sinks is not None)
+    if res is None:
+        return _flex_stand_in(entry, q, k, v, scale, window, sinks, cache)
+    KERNEL_CALLS["flex-fused"] += 1
+    return _flex_output(*res, sinks, q.dtype)
+
+
+_stand_in_logged = False
+
+
+def _flex_stand_in(entry, q, k, v, scale, window, sinks, cache):
+    """varlen in place of a fused flex that cannot run; never the unfused flex."""
+    global _stand_in_logged
+    why = _fused_flex_failed
+    if q.dtype not in (torch.float16, torch.bfloat16) or not varlen_available():
+        raise FusedFlexUnavailable(
+            f"optim.packing: flex_attention's fused kernel cannot run ({why}), and the varlen kernel "
+            f"cannot stand in ({q.dtype}, varlen needs fp16/bf16 and a CUDA flash kernel). The unfused "
+            "flex_attention would hold B x H x T x T scores, so it is not used; pick "
+            "packing_backend='sdpa' (a T x T mask) or fix the cause above")
+    if not _stand_in_logged:
+        _stand_in_logged = True
+        log.warning("optim.packing: flex_attention's fused kernel cannot run (%s); running the varlen "
+                    "kernel instead for the rest of this process (the unfused flex would hold T x T "
+                    "scores)", why)
+    return _varlen(entry, q, k, v, scale, window, sinks, cache)
+
+
+def _flex_output(out, lse, sinks, dtype):
+    """(B, H, T, D) -> (B, T, H, D), with exact sinks: renormalize with the kernel's log-sum-exp,
+    out * Z / (Z + e^s) = out * sigmoid(lse - s). flex propagates gradients through lse."""
+    if sinks is not None:
         factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
-        out = (out.float() * factor[..., None]).to(q.dtype)
+        out = (out.float() * factor[..., None]).to(dtype)
     return out.transpose(1, 2).contiguous()
 
 
@@ -595,6 +698,7 @@ def _varlen(entry, q, k, v, scale, window, sinks, cache):
     kf = k.transpose(1, 2).reshape(B * T, k.shape[1], D)
     vf = v.transpose(1, 2).reshape(B * T, v.shape[1], D)
     left = -1 if window is None else window - 1  # flash keeps keys with q - k <= left
+    KERNEL_CALLS["varlen"] += 1
     public = _public_varlen()
     if sinks is None and public is not None:
         out = public(qf, kf, vf, cu, cu, max_len, max_len, scale=scale, window_size=(left, 0),
@@ -684,7 +788,9 @@ def packed_attention_forward(
 
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-            return _flex_attend(flex_attention, query, key, value, block_mask, scale, sinks), None
+            gqa = query.shape[1] != key.shape[1]
+            out, lse = _flex_core(flex_attention, query, key, value, block_mask, scale, gqa, sinks is not None)
+            return _flex_output(out, lse, sinks, query.dtype), None
     return _packed_attention_eager(module, query, key, value, attention_mask, scaling, dropout,
                                    sliding_window, s_aux, position_ids, packing, **kwargs)
 

@@ -9,9 +9,16 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests in reverse order (to catch tests that depend on order)")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if config.getoption("--reverse"):
+        items.reverse()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `nox -s gpu_tests` on a GPU machine")

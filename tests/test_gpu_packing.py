@@ -112,28 +112,126 @@ def test_auto_picks_varlen_and_sync_free_with_metadata():
     assert P.counters()["metadata"] == 1 and P.counters().get("host_syncs", 0) == 0
 
 
-@pytest.mark.parametrize("backend", ["flex", "varlen"])
-def test_no_txt_mask_at_16k(backend):
-    T = 16384
-    model = _build("llama-3.2-1b-tiny")
-    P.enable(model, packing_backend=backend)
-    lengths = [[1000] * 16 + [T - 16000]]
+def _packed_forward_peak(model, T, grad=False):
+    """Peak bytes above the start of one packed forward (+ backward) at T tokens; the kernels."""
+    lengths = [[1000] * (T // 1000) + ([T % 1000] if T % 1000 else [])]
     meta = P.PackedMetadata.from_lengths(lengths)
     ids = torch.randint(0, 512, (1, T), device="cuda")
     pos = meta.position_ids().cuda()
+    P.reset_counters()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    with torch.set_grad_enabled(grad):
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **P.packed_kwargs(meta))
+        if grad:
+            out.logits.float().sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, P.kernels()
+
+
+@pytest.mark.parametrize("backend", ["flex", "varlen"])
+def test_no_txt_mask_at_16k(backend):
+    """No allocation of T x T scale. The smallest T x T tensor, a bool mask, is T² bytes (256 MiB
+    at 16K); the healthy forward peaks near 70 MB, and the unfused flex at 27.9 GB."""
+    T = 16384
+    model = _build("llama-3.2-1b-tiny")
+    P.enable(model, packing_backend=backend)
+    peak, ran = _packed_forward_peak(model, T)
+    print(f"{backend} forward at {T} tokens: peak {peak / 2**20:.1f} MiB, kernels {ran}")
+    assert peak < T * T, peak
+    assert ran == {("flex-fused" if backend == "flex" else "varlen"): models.get("llama-3.2-1b-tiny").num_hidden_layers}
+    if backend == "flex":
+        assert P.fused_flex_failure() is None
+    P.release()
+
+
+def _fill_flex_attention_cache():
+    """What a process that compiled flex elsewhere looks like: transformers compiles
+    flex_attention with dynamic=False (one dynamo cache entry per shape) and every such compile
+    shares flex_attention's cache. Fill it past the limit (the eager backend: entries are entries)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    cfg = torch._dynamo.config
+    limit = getattr(cfg, "recompile_limit", None) or cfg.cache_size_limit
+    stock = torch.compile(flex_attention, backend="eager", dynamic=False)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, **P.packed_kwargs(meta))
-        entry = P.cached_entry("cuda")
-        biggest = max((t.numel() for v in entry.structures.values()
-                       for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)),
-                      default=0)
-        if backend == "flex":
-            bm = entry.structures[("flex", None)]
-            biggest = max(biggest, bm.kv_indices.numel(), bm.full_kv_indices.numel())
-    peak = torch.cuda.max_memory_allocated() - base
-    assert biggest < T * T // 1000, biggest
-    assert peak < T * T // 4, peak  # a bool T×T mask alone would be T*T bytes
+        for i in range(limit + 1):
+            x = torch.randn(1, 2, 128 * (i + 1), 16, device="cuda", dtype=torch.bfloat16)
+            stock(x, x, x)
+    assert len(_debug_get_cache_entry_list(flex_attention.__code__)) >= limit
+
+
+def test_fused_flex_after_other_compiled_code():
+    """Compiled layers, a graphed step and a full flex_attention cache first; then optim.packing's
+    flex still runs the fused kernel, forward and backward, with no T x T allocation."""
+    from optim import graphs
+    from optim import regional as R
+
+    comp = _build("qwen3-0.6b-tiny")
+    P.enable(comp, packing_backend="flex")
+    R.enable(comp, compile_layers=True)
+    _packed_forward_peak(comp, 1024, grad=True)
+    assert R.describe(comp)["layer_calls"]["compiled"] > 0
+
+    stock = models.build(models.get("llama-3.2-1b-tiny"), device="cuda", dtype=torch.bfloat16, lora_rank=4,
+                         gradient_checkpointing=True, checkpoint_preserve_rng=False)
+    opt = torch.optim.AdamW([p for p in stock.parameters() if p.requires_grad], fused=True, capturable=True)
+    ids = torch.randint(0, 512, (1, 256), device="cuda")
+    step = graphs.GraphedStep(lambda: stock(input_ids=ids, labels=ids, use_cache=False).loss, opt)
+    step.capture()
+    step.forward()
+    step.backward()
+    step.optimizer_step()
+
+    _fill_flex_attention_cache()
+
+    T = 8192
+    model = _build("llama-3.2-1b-tiny")
+    P.enable(model, packing_backend="flex")
+    peak, ran = _packed_forward_peak(model, T, grad=True)
+    print(f"flex forward+backward at {T} tokens after other compiled code: peak {peak / 2**20:.1f} MiB, "
+          f"kernels {ran}")
+    assert P.fused_flex_failure() is None
+    assert set(ran) == {"flex-fused"}, ran
+    assert peak < T * T, peak
+    P.release()
+
+
+def test_varlen_stands_in_when_fused_flex_cannot_run(monkeypatch, caplog):
+    """When the fused kernel cannot be had, bf16 runs varlen (one log line, same numbers) and
+    fp32 refuses; the unfused flex never runs."""
+    import logging
+
+    model = _build("llama-3.2-1b-tiny")
+    P.enable(model, packing_backend="flex")
+    ids = torch.randint(0, 512, (2, 200), device="cuda")
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    pos = meta.position_ids().cuda()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        P.reset_counters()
+        out = model(input_ids=ids, labels=ids, position_ids=pos, use_cache=False, **P.packed_kwargs(meta))
+        out.loss.backward()
+        return out.logits.detach(), _grads(model), P.kernels()
+
+    fused_logits, fused_grads, ran = run()
+    assert set(ran) == {"flex-fused"}
+    monkeypatch.setattr(P, "_fused_flex_failed", "the compiler failed (planted by the test)")
+    monkeypatch.setattr(P, "_stand_in_logged", False)
+    with caplog.at_level(logging.WARNING, logger="optim.packing"):
+        logits, grads, ran = run()
+        run()
+    assert set(ran) == {"varlen"}, ran
+    assert len([r for r in caplog.records if r.name == "optim.packing"]) == 1
+    assert "planted by the test" in caplog.records[0].getMessage()
+    assert _rel(logits, fused_logits) < 2e-2
+    assert max(_rel(grads[n], fused_grads[n]) for n in fused_grads) < 6e-2
+
+    model32 = _build("llama-3.2-1b-tiny", dtype=torch.float32)
+    P.enable(model32, packing_backend="flex")
+    with pytest.raises(P.FusedFlexUnavailable, match="planted by the test"):
+        model32(input_ids=ids, position_ids=pos, use_cache=False, **P.packed_kwargs(meta))
     P.release()

@@ -401,3 +401,77 @@ def test_varlen_sink_backward_algebra(monkeypatch, window):
     want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-9), (a - b).abs().max()
+
+
+# The fused flex path (CUDA) has a dynamo cache of its own and refuses to run flex_attention
+# eagerly. Its mechanism is checked here with dynamo's eager backend (no kernel compile on 2
+# cores, forward only); tests/test_gpu_packing.py checks the real kernel.
+
+
+@pytest.fixture
+def fresh_fused_flex(monkeypatch):
+    monkeypatch.setattr(P, "_FLEX_COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(P, "_fused_flex_compiled", None)
+    monkeypatch.setattr(P, "_fused_flex_failed", None)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _flex_inputs(T=128):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(3))
+    meta = P.PackedMetadata.from_lengths([[T // 4, T - T // 4]])
+    entry = P._build_entry(("test", T), meta, torch.device("cpu"))
+    return q, k, v, P.build_flex_block_mask(entry, None), entry
+
+
+def test_fused_flex_survives_a_full_flex_attention_cache(fresh_fused_flex):
+    """transformers compiles flex_attention itself (dynamic=False: one cache entry per shape);
+    every torch.compile(flex_attention) in a process shares that code object's cache. Once it is
+    full, dynamo runs flex_attention eagerly, the unfused path. Ours compiles its own function,
+    so it still compiles then, and computes what flex_attention computes."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    stock = torch.compile(flex_attention, backend="eager", dynamic=False)
+    with torch.no_grad():
+        for i in range(limit + 1):
+            x = torch.randn(1, 2, 16 * (i + 1), 16)
+            stock(x, x, x)
+        assert len(_debug_get_cache_entry_list(flex_attention.__code__)) == limit  # full
+        q, k, v, bm, _ = _flex_inputs()
+        # the old way, torch.compile(flex_attention), no longer compiles a new call, fullgraph
+        # or not: dynamo runs it eagerly, and only torch's one-time warning says so
+        torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, block_mask=bm)
+        assert len(_debug_get_cache_entry_list(flex_attention.__code__)) == limit
+        res = P._fused_flex(q, k, v, bm, 0.25, False, False)
+        assert res is not None and P.fused_flex_failure() is None
+        ref = flex_attention(q, k, v, block_mask=bm, scale=0.25)
+    torch.testing.assert_close(res[0], ref)
+
+
+def test_fused_flex_run_eagerly_is_refused(fresh_fused_flex):
+    """If dynamo runs the body as plain Python, it stops before flex_attention would materialize
+    the scores, the reason is kept, and without a varlen kernel the call refuses clearly."""
+    q, k, v, bm, entry = _flex_inputs()
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        assert P._fused_flex(q, k, v, bm, 0.25, False, False) is None
+    assert "eagerly" in P.fused_flex_failure()
+    # sticky: the process does not try again (each try could compile for seconds)
+    assert P._fused_flex(q, k, v, bm, 0.25, False, False) is None
+    with pytest.raises(P.FusedFlexUnavailable, match="fused kernel cannot run .*eagerly.*varlen"):
+        P._flex_stand_in(entry, q, k, v, 0.25, None, None, True)
+
+
+def test_kernels_record_what_ran(built):
+    model = built("llama-3.2-1b-tiny")
+    ids = torch.randint(0, 512, (2, 100))
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    for backend, kernel in (("sdpa", "sdpa-mask"), ("flex", "flex-unfused")):
+        P.enable(model, packing_backend=backend)
+        P.reset_counters()
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=meta.position_ids(), use_cache=False, **P.packed_kwargs(meta))
+        assert P.kernels() == {kernel: model.config.num_hidden_layers}, backend
