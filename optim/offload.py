@@ -449,7 +449,9 @@ class Offloader:
         if not ok:
             self._fallback("single", f"usable GPU memory {usable / 2**30:.2f} GiB < the step's peak growth "
                                      f"{above / 2**30:.2f} GiB + second buffer {rec.nbytes / 2**30:.2f} GiB "
-                                     f"+ headroom {headroom / 2**30:.2f} GiB")
+                                     f"+ headroom {headroom / 2**30:.2f} GiB (the growth is the process's peak "
+                                     "less what is allocated now; an earlier, larger computation raises it "
+                                     "until torch.cuda.reset_peak_memory_stats())")
         return ok
 
     def _fallback(self, mode: str, why: str) -> None:

@@ -149,7 +149,9 @@ def test_no_txt_mask_at_16k(backend):
 def _fill_flex_attention_cache():
     """What a process that compiled flex elsewhere looks like: transformers compiles
     flex_attention with dynamic=False (one dynamo cache entry per shape) and every such compile
-    shares flex_attention's cache. Fill it past the limit (the eager backend: entries are entries)."""
+    shares flex_attention's cache. Fill it past the limit (the eager backend: entries are entries).
+    The caller must ``torch._dynamo.reset()`` afterwards: until then stock transformers flex runs
+    unfused in this process, and a test that captures it as a CUDA graph fails."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -185,12 +187,14 @@ def test_fused_flex_after_other_compiled_code():
     step.backward()
     step.optimizer_step()
 
-    _fill_flex_attention_cache()
-
-    T = 16384  # at 8192 the healthy step's own activations (72 MiB) already exceed T² bytes
-    model = _build("llama-3.2-1b-tiny")
-    P.enable(model, packing_backend="flex")
-    peak, ran = _packed_forward_peak(model, T, grad=True)
+    try:
+        _fill_flex_attention_cache()
+        T = 16384  # at 8192 the healthy step's own activations (72 MiB) already exceed T² bytes
+        model = _build("llama-3.2-1b-tiny")
+        P.enable(model, packing_backend="flex")
+        peak, ran = _packed_forward_peak(model, T, grad=True)
+    finally:
+        torch._dynamo.reset()  # give flex_attention's cache back to the tests after this one
     print(f"flex forward+backward at {T} tokens after other compiled code: peak {peak / 2**20:.1f} MiB, "
           f"kernels {ran}")
     assert P.fused_flex_failure() is None
@@ -225,8 +229,8 @@ def test_varlen_stands_in_when_fused_flex_cannot_run(monkeypatch, caplog):
         logits, grads, ran = run()
         run()
     assert set(ran) == {"varlen"}, ran
-    assert len([r for r in caplog.records if r.name == "optim.packing"]) == 1
-    assert "planted by the test" in caplog.records[0].getMessage()
+    ours = [r.getMessage() for r in caplog.records if r.name == "optim.packing"]
+    assert len(ours) == 1 and "planted by the test" in ours[0], ours
     assert _rel(logits, fused_logits) < 2e-2
     assert max(_rel(grads[n], fused_grads[n]) for n in fused_grads) < 6e-2
 
