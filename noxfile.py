@@ -1,7 +1,7 @@
 """Sessions: tests (CPU suite), sweep (the main job), report, gpu_tests.
 
 On a CPU machine each session makes its own venv with the CPU wheel of torch, so nothing pulls
-the CUDA packages. On a GPU machine that cannot download (the lent GPUs), reuse the
+the CUDA packages. On a GPU machine that cannot download (a GPU machine with no network), reuse the
 preinstalled torch stack with nox's own switch: ``python3 -m nox --no-venv -s sweep``.
 """
 
@@ -64,6 +64,6 @@ def report(session: nox.Session) -> None:
 
 @nox.session
 def gpu_tests(session: nox.Session) -> None:
-    """GPU-marked tests. On the lent GPUs: ``python3 -m nox --no-venv -s gpu_tests``."""
+    """GPU-marked tests. On a GPU machine with no network: ``python3 -m nox --no-venv -s gpu_tests``."""
     py = _setup(session)
     session.run(py, "-m", "pytest", "-m", "gpu", *session.posargs)

@@ -1,7 +1,7 @@
 """A whole training step captured once as CUDA graphs and replayed: the host leaves the step.
 
-A LoRA step of a small model, or of a MoE model at short lengths, is host-bound on the lent
-GPUs: the GPU waits between kernels while Python issues the next one, so the step takes as long
+A LoRA step of a small model, or of a MoE model at short lengths, is host-bound on an
+H100: the GPU waits between kernels while Python issues the next one, so the step takes as long
 as the host needs and varies with the host CPU (``results/host-diag``: a pure-Python loop pinned
 to one vCPU spreads 1.07-1.14 p80/p20 there). Replaying a captured graph issues the same kernels
 with one launch per phase, so the step takes what the GPU needs.

@@ -1,6 +1,6 @@
 """Regional compilation: every decoder layer runs as one torch.compile'd graph, shared by all.
 
-A LoRA step of a small model on the lent GPUs is host-bound. Eager PyTorch issues about a
+A LoRA step of a small model on an H100 is host-bound. Eager PyTorch issues about a
 hundred kernels per decoder layer: RMSNorm's casts and reductions, rotary embeddings, and peft's
 LoRA matmuls, scalings and adds. Each launch costs tens of microseconds of host time, and the
 GPU sits idle between them (Qwen3-0.6B takes about as long at 2048 tokens as at 8192). Inductor

@@ -1,5 +1,5 @@
 """The harness on a real GPU: event-timed points, NVML memory, MFU, a real OOM as a row, and the
-H2D benchmark against the PCIe ceiling. Marked gpu: run on the lent GPU."""
+H2D benchmark against the PCIe ceiling. Marked gpu: run on a GPU machine."""
 
 import pytest
 import torch

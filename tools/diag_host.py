@@ -1,4 +1,4 @@
-"""Why do host-bound sweep points spread? One-off diagnosis on a lent GPU machine.
+"""Why do host-bound sweep points spread? A diagnosis to run on the GPU machine.
 
     python3 tools/diag_host.py --out $OUT/diag_host.json
 

@@ -1,4 +1,4 @@
-"""Print one line per sweep point of the given results files (the last table of a lent-GPU call).
+"""Print one line per sweep point of the given results files (a quick look at a sweep's rows).
 
     python3 tools/show_rows.py results/moe/nvidia-h100*.jsonl
 """
