@@ -25,6 +25,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from optim._fallback import recompile_limit
+
 log = logging.getLogger(__name__)
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -318,10 +320,6 @@ def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, 
 
 _compiled = None
 _compile_failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the error
-# Every model, shape and gate seen in one process is one more entry of the same compiled
-# function; dynamo's default limit (8) was reached on the H200 by the GPU test suite, which runs
-# two models over many routing shapes. A training run needs one or two entries.
-RECOMPILE_LIMIT = 64
 
 
 def compiled_grouped(device: torch.device, dtype: torch.dtype):
@@ -332,11 +330,9 @@ def compiled_grouped(device: torch.device, dtype: torch.dtype):
     global _compiled
     if _compiled is None:
         fn = torch.compile(grouped_pure, fullgraph=True)
-        cfg = torch._dynamo.config
-        key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
 
         def call(*args):
-            with cfg.patch(**{key: max(RECOMPILE_LIMIT, getattr(cfg, key))}):
+            with recompile_limit():
                 return fn(*args)
 
         _compiled = call

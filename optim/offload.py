@@ -41,8 +41,7 @@ Memory guard (switch ``offload_guard``): the second staging buffer is allocated 
 memory the process can still allocate covers the step's peak growth, the buffer and a headroom
 (see ``Offloader._guard_ok``); otherwise ``double`` falls back to ``single``. If a pinned host
 buffer or the first staging buffer cannot be had, the mode falls back to ``none`` (inputs stay
-on the GPU). One log
-line on logger ``optim.offload`` per fallback. Allocations happen only in the first step (or when
+on the GPU). One log line on logger ``optim.offload`` per fallback. Allocations happen only in the first step (or when
 a larger batch arrives), are caught on failure, and each replaces at least one layer input on
 the GPU, so the guard itself never causes an OOM.
 

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from optim._fallback import passes_through
+from optim._fallback import passes_through, recompile_limit
 from optim.switches import Switch
 
 log = logging.getLogger("optim.packing")
@@ -97,7 +97,6 @@ COUNTERS: collections.Counter = collections.Counter()
 # (CPU only), "varlen", "sdpa-mask". Flex traced into compiled layers (optim.regional) runs
 # inside the layer's graph and is not counted here; it is always the fused kernel.
 KERNEL_CALLS: collections.Counter = collections.Counter()
-ATTENTION_KERNELS = ("flex-fused", "flex-unfused", "varlen", "sdpa-mask")
 
 
 def reset_counters() -> None:
@@ -498,8 +497,8 @@ def _sdpa(entry, q, k, v, scale, window, sinks, cache):
 #   entries by default, and every ``torch.compile(flex_attention)`` in the process shares
 #   flex_attention's: transformers' own flex path compiles it with ``dynamic=False``, one entry per
 #   shape. Once that cache was full, dynamo ran our call eagerly, with only a warning from torch
-#   (the GPU suite, after the stock-flex tests). Our cache holds our entries alone, with a limit of
-#   ``FLEX_RECOMPILE_LIMIT``.
+#   (the GPU suite, after the stock-flex tests). Our cache holds our entries alone, with the limit
+#   of optim's compiled paths (``optim._fallback.RECOMPILE_LIMIT``).
 # - If dynamo still runs it eagerly (the limit reached, dynamo disabled, an eager stance), the body
 #   notices before flex_attention runs (``torch.compiler.is_compiling()`` is False) and says so; a
 #   compiler error is caught the same way. Either way optim.packing logs one line and runs varlen
@@ -508,7 +507,6 @@ def _sdpa(entry, q, k, v, scale, window, sinks, cache):
 #
 # On CPU the eager flex is the only one with a backward; it runs there, counted as unfused.
 
-FLEX_RECOMPILE_LIMIT = 64
 _FLEX_COMPILE_BACKEND = "inductor"  # the fused kernel is inductor's; CPU tests of the fallback swap it
 _fused_flex_compiled = None
 _fused_flex_failed: str | None = None  # why the fused kernel cannot run in this process
@@ -553,10 +551,8 @@ def _fused_flex(q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
         return None
     if _fused_flex_compiled is None:
         _fused_flex_compiled = torch.compile(_fused_flex_body, fullgraph=True, backend=_FLEX_COMPILE_BACKEND)
-    cfg = torch._dynamo.config
-    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     try:
-        with cfg.patch(**{key: max(FLEX_RECOMPILE_LIMIT, getattr(cfg, key))}):
+        with recompile_limit():
             return _fused_flex_compiled(q, k, v, block_mask, scale, gqa, want_lse)
     except _RanEager:
         why = "torch.compile ran it eagerly (dynamo disabled, or an eager stance)"
