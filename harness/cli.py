@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.env import REPO_ROOT
+from harness.measure.env import REPO_ROOT
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 DEFAULT_RESULTS = REPO_ROOT / "results"
@@ -35,7 +35,7 @@ examples:
 
 
 def default_experiment() -> Path:
-    from harness.sweep import detect_device_name
+    from harness.run.sweep import detect_device_name
 
     name = "smoke-cpu.toml" if detect_device_name("auto") == "cpu" else "smoke-gpu.toml"
     return EXPERIMENTS / name
@@ -44,8 +44,8 @@ def default_experiment() -> Path:
 def cmd_sweep(args) -> int:
     import signal
 
-    from harness import experiment, sweep
-    from harness.stacks import stacks_every
+    from harness.run import experiment, sweep
+    from harness.run.stacks import stacks_every
 
     # `timeout`, a CI runner or a job scheduler stops the sweep with SIGTERM: turn it into an
     # exit that unwinds, so the launcher kills the point in flight (its own session) on the way.
@@ -182,7 +182,7 @@ def cmd_gate(args) -> int:
 
 
 def cmd_bandwidth(args) -> int:
-    from harness import bandwidth, env
+    from harness.measure import bandwidth, env
 
     rows = bandwidth.measure_h2d(repeats=args.repeats)
     if args.json:
@@ -197,7 +197,7 @@ def cmd_bandwidth(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from harness import env
+    from harness.measure import env
 
     print(json.dumps(env.collect(), indent=2, default=str))
     return 0
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bandwidth)
 
     p = sub.add_parser("profile", help="profile one training step of a sweep point: GPU busy %% per phase, launches, syncs, top kernels")
-    from harness import profile
+    from harness.run import profile
 
     profile.add_arguments(p)
     p.set_defaults(func=profile.run)
@@ -268,10 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_point"]:  # internal: the child process of one sweep point
-        from harness.stacks import stacks_on_request
+        from harness.run.stacks import stacks_on_request
 
         stacks_on_request()  # before torch's import: a point stopped in it says so too
-        from harness import point
+        from harness.run import point
 
         return point.main(*argv[1:3])
     parser = build_parser()

@@ -6,7 +6,7 @@ or the new one, never a torn line. Reports and gates read only these files.
 
 Row schema (``schema`` = 1). Every row has:
     schema, kind ("step" | "bandwidth"), experiment, gpu_slug, device_name, status ("ok" | "oom" |
-    "error"), message (str, empty when ok), env (dict, see harness.env), recorded_at (ISO-8601 UTC).
+    "error"), message (str, empty when ok), env (dict, see harness.measure.env), recorded_at (ISO-8601 UTC).
 A ``step`` row (one sweep point) adds:
     point_id, model, family, seq_len, batch_size, variant, baseline_variant, switches (dict),
     gpus, repeat, warmup_steps, measured_steps, lora_rank, dtype, num_layers, cuda_graph (bool:
@@ -20,8 +20,12 @@ A ``step`` row (one sweep point) adds:
     trainable_params, total_params, wall_s, graph_capture_ms (None unless graphed), peak_scope
     ("measured steps", or "capture and replays" when graphed: a replay allocates nothing),
     attention_kernels ({kernel: calls or None}: the attention kernels that ran, e.g.
-    "flex-fused", "varlen", "flex-unfused"; see harness.point.attention_kernels) and
+    "flex-fused", "varlen", "flex-unfused"; see harness.run.point.attention_kernels) and
     attention_fallback (why optim.packing's fused flex could not run, or None).
+A microbenchmark row (``python -m harness.bench.offload|moe|packing``) has a kind in
+``BENCH_KINDS`` and the fields its benchmark measures (see each bench module); it also records
+``command``, ``env``, ``gpu_slug``, ``device_name`` and ``recorded_at``. A rerun replaces the rows
+with the same ``bench_key``.
 A ``bandwidth`` row adds:
     direction ("h2d"), memory ("pinned" | "pageable"), size_bytes, gbps {"p20","p50","p80","samples"},
     pcie_ceiling_gbps (None if unknown), pcie_gen, pcie_width.
@@ -30,6 +34,7 @@ A ``bandwidth`` row adds:
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import fcntl
 import json
 import os
@@ -40,6 +45,18 @@ from typing import Iterable, Iterator
 
 SCHEMA_VERSION = 1
 FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
+BENCH_KINDS = frozenset({
+    "offload", "offload_summary",  # harness.bench.offload
+    "moe_routing", "moe_experts", "moe_syncs", "moe_split_crossover", "moe_query_model",  # harness.bench.moe
+    "packing_m", "packing_counts",  # harness.bench.packing
+})
+# What one microbenchmark row measured: a rerun of the same replaces it.
+BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",
+             "from_position_ids", "window", "sinks", "with_metadata", "device_type")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def gpu_slug(device_name: str) -> str:
@@ -136,3 +153,24 @@ def load_experiment_rows(root: str | Path, experiment: str) -> list[dict]:
     for path in sorted((Path(root) / experiment).glob("*.jsonl")):
         rows.extend(read_rows(path))
     return rows
+
+
+def bench_key(row: dict) -> str:
+    return json.dumps([row.get(k) for k in BENCH_KEY], default=str)
+
+
+def write_bench_rows(root: str | Path, experiment: str, rows: list[dict], *, env: dict, command: str) -> Path:
+    """Store a microbenchmark's rows beside the sweep rows of ``experiment`` on this GPU type,
+    replacing earlier rows with the same ``bench_key``."""
+    device_name = env.get("device_name") or "cpu"
+    slug = gpu_slug(device_name)
+    stamp = {"experiment": experiment, "gpu_slug": slug, "device_name": device_name, "env": env,
+             "command": command, "recorded_at": now()}
+    new = [{**r, **stamp} for r in rows]
+    for r in new:
+        if r.get("kind") not in BENCH_KINDS:
+            raise ValueError(f"not a microbenchmark row kind: {r.get('kind')!r} (valid: {sorted(BENCH_KINDS)})")
+    keys = {bench_key(r) for r in new}
+    path = results_path(root, experiment, slug)
+    replace_rows(path, lambda r: r.get("kind") in BENCH_KINDS and bench_key(r) in keys, new)
+    return path

@@ -9,7 +9,7 @@ BACKENDS = ("loop", "sorted", "grouped_mm")
 
 
 def build(name: str, device: str, dtype: torch.dtype, rank: int, gradient_checkpointing=False, seed=0):
-    from harness import models
+    from harness.workload import models
 
     spec = models.get(name)
     model = models.build(

@@ -3,8 +3,8 @@ document boundaries are masked in the labels, and the stream is seeded."""
 
 import torch
 
-from harness.data import make_batch
-from harness.experiment import DataSpec
+from harness.run.experiment import DataSpec
+from harness.workload.data import make_batch
 
 
 def test_rows_pack_exactly_and_positions_restart():

@@ -3,8 +3,8 @@ runs, with one error naming the file, the key and the valid choices."""
 
 import pytest
 
-from harness import experiment
-from harness.experiment import ExperimentError
+from harness.run import experiment
+from harness.run.experiment import ExperimentError
 
 VALID = """
 [experiment]

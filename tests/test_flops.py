@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from harness import flops, models
+from harness.measure import flops
+from harness.workload import models
 
 
 def test_attended_pairs_matches_brute_force():

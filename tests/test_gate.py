@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate, results as res
+from harness import gate
+from harness import results as res
 from harness.cli import main
-from harness.env import REPO_ROOT
+from harness.measure.env import REPO_ROOT
 
 H100 = "NVIDIA H100 80GB HBM3"
 

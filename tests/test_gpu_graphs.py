@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import experiment, models, sweep
 from harness import results as res
-from harness.data import make_batch
-from harness.experiment import DataSpec
-from harness.loss import causal_lm_loss
+from harness.run import experiment, sweep
+from harness.run.experiment import DataSpec
+from harness.workload import models
+from harness.workload.data import make_batch
+from harness.workload.loss import causal_lm_loss
 from optim import graphs
 
 pytestmark = pytest.mark.gpu

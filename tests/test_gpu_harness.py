@@ -4,7 +4,9 @@ H2D benchmark against the PCIe ceiling. Marked gpu: run on a GPU machine."""
 import pytest
 import torch
 
-from harness import bandwidth, experiment, results as res, sweep
+from harness import results as res
+from harness.measure import bandwidth
+from harness.run import experiment, sweep
 
 pytestmark = pytest.mark.gpu
 

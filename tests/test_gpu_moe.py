@@ -7,9 +7,18 @@ import contextlib
 
 import pytest
 import torch
+from _moe_common import (
+    BACKENDS,
+    MODELS,
+    build,
+    experts_of,
+    rel_err,
+    routings,
+    run_experts,
+    run_model,
+)
 
 import optim.moe as moe
-from _moe_common import BACKENDS, MODELS, build, experts_of, rel_err, routings, run_experts, run_model
 
 pytestmark = pytest.mark.gpu
 

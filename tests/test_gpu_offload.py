@@ -13,7 +13,7 @@ from _lora import randomize_lora_b
 from torch import nn
 
 import optim.offload as oo
-from harness import models
+from harness.workload import models
 
 pytestmark = pytest.mark.gpu
 
@@ -242,7 +242,7 @@ def _blocks_step(off, blocks, x):
 def _trace(mode, blocks, x):
     from torch.profiler import ProfilerActivity, profile
 
-    from harness.bench_offload import overlap_stats, trace_events
+    from harness.bench.offload import overlap_stats, trace_events
 
     off = oo.Offloader(mode, min_bytes=0)
     _blocks_step(off, blocks, x)  # step 1 sizes the pools

@@ -9,7 +9,7 @@ from _lora import randomize_lora_b
 
 import optim.packing as P
 import optim.regional as R
-from harness import models
+from harness.workload import models
 
 pytestmark = pytest.mark.gpu
 

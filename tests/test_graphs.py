@@ -4,7 +4,7 @@ message that says what to change. The capture itself runs in tests/test_gpu_grap
 import pytest
 import torch
 
-from harness import models
+from harness.workload import models
 from optim import graphs
 
 

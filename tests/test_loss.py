@@ -2,10 +2,10 @@ import dataclasses
 
 import torch
 
-from harness import models
-from harness.data import make_batch
-from harness.experiment import DataSpec
-from harness.loss import chunked_causal_lm_loss
+from harness.run.experiment import DataSpec
+from harness.workload import models
+from harness.workload.data import make_batch
+from harness.workload.loss import chunked_causal_lm_loss
 
 
 def test_chunked_loss_equals_model_loss_and_grads():

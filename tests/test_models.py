@@ -4,7 +4,7 @@ initialized weights, LoRA on the right targets."""
 import pytest
 import torch
 
-from harness import models
+from harness.workload import models
 
 REAL = ["llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
         "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"]

@@ -8,9 +8,19 @@ import sys
 
 import pytest
 import torch
+from _moe_common import (
+    BACKENDS,
+    MODELS,
+    build,
+    experts_of,
+    rel_err,
+    router_of,
+    routings,
+    run_experts,
+    run_model,
+)
 
 import optim.moe as moe
-from _moe_common import BACKENDS, MODELS, build, experts_of, rel_err, router_of, routings, run_experts, run_model
 
 MODES = [(b, lora) for b in BACKENDS for lora in ("merged", "split")]
 RANK = 4  # fp32: 16-byte rows, so the CPU grouped_mm kernel runs natively
@@ -199,7 +209,7 @@ def test_switches_and_env(monkeypatch):
 
 
 def test_enable_on_dense_model_is_noop():
-    from harness import models
+    from harness.workload import models
 
     m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4,
                      gradient_checkpointing=False)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import optim.offload as oo
-from harness import models
+from harness.workload import models
 
 MODES = ("none", "single", "double", "save_on_cpu")
 
@@ -312,7 +312,7 @@ def test_import_does_not_pull_harness():
 
 
 def test_overlap_from_trace_events():
-    from harness.bench_offload import overlap_stats
+    from harness.bench.offload import overlap_stats
 
     ev = [  # chrome-trace "X" events (ts/dur in µs), as torch.profiler exports them
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "args": {"stream": 7}},

@@ -5,7 +5,7 @@ import torch
 from _lora import randomize_lora_b
 
 import optim
-from harness import models
+from harness.workload import models
 from optim import packing
 
 
@@ -19,8 +19,8 @@ def _step(model, batch, meta=None):
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "qwen3-30b-a3b-tiny"])
 def test_one_call_keeps_loss_and_grads(name):
-    from harness.data import make_batch
-    from harness.experiment import DataSpec
+    from harness.run.experiment import DataSpec
+    from harness.workload.data import make_batch
 
     spec = models.get(name)
     batch = make_batch(DataSpec(median_doc_len=20), 96, 2, spec.vocab_size)

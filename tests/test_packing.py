@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from _lora import randomize_lora_b
 
 import optim.packing as P
-from harness import models
+from harness.workload import models
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

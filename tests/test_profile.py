@@ -1,11 +1,11 @@
-"""harness.profile: per-phase GPU busy time, launches and syncs from a trace; the CLI on CPU."""
+"""harness.run.profile: per-phase GPU busy time, launches and syncs from a trace; the CLI on CPU."""
 
 import json
 
 import pytest
 
 from harness import cli
-from harness.profile import analyze
+from harness.run.profile import analyze
 
 
 def test_analyze_busy_launches_syncs_per_phase():

@@ -15,7 +15,7 @@ import optim
 import optim.moe as M
 import optim.packing as P
 import optim.regional as R
-from harness import models
+from harness.workload import models
 
 LENGTHS = [[[37, 50, 13], [100]], [[60, 40], [30, 70]], [[100], [1] * 100]]
 

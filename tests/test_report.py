@@ -8,11 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _report import COMMAND, H100, _moe_rows, _offload_rows, store
 
 from harness import report
+from harness.report import frames, sections
 
 FIXTURE_RESULTS = Path(__file__).parent / "fixtures" / "results"
-H100 = "nvidia-h100-80gb-hbm3"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -71,7 +72,7 @@ def test_speedup_table_matches_hand_computed_ratio(demo_readme):
 
 def test_speedup_frame_matches_on_point_identity():
     rows = report.res.load_experiment_rows(FIXTURE_RESULTS, "demo")
-    sp = report.speedup_frame(report.steps_frame(rows))
+    sp = frames.speedup_frame(frames.steps_frame(rows))
     assert len(sp) == 5  # 4 H100 pairs + 1 CPU pair; a CPU point is never paired with an H100 one
     got = sp[(sp.gpu_slug == H100) & (sp.model == "qwen3-0.6b") & (sp.seq_len == 8192)]
     assert got["speedup"].item() == pytest.approx(412.0 / 287.5)
@@ -116,7 +117,7 @@ def test_methodology_from_env(demo_readme):
     for needle in ("NVIDIA H100 80GB HBM3 (device count 1)", "Driver 570.86.15", "CUDA 12.8",
                    "torch 2.10.0+cu128", "transformers 5.0.0", "peft 0.18.0", "git 0123456789ab.",
                    "PCIe link Gen5 x16", "3 warm-up steps", "10 measured steps", "1 repeat(s)",
-                   report.STATISTIC, "ratios of medians measured side by side in one run"):
+                   frames.STATISTIC, "ratios of medians measured side by side in one run"):
         assert needle in method, needle
     cpu_method = _section(_section(demo_readme.read_text(), "## cpu (`cpu`)"), "### Methodology")
     assert "Driver unknown" in cpu_method and "git 0123456789ab (dirty)" in cpu_method
@@ -165,7 +166,7 @@ def test_registered_section_runs_per_gpu_type(tmp_path, monkeypatch):
         return f"### Predicted vs measured saving\n\n{len(df_steps['point_id'].unique())} points"
 
     # Plots are covered above; leaving them out keeps this test fast.
-    monkeypatch.setattr(report, "SECTIONS", [report.section_results, saving])
+    monkeypatch.setattr(report, "SECTIONS", [sections.section_results, saving])
     text = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
     assert text.count("### Predicted vs measured saving") == 2
     assert "### Predicted vs measured saving\n\n8 points" in _h100(text)
@@ -208,3 +209,49 @@ def test_report_cli_takes_an_experiment_file_for_its_name(tmp_path, capsys):
     exp.write_text("[experiment\n")
     assert cli.main([*args, str(exp)]) == 2
     assert "other-file-name.toml: cannot read the experiment name from it (TOMLDecodeError" in capsys.readouterr().err
+
+
+# Microbenchmark rows in the same store
+
+
+def test_build_all_renders_bench_only_and_bench_after_sweep(tmp_path):
+    results = tmp_path / "results"
+    store(results, "offload", _offload_rows())
+    (results / "moe").mkdir(parents=True)
+    shutil.copy(FIXTURE_RESULTS / "demo" / "cpu.jsonl", results / "moe" / "cpu.jsonl")
+    store(results, "moe", _moe_rows())
+    (results / "empty" / "logs").mkdir(parents=True)  # no rows: no report
+    paths = report.build_all(results, tmp_path / "reports")
+    assert paths == [tmp_path / "reports" / "moe" / "README.md", tmp_path / "reports" / "offload" / "README.md"]
+
+    offload = paths[1].read_text()
+    assert offload.startswith("# Benchmark report: offload\n")
+    assert "no sweep rows, only the side-by-side benchmark" in offload
+    assert "from `results/offload/`; do not edit by hand." in offload
+    assert f"`results/offload/{H100}.jsonl` written by `{COMMAND}`" in offload
+    assert "## Side-by-side benchmark (one process)" in offload and "## Targets" in offload
+
+    moe = paths[0].read_text()
+    # The sweep report is kept as it was; the bench sections come after it.
+    assert "## cpu (`cpu`)" in moe and "### Results" in moe
+    assert moe.index("### Methodology") < moe.index("## Side-by-side benchmark (one process)") < moe.index("## Targets")
+    assert "from `results/moe/`; do not edit by hand." in moe
+    assert report.build_report(results, "moe", tmp_path / "again").read_text() == moe  # deterministic
+
+
+def test_odd_fields_render_dash_not_crash(tmp_path):
+    rows = [
+        {"kind": "offload", "model": "qwen3-8b", "seq_len": "2048", "mode": "double", "status": "ok",
+         "step_ms": "fast", "peak_allocated_gib": None},
+        {"kind": "offload_summary", "model": "qwen3-8b", "seq_len": "2048", "c_ms": "x", "g_ms": None,
+         "layers_reloaded": True, "trace": [1, 2], "second_buffer_gib": float("nan")},
+        {"kind": "moe_routing", "model": "m", "tokens": None, "backend": "loop", "forward_ms": [1]},
+        {"kind": "moe_syncs", "model": "m"},
+        {"kind": "moe_query_model", "queries_per_layer": 3},
+        {"kind": "moe_split_crossover", "projection": "down_proj", "merged_lora_flops": "many"},
+        {"kind": "packing_counts", "cache_on": {}, "cache_off": None},
+    ]
+    store(tmp_path, "x", rows, env={})
+    text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
+    assert "None" not in text and "nan" not in text
+    assert "| qwen3-8b | 0 | 0 | – | – | – | – | – | – / – / – / – |" in text

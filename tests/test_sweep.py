@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import experiment, results as res, sweep
-from harness.env import REPO_ROOT
+from harness import results as res
+from harness.measure.env import REPO_ROOT
+from harness.run import experiment, sweep
 
 EXP = """
 [experiment]

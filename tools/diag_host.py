@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.timing import percentiles  # noqa: E402
+from harness.measure.timing import percentiles  # noqa: E402
 
 
 def _stats(xs):
@@ -80,9 +80,9 @@ def train(config: str, steps: int) -> dict:
 
     import torch
 
-    from harness import models
-    from harness.data import make_batch
-    from harness.experiment import DataSpec
+    from harness.run.experiment import DataSpec
+    from harness.workload import models
+    from harness.workload.data import make_batch
 
     cores = None
     if config.startswith("pin1"):

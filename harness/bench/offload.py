@@ -1,8 +1,8 @@
 """Offloaded checkpointing side by side: none / single / double / save_on_cpu, in one process.
 
-    python -m harness.bench_offload --out results/offload/h100-qwen3-8b.json --model qwen3-8b \
+    python -m harness.bench.offload --model qwen3-8b \
         --seq-len 2048 --seq-len 8192                      # batch sized to ~256 MiB per layer input
-    python -m harness.bench_offload --out /tmp/o.json --model llama-3.2-1b-tiny --device cpu \
+    python -m harness.bench.offload --results /tmp/r --model llama-3.2-1b-tiny --device cpu \
         --dtype fp32 --seq-len 64 --batch-size 2 --steps 2 --warmup 1 --no-trace   # CPU smoke
 
 For each (model, seq_len, batch) the model is built once; each mode is then enabled in turn with
@@ -25,23 +25,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-from harness import env as envmod
-from harness import models as model_registry
-from harness.data import make_batch
-from harness.experiment import DataSpec
-from harness.loss import causal_lm_loss
-from harness.timing import percentiles
-from harness.trace import covered, trace_events, union
+from harness.bench import add_store_arguments, store
+from harness.measure import env as envmod
+from harness.measure.timing import percentiles
+from harness.measure.trace import covered, trace_events, union
+from harness.run.experiment import DataSpec
+from harness.switches import SWITCHES
+from harness.workload import models as model_registry
+from harness.workload.data import make_batch
+from harness.workload.loss import causal_lm_loss
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MODES = ("none", "single", "double", "save_on_cpu")
+MODES = SWITCHES["offload"].choices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def run_mode(model, optimizer, batches, warmup, mode, device, *, min_bytes, prof
 
 def _pinned_gbps(nbytes: int) -> float | None:
     try:
-        from harness.bandwidth import measure_h2d
+        from harness.measure.bandwidth import measure_h2d
 
         row = next(r for r in measure_h2d(sizes=[nbytes], repeats=5) if r["memory"] == "pinned")
         return row["gbps"]["p50"]
@@ -174,8 +174,9 @@ def _pinned_gbps(nbytes: int) -> float | None:
 
 def _profile_trace(model, optimizer, batch, device, min_bytes, chunk_tokens=None) -> dict:
     """One double step under torch.profiler (after a warm-up step): copy/compute overlap."""
-    import optim.offload as oo
     from torch.profiler import ProfilerActivity, profile
+
+    import optim.offload as oo
 
     _reset(model, device)
     oo.enable(model, offload="double", min_bytes=min_bytes)
@@ -317,8 +318,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.bench_offload", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON file to write ({'env', 'device', 'rows'})")
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.offload", description=__doc__.split("\n")[0])
+    add_store_arguments(ap, "offload")
     ap.add_argument("--model", action="append", required=True)
     ap.add_argument("--seq-len", type=int, action="append", required=True)
     ap.add_argument("--batch-size", action="append", default=None,
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="measured steps of the event-timed single/double runs that give c and g")
     ap.add_argument("--loss", choices=("chunked", "full"), default="chunked",
                     help="chunked (default): lm_head + cross-entropy in checkpointed token chunks "
-                         "(harness.loss), so the fp32 logits of a large vocabulary do not set the "
+                         "(harness.workload.loss), so the fp32 logits of a large vocabulary do not set the "
                          "peak and hide what offloading saves; full: the model's own loss")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk")
     ap.add_argument("--lora-rank", type=int, default=16)
@@ -354,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(bs) != len(args.seq_len):
         ap.error("give one --batch-size per --seq-len, or one for all")
     rows: list[dict] = []
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    env = envmod.collect()
     elem = torch.tensor([], dtype=dtype).element_size()
     points = []
     for name in args.model:
@@ -377,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        # written after every point, so a later crash keeps what was measured
-        out.write_text(json.dumps({"env": envmod.collect(), "device": str(device), "rows": rows},
-                                  indent=1, default=str))
+        # stored after every point, so a later crash keeps what was measured
+        path = store(args, rows, env, "harness.bench.offload", argv)
     print_table(rows)
+    print(f"rows in {path}")
     return 0
 
 

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import models as model_registry
 from harness.switches import OWNER, SWITCHES, resolve
+from harness.workload import models as model_registry
 
 MIN_WARMUP_STEPS = 3
 MIN_MEASURED_STEPS = 10
-LAUNCHERS = ("process", "preloaded")  # "torchrun" slots in here (harness/launchers.py)
+LAUNCHERS = ("process", "preloaded")  # "torchrun" slots in here (harness/run/launchers.py)
 MULTI_GPU_LAUNCHERS: tuple[str, ...] = ()  # ...and here
 DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
 DTYPES = ("bf16", "fp32")
@@ -260,7 +260,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     pin_cpu = exp.get("pin_cpu", False)
     if not isinstance(pin_cpu, bool):
         raise ExperimentError(path, "experiment.pin_cpu", f"must be true or false, got {pin_cpu!r}")
-    # full: the model's own loss (fp32 logits of the whole batch); chunked: harness.loss, lm_head +
+    # full: the model's own loss (fp32 logits of the whole batch); chunked: harness.workload.loss, lm_head +
     # cross-entropy in checkpointed token chunks, so the logits do not set the peak
     loss = _choice(path, "experiment.loss", exp.get("loss", "full"), LOSSES)
     # fp32: peft's default, adapter weights (and so their grads and AdamW states) upcast to

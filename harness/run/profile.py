@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from harness import experiment as expmod
-from harness import models as model_registry
-from harness.experiment import SweepPoint
-from harness.trace import trace_events, union
+from harness.measure.trace import trace_events, union
+from harness.run import experiment as expmod
+from harness.run.experiment import SweepPoint
+from harness.workload import models as model_registry
 
 PHASES = ("forward", "backward", "optimizer")
 # The runtime calls that make the host wait for the device.
@@ -93,7 +93,7 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
                   trace: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from harness.point import attention_kernels, prepare
+    from harness.run.point import attention_kernels, prepare
 
     spec = model_registry.get(point.model)
     run = prepare(point, spec, warmup + steps)
@@ -177,7 +177,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.profile", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.run.profile", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.experiment import DataSpec
+from harness.run.experiment import DataSpec
 from optim.packing import PackedMetadata
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from harness import env as envmod
-from harness.timing import percentiles
+from harness.measure import env as envmod
+from harness.measure.timing import percentiles
 
 DEFAULT_SIZES = [2**20 * 4**i for i in range(6)]  # 1 MiB, 4 MiB, ..., 1 GiB
 

@@ -1,7 +1,7 @@
 """One MoE layer at real shapes: host syncs, the routing path alone, the expert layer, split LoRA.
 
-    python -m harness.bench_moe --out results/moe/bench-h100.json --model gpt-oss-20b --model qwen3-30b-a3b
-    python -m harness.bench_moe --out /tmp/m.json --model gpt-oss-20b-tiny --device cpu --dtype fp32 \
+    python -m harness.bench.moe --model gpt-oss-20b --model qwen3-30b-a3b
+    python -m harness.bench.moe --out /tmp/m.json --model gpt-oss-20b-tiny --device cpu --dtype fp32 \
         --tokens 256 --iters 3        # CPU smoke
 
 Rows (``kind``):
@@ -26,20 +26,21 @@ of ``--iters``. Routing is random top-k (uniform over experts) with softmax weig
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from harness import env as envmod
-from harness import models as model_registry
-from harness.timing import PhaseTimer, percentiles
+from harness.bench import add_store_arguments, store
+from harness.measure import env as envmod
+from harness.measure.timing import PhaseTimer, percentiles
+from harness.switches import SWITCHES
+from harness.workload import models as model_registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-BACKENDS = ("loop", "sorted", "grouped_mm")
+# every choice of optim.moe's backend switch but "auto"
+BACKENDS = tuple(b for b in SWITCHES["moe_backend"].choices if b != "auto")
 
 
 class _MoeLayer(nn.Module):
@@ -269,8 +270,8 @@ def print_table(rows):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.bench_moe", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON file to write ({'env': ..., 'rows': [...]})")
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.moe", description=__doc__.split("\n")[0])
+    add_store_arguments(ap, "moe")
     ap.add_argument("--model", action="append", help="registry name (repeatable); default gpt-oss-20b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
@@ -292,11 +293,9 @@ def main(argv=None) -> int:
         bench_model(name, args, device, dtype, emit)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": envmod.collect(), "device": str(device), "rows": rows}, indent=1))
+    path = store(args, rows, envmod.collect(), "harness.bench.moe", argv)
     print_table(rows)
-    print(f"wrote {len(rows)} rows to {out}")
+    print(f"stored {len(rows)} rows in {path}")
     return 0
 
 

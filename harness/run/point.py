@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import env as envmod
-from harness import flops as flopsmod
-from harness import models as model_registry
-from harness.data import make_batch
-from harness.loss import causal_lm_loss
-from harness.experiment import SweepPoint
-from harness.stacks import stacks_on_request
-from harness.timing import PhaseTimer, percentiles
+from harness.measure import env as envmod
+from harness.measure import flops as flopsmod
+from harness.measure.timing import PhaseTimer, percentiles
+from harness.run.experiment import SweepPoint
+from harness.run.stacks import stacks_on_request
+from harness.workload import models as model_registry
+from harness.workload.data import make_batch
+from harness.workload.loss import causal_lm_loss
 
 PROGRESS_PREFIX = "@@progress "
 # Test hook for point isolation: "<variant>=oom|error|crash[,...]" makes that variant's points fail
@@ -443,7 +443,7 @@ def _flops(point, spec, model, measured, times, device) -> dict:
     name = torch.cuda.get_device_name(device)
     peak = flopsmod.peak_flops(name)
     if peak is None:
-        out["mfu_note"] = f"unknown bf16 peak for {name!r}; add it to harness/flops.py"
+        out["mfu_note"] = f"unknown bf16 peak for {name!r}; add it to harness/measure/flops.py"
         return out
     step_s = percentiles(times["step"])["p50"] / 1e3
     out["mfu"] = model_flops / step_s / peak

@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from harness.env import REPO_ROOT
-from harness.experiment import SweepPoint
-from harness.point import PROGRESS_PREFIX
+from harness.measure.env import REPO_ROOT
+from harness.run.experiment import SweepPoint
+from harness.run.point import PROGRESS_PREFIX
 
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
@@ -81,7 +81,7 @@ class Launcher:
                         log.flush()
 
             def stop(reason: str, grace_s: float) -> None:
-                # the point's stacks into its log first (see harness.stacks), then kill
+                # the point's stacks into its log first (see harness.run.stacks), then kill
                 log.write(f"packbench: {reason}; last progress: {last_progress[0] if last_progress else 'none'}\n")
                 log.flush()
                 before = lines[0]
@@ -142,7 +142,7 @@ class Child:
         self.pid, self.stdout, self.wait = pid, stdout, wait
 
     def dump_stacks(self, grace_s: float) -> None:
-        """Ask the point for its Python stacks (SIGUSR1, see ``harness.stacks``) and
+        """Ask the point for its Python stacks (SIGUSR1, see ``harness.run.stacks``) and
         give it ``grace_s`` to write them; a point that exits meanwhile is fine too."""
         try:
             os.kill(self.pid, signal.SIGUSR1)
@@ -170,7 +170,7 @@ class Child:
 # Imported once by a fork server; every point is a fresh fork of it. None of these touches CUDA
 # at import, so each point still creates its own CUDA context, and the allocator reads
 # PYTORCH_CUDA_ALLOC_CONF in the point.
-PRELOAD = ["harness._server", "torch", "transformers", "peft", "harness.point"]
+PRELOAD = ["harness.run.server", "torch", "transformers", "peft", "harness.run.point"]
 _context = None
 
 
@@ -178,14 +178,13 @@ def _forkserver():
     global _context
     if _context is None:
         import multiprocessing
-
         from multiprocessing import forkserver
 
-        from harness import _server
+        from harness.run import server as _server
 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-        os.environ[_server.ENV] = "1"  # the server reads it at its start (see harness._server)
+        os.environ[_server.ENV] = "1"  # the server reads it at its start (see harness.run.server)
         try:
             forkserver.ensure_running()
         finally:
@@ -198,7 +197,7 @@ def _preloaded_main(spec_path: str, out_path: str, env: dict, conn) -> None:
     """The point process of ``PreloadedLauncher``: own session, output into the sweep's pipe,
     the sweep's environment of now (the fork server's is that of its start)."""
     os.setsid()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (harness._server)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (harness.run.server)
     # multiprocessing hands every forked child the write end of the server's "alive" pipe, so a
     # child would keep the server (its parent) running after the sweep died, and the point's
     # parent-death signal would never fire. Only the sweep holds it now.
@@ -215,7 +214,7 @@ def _preloaded_main(spec_path: str, out_path: str, env: dict, conn) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
-    from harness import point
+    from harness.run import point
 
     code = point.main(spec_path, out_path)
     sys.stdout.flush()

@@ -11,7 +11,7 @@
     (builds_off - builds_on) * m and the seeds' (L - 1) * m beside it. The measured saving comes
     from the sweep's step times (experiments/packing.toml); the report divides the two.
 
-    python -m harness.bench_packing --out results/packing_bench.json [--lengths 2048 8192 16384]
+    python -m harness.bench.packing [--lengths 2048 8192 16384]
         [--models llama-3.2-1b qwen3-0.6b qwen3-14b] [--backends sdpa flex varlen]
 """
 
@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 import warnings
 
 import torch
 
 import optim.packing as P
-from harness import models as registry
-from harness.data import make_batch
-from harness.experiment import DataSpec
-from harness.timing import percentiles
+from harness.bench import add_store_arguments, store
+from harness.measure.timing import percentiles
+from harness.run.experiment import DataSpec
+from harness.workload import models as registry
+from harness.workload.data import make_batch
 
 DEFAULT_MODELS = ["llama-3.2-1b", "qwen3-0.6b", "qwen3-14b"]
 DEFAULT_LENGTHS = [2048, 8192, 16384]
@@ -203,8 +203,8 @@ def rows(m_results: list[dict], count_results: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.bench_packing", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.packing", description=__doc__.split("\n\n")[0])
+    add_store_arguments(ap, "packing")
     ap.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     ap.add_argument("--backends", nargs="+", default=None)
@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                         counts.append(count_step(name, T, b, cache, data=data, with_metadata=with_meta,
                                                  device=device))
     result = rows(m_results, counts)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    from harness.measure import env as envmod
+
+    path = store(args, result, envmod.collect(), "harness.bench.packing", argv)
     print(f"\n{'model':14s} {'T':>6s} {'backend':7s} {'meta':5s} {'L':>3s} {'on':>4s} {'off':>4s} "
           f"{'syncs on/off':>13s} {'m ms':>8s} {'pred ms':>9s} {'(L-1)m':>9s}")
     for r in result:
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:14s} {r['seq_len']:6d} {r['backend']:7s} {str(r['with_metadata']):5s} "
               f"{r['num_layers']:3d} {r['builds_on']:4d} {r['builds_off']:4d} {str(s_on) + '/' + str(s_off):>13s} "
               f"{fmt(r['m_ms'])[1:]:>8s} {fmt(r['predicted_saving_ms'])} {fmt(r['seeds_prediction_ms'])}")
-    print(f"\nwrote {len(result)} rows to {args.out}")
+    print(f"\nstored {len(result)} rows in {path}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Imported first by the fork server of the preloaded launcher (``harness.launchers``), and acts
+"""Imported first by the fork server of the preloaded launcher (``harness.run.launchers``), and acts
 only there (it checks an environment variable the launcher sets for the server's start).
 
 ``timeout``, a CI runner or a job scheduler stops a sweep by signalling its whole process group,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import results as res
-from harness.env import REPO_ROOT
-from harness.experiment import Experiment
-from harness.launchers import for_point
+from harness.measure.env import REPO_ROOT
+from harness.run.experiment import Experiment
+from harness.run.launchers import for_point
 
 
 @dataclass

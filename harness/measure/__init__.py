@@ -1,0 +1,1 @@
+"""Measurements independent of any one point: environment, FLOPs, H2D bandwidth, timers, traces."""

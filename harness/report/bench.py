@@ -1,0 +1,93 @@
+"""The microbenchmarks' rows in an experiment's results → "Side-by-side benchmark" and "Targets".
+
+``python -m harness.bench.offload|moe|packing`` append rows to ``results/<experiment>/<gpu>.jsonl``
+beside the sweep's, told apart by ``kind`` (``offload``/``offload_summary``, ``moe_*``,
+``packing_m``/``packing_counts``). Each row carries the command that wrote it and its env.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.report import moe, offload, packing
+from harness.report.fmt import _values
+from harness.results import BENCH_KINDS
+
+
+@dataclass
+class BenchGroup:
+    """The bench rows of one GPU type."""
+
+    slug: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict:
+        return next((r["env"] for r in self.rows if isinstance(r.get("env"), dict)), {})
+
+
+def bench_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("kind") in BENCH_KINDS]
+
+
+def groups(rows: list[dict]) -> list[BenchGroup]:
+    out: dict[str, BenchGroup] = {}
+    for r in bench_rows(rows):
+        out.setdefault(r.get("gpu_slug") or "unknown", BenchGroup(r.get("gpu_slug") or "unknown")).rows.append(r)
+    return [out[s] for s in sorted(out)]
+
+
+def _device(g: BenchGroup) -> str:
+    name = g.env.get("device_name")
+    return f"{name} (`{g.slug}`)" if name else f"`{g.slug}`"
+
+
+def _provenance(g: BenchGroup, experiment: str) -> str:
+    e = g.env
+    shas = {str(s)[:12] for s in [e.get("git_sha")] + [r.get("git_sha") for r in g.rows] if s}
+    setup = ", ".join(f"{k} {e[k]}" for k in ("torch", "transformers", "peft", "cuda", "driver") if e.get(k))
+    commands = sorted({r["command"] for r in g.rows if r.get("command")})
+    made = (f" written by {_values(f'`{c}`' for c in commands)}" if commands
+            else " (the command was not recorded for these rows)")
+    return (f"From the bench rows of `results/{experiment}/{g.slug}.jsonl`{made}"
+            + (f": {setup}" if setup else "") + (f"; git {', '.join(sorted(shas))}" if shas else "") + ".")
+
+
+def sections(rows: list[dict], experiment: str) -> list[str]:
+    """"## Side-by-side benchmark (one process)" and, where targets apply, "## Targets" ([] when
+    the experiment has no bench rows)."""
+    found = groups(rows)
+    if not found:
+        return []
+    side = ["## Side-by-side benchmark (one process)",
+            f"Microbenchmark rows from `results/{experiment}/`, one table set per GPU type."]
+    targets = []
+    for g in found:
+        points = offload.offload_points(g.rows)
+        body = [text for text in (offload.offload_tables(points, g.rows) if points else "",
+                                  moe.moe_tables(g.rows), packing.packing_tables(g.rows)) if text]
+        side += [f"### {_device(g)}", _provenance(g, experiment), *(body or ["No rows this report knows how to read."])]
+        goals = [text for text in (offload.offload_targets_md(points), moe.moe_targets_md(g.rows)) if text]
+        if goals:
+            targets += [f"### {_device(g)}", *goals]
+    out = ["\n\n".join(side)]
+    if targets:
+        out.append("\n\n".join(["## Targets", "The seeds' figures are theirs (NVIDIA B200); measured on the GPU "
+                                "named below. met? compares the measured value only.", *targets]))
+    return out
+
+
+def sweep_targets(experiment: str, rows: list[dict]) -> list[str]:
+    """End-to-end comparisons read from an experiment's sweep rows (MoE, packing)."""
+    steps = [r for r in rows if r.get("kind") == "step"]
+    if not steps:
+        return []
+    if experiment == "moe":
+        text = "\n\n".join(x for x in (moe.moe_e2e_targets_md(steps), moe.moe_fit_md(steps)) if x)
+    elif experiment == "packing":
+        m_rows = [r for r in bench_rows(rows) if r.get("kind") == "packing_m"]
+        text = "\n\n".join(x for x in (packing.packing_cache_md(steps, m_rows),
+                                       packing.packing_targets_md(steps, m_rows)) if x)
+    else:
+        return []
+    return ["## From the sweep rows: end-to-end comparisons and models\n\n" + text] if text else []

@@ -1,0 +1,160 @@
+"""Cell formatting shared by every report section: numbers, percentages, bytes, Markdown tables."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pandas as pd
+
+MESSAGE_CHARS = 200
+
+
+def _cell(value) -> str:
+    """A markdown table cell: a stray ``|`` or newline would otherwise break the table."""
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").strip()
+
+
+def md_table(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def _isnum(x) -> bool:
+    return x is not None and not pd.isna(x)
+
+
+def fmt_ms(x) -> str:
+    if not _isnum(x):
+        return "n/a"
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def fmt_num(x, fmt: str) -> str:
+    return format(x, fmt) if _isnum(x) else "n/a"
+
+
+def fmt_pct(x, note: str = "") -> str:
+    if _isnum(x):
+        return f"{100 * x:.1f}%"
+    return f"n/a ({note})" if note else "n/a"
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def _truncate(text: str, limit: int = MESSAGE_CHARS) -> str:
+    text = " ".join(str(text or "").split())  # tracebacks are multi-line; a table cell is not
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _slug(rows: list[dict]) -> str:
+    return (rows[0].get("gpu_slug") if rows else None) or "unknown"
+
+
+def _point_label(model: str, seq_len: int, variant: str | None = None) -> str:
+    return f"{model}\nT={seq_len}" + (f"\n{variant}" if variant else "")
+
+
+def _values(items, fmt=str) -> str:
+    """Distinct values, sorted; several mean the rows were recorded under different set-ups,
+    which the reader must see rather than have one silently chosen."""
+    seen = sorted({fmt(v) for v in items if v is not None and v != ""})
+    return ", ".join(seen) if seen else "unknown"
+
+
+# Dash-aware variants for the optimization sections: anything missing renders as "–".
+DASH = "–"
+GIB = 2**30
+MIB = 2**20
+# ---------------------------------------------------------------------------------------------
+# Formatting: report.py's number styles, with "–" for anything missing
+
+
+def _f(x) -> float | None:
+    """A number, or None for missing / non-numeric / NaN values (so bad fields render, not crash)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not _isnum(x) or math.isinf(x):
+        return None
+    return float(x)
+
+
+def _v(x):
+    return DASH if x is None or x == "" else x
+
+
+def _table(header: list[str], body: list[list]) -> str:
+    return md_table(header, [[_v(cell) for cell in row] for row in body])
+
+
+def _ms(x) -> str:
+    return fmt_ms(x) if _f(x) is not None else DASH
+
+
+def _num(x, spec: str) -> str:
+    v = _f(x)
+    if v is None:
+        return DASH
+    return format(round(v) if spec.endswith("d") else v, spec)
+
+
+def _pct(x) -> str:
+    """x already in percent, signed: a gain or a cost."""
+    return f"{x:+.1f}%" if _f(x) is not None else DASH
+
+
+def _stat(row: dict | None, metric: str, stat: str = "p50") -> float | None:
+    stats = (row or {}).get(metric)
+    return _f(stats.get(stat)) if isinstance(stats, dict) else None
+
+
+def _spread(row: dict | None, metric: str) -> str:
+    if row and row.get("status") not in (None, "ok"):
+        return str(row.get("status")).upper()
+    p50 = _stat(row, metric)
+    if p50 is None:
+        return DASH
+    return f"{_ms(p50)} [{_ms(_stat(row, metric, 'p20'))}–{_ms(_stat(row, metric, 'p80'))}]"
+
+
+def _ratio_pct(slow, fast) -> float | None:
+    """100·(slow/fast − 1): how much faster ``fast`` is (a steps/s gain), None if unknown."""
+    slow, fast = _f(slow), _f(fast)
+    return 100 * (slow / fast - 1) if slow is not None and fast else None
+
+
+def _sub(a, b) -> float | None:
+    a, b = _f(a), _f(b)
+    return a - b if a is not None and b is not None else None
+
+
+def _first(*values) -> float | None:
+    return next((v for v in map(_f, values) if v is not None), None)
+
+
+def _loss_note(rows) -> str:
+    modes = {r.get("loss_mode") for r in rows}
+    if modes == {"chunked"}:
+        return (" The loss is computed in checkpointed 4096-token chunks (`harness.workload.loss`), so at most one "
+                "chunk's fp32 logits exist at a time and the peak shows what the layer inputs cost, not "
+                "the logits of a 152k-word vocabulary.")
+    if "chunked" in modes:
+        return " Some points compute the loss in chunks (`loss_mode` = chunked), others with full logits."
+    return ""
+
+
+def _natural(text) -> tuple:
+    """Sort key reading digit runs as numbers: qwen3-8b before qwen3-14b."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(text)))
+
+
+def _met(ok: bool | None, note: str = "") -> str:
+    text = DASH if ok is None else ("yes" if ok else "no")
+    return f"{text} ({note})" if note else text
+
+
+

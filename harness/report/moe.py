@@ -1,0 +1,427 @@
+"""MoE: the layer benchmark's routing and LoRA tables, the end-to-end comparison with stock and
+the seeds, and what would make the largest model fit."""
+
+from __future__ import annotations
+
+from harness.report.fmt import (
+    DASH,
+    _f,
+    _met,
+    _ms,
+    _natural,
+    _num,
+    _pct,
+    _ratio_pct,
+    _stat,
+    _table,
+)
+from harness.report.offload import _ratio_cell
+from harness.report.runs import SAME_RUN_MINUTES, _run_label, _runs
+from harness.switches import SWITCHES
+
+# the backends the layer benchmark compares: every choice of the switch but "auto"
+MOE_BACKENDS = tuple(b for b in SWITCHES["moe_backend"].choices if b != "auto")
+SEEDS_MOE_ROUTING = {"forward_ms": 23.0, "backward_ms": 13.0}
+# ---------------------------------------------------------------------------------------------
+# MoE layer (bench_moe)
+
+
+def _kind(rows: list[dict], kind: str) -> list[dict]:
+    return [r for r in rows if r["kind"] == kind]
+
+
+def moe_routing(rows: list[dict]) -> list[dict]:
+    """Per (model, tokens): p50 fwd/bwd ms per backend and sorted over loop (%, steps/s sense)."""
+    points: dict[tuple, dict] = {}
+    for r in _kind(rows, "moe_routing"):
+        key = (str(r.get("model") or "unknown"), int(_f(r.get("tokens")) or 0))
+        points.setdefault(key, {"model": key[0], "tokens": key[1], "backends": {}})["backends"][r.get("backend")] = r
+    out = []
+    for key in sorted(points, key=lambda k: (_natural(k[0]), k[1])):
+        pt = points[key]
+        b = pt["backends"]
+        for metric in ("forward_ms", "backward_ms"):
+            pt[f"sorted_over_loop_{metric}"] = _ratio_pct(_stat(b.get("loop"), metric), _stat(b.get("sorted"), metric))
+        out.append(pt)
+    return out
+
+
+def _gain(pct) -> str:
+    """A percent gain, with the ratio beside it when it is large enough that % reads badly."""
+    if _f(pct) is None or pct < 100:
+        return _pct(pct)
+    return f"{_pct(pct)} ({1 + pct / 100:.2f}×)"
+
+
+def _fwd_bwd(row: dict | None) -> str:
+    if row and row.get("status") not in (None, "ok"):
+        return str(row.get("status")).upper()
+    return f"{_ms(_stat(row, 'forward_ms'))} / {_ms(_stat(row, 'backward_ms'))}"
+
+
+def moe_tables(rows: list[dict]) -> str:
+    parts = []
+    routing = moe_routing(rows)
+    if routing:
+        body = [[pt["model"], pt["tokens"], *(_fwd_bwd(pt["backends"].get(b)) for b in MOE_BACKENDS),
+                 _gain(pt["sorted_over_loop_forward_ms"]), _gain(pt["sorted_over_loop_backward_ms"])] for pt in routing]
+        header = ["model", "tokens", *(f"{b} fwd / bwd ms" for b in MOE_BACKENDS), "sorted over loop fwd",
+                  "sorted over loop bwd"]
+        parts.append("#### MoE routing path (group, gather, weight, scatter; no expert GEMMs)\n\n"
+                     + _table(header, body) + "\n\np50 of CUDA-event timings; \"sorted over loop\" = "
+                     "100·(loop / sorted − 1), + = sorted faster.")
+    syncs = _kind(rows, "moe_syncs")
+    if syncs:
+        def pair(r, phase):
+            return f"{_num(r.get(f'{phase}_counted'), 'd')} / {_num(r.get(f'{phase}_observed'), 'd')}"
+
+        body = [[r.get("model"), r.get("backend"), r.get("tokens"), pair(r, "forward"), pair(r, "backward"),
+                 _num(r.get("per_model_forward"), "d")]
+                for r in sorted(syncs, key=lambda r: (_natural(r.get("model")), MOE_BACKENDS.index(r["backend"])
+                                                      if r.get("backend") in MOE_BACKENDS else 9))]
+        parts.append("#### Host syncs per MoE layer\n\n" + _table(
+            ["model", "backend", "tokens", "forward counted / observed", "backward counted / observed",
+             "counted per model forward"], body))
+    query = _kind(rows, "moe_query_model")
+    if query:
+        body = []
+        for r in sorted(query, key=lambda r: (_natural(r.get("model")), _f(r.get("tokens")) or 0)):
+            q = r.get("queries_per_layer") if isinstance(r.get("queries_per_layer"), dict) else {}
+            pred, meas = _f(r.get("predicted_saving_ms")), _f(r.get("measured_saving_ms"))
+            body.append([r.get("model"), r.get("tokens"), " / ".join(_num(q.get(b), "d") for b in MOE_BACKENDS),
+                         f"{_num(r.get('per_query_ms'), '.3f')} (median {_num(r.get('per_query_ms_median'), '.3f')})",
+                         _ms(pred), _ms(meas), _ratio_cell(meas / pred if meas is not None and pred else None),
+                         _ms(r.get("predicted_saving_per_model_forward_ms"))])
+        parts.append("#### Dynamic-query model\n\n" + _table(
+            ["model", "tokens", "queries / layer loop / sorted / grouped_mm", "c ms / query (median over T)",
+             "predicted saving ms / layer (E−1)·c", "measured loop − sorted ms", "measured / predicted",
+             "predicted saving ms / model forward"], body)
+            + "\n\nc = (loop − sorted) / (E − 1) on the routing path; the prediction uses the median c. "
+              "Under gradient checkpointing a training step pays the forward twice.")
+    if crossover := moe_crossover_md(rows):
+        parts.append(crossover)
+    return "\n\n".join(parts)
+
+
+def moe_crossover_md(rows: list[dict]) -> str:
+    cross = _kind(rows, "moe_split_crossover")
+    if not cross:
+        return ""
+    experts = {(r.get("model"), r.get("tokens"), r.get("backend"), r.get("lora")): r for r in _kind(rows, "moe_experts")}
+    groups: dict[tuple, dict] = {}
+    for r in cross:
+        groups.setdefault((str(r.get("model") or "unknown"), int(_f(r.get("tokens")) or 0)), {})[r.get("projection")] = r
+    body = []
+    for (model, tokens), projs in sorted(groups.items(), key=lambda kv: (_natural(kv[0][0]), kv[0][1])):
+        s_star = " / ".join(f"{_num(projs.get(p, {}).get('crossover_tokens'), ',.0f')}"
+                            for p in ("gate_up_proj", "down_proj"))
+        merged = [_f(r.get("merged_lora_flops")) for r in projs.values()]
+        split = [_f(r.get("split_lora_flops")) for r in projs.values()]
+        fl_m = sum(merged) if None not in merged else None
+        fl_s = sum(split) if None not in split else None
+        backend = next((b for b in reversed(MOE_BACKENDS) if (model, tokens, b, "split") in experts), None)
+
+        def total(lora):
+            r = experts.get((model, tokens, backend, lora))
+            f, b = _stat(r, "forward_ms"), _stat(r, "backward_ms")
+            return f + b if f is not None and b is not None else None
+
+        ms_m, ms_s = total("merged"), total("split")
+        rank = next((r.get("lora_rank") for r in projs.values() if r.get("lora_rank") is not None), None)
+        body.append([model, tokens, rank if rank is not None else DASH, s_star,
+                     f"{_num(fl_m and fl_m / 1e9, ',.1f')} → {_num(fl_s and fl_s / 1e9, ',.1f')}",
+                     f"{_ms(ms_m)} → {_ms(ms_s)} ({backend or DASH})",
+                     _num(ms_m / ms_s if ms_m is not None and ms_s else None, ".2f") + ("×" if ms_m and ms_s else "")])
+    return ("#### Split LoRA crossover\n\n" + _table(
+        ["model", "tokens", "r", "s* tokens gate_up / down", "LoRA GFLOP merged → split",
+         "experts layer fwd+bwd ms merged → split (backend)", "split speed-up"], body)
+        + "\n\ns* = E·m·n / (k·(m+n)) · (1 + 1/(2r)) per projection: below s* routed tokens split LoRA "
+          "(X·A_e)·B_e costs fewer FLOPs than peft's materialized W + B·A for all E experts.")
+
+
+def moe_targets_md(rows: list[dict]) -> str:
+    body = []
+    for pt in moe_routing(rows):
+        for metric, target in SEEDS_MOE_ROUTING.items():
+            gain = pt[f"sorted_over_loop_{metric}"]
+            phase = metric.removesuffix("_ms")
+            body.append([f"routing {phase}, sorted over loop ≥ {_pct(target)} ({pt['model']} T={pt['tokens']})",
+                         f"{_pct(target)} (GPT-OSS routing path, B200)", _gain(gain),
+                         _met(None if gain is None else gain >= target)])
+    if not body:
+        return ""
+    return "#### MoE routing\n\n" + _table(["target", "seeds' figure", "measured", "met?"], body)
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end targets read from an experiment's sweep rows (not bench files)
+
+# The seeds' published ms/step (REFERENCE.md): Unsloth on a B200 for gpt-oss-20b, on an H100 for
+# Qwen3-30B-A3B; bf16 LoRA r=64 on attention and every expert gate_up/down.
+# The third field names the GPU the issue judges that target on (gpt-oss-20b on the H100, a
+# slower GPU than theirs; Qwen3-30B-A3B on the H200, where stock peft fits it): elsewhere the
+# table still compares, but no verdict is given.
+SEEDS_MOE_MS = {
+    "gpt-oss-20b": ("B200", {1024: 275, 2048: 293, 4096: 370, 8192: 712, 16384: 1776}, "H100"),
+    "qwen3-30b-a3b": ("H100", {1024: 366, 2048: 467, 4096: 712, 8192: 1377, 16384: 3182}, "H200"),
+}
+MOE_SPEEDUP_TARGET = (2048, 3.0)  # best ours over best stock, gpt-oss-20b
+MOE_SORTED_E2E_TARGET = 10.0  # % steps/s, sorted over loop end to end, gpt-oss-20b
+
+
+def _p50_by(rows, model, seq_len, variants) -> tuple[float | None, str | None, list[str]]:
+    """Fastest ok p50 (median over repeats) among ``variants``; the statuses of failed ones."""
+    best, name, failed = None, None, []
+    for v in variants:
+        mine = [r for r in rows if r.get("model") == model and r.get("seq_len") == seq_len
+                and r.get("variant") == v]
+        ok = sorted(p for r in mine if r.get("status") == "ok" and (p := _stat(r, "step_ms")) is not None)
+        failed += [f"{v}: {r.get('status')}" for r in mine if r.get("status") != "ok"]
+        if ok:
+            med = ok[len(ok) // 2]
+            if best is None or med < best:
+                best, name = med, v
+    return best, name, failed
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares ms = a + b·tokens through the points; None for fewer than two lengths."""
+    if len({t for t, _ in points}) < 2:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    my = sum(y for _, y in points) / n
+    b = sum((t - mt) * (y - my) for t, y in points) / sum((t - mt) ** 2 for t, _ in points)
+    return my - b * mt, b
+
+
+def _moe_sides(variants) -> tuple[list[str], list[str]]:
+    stock = sorted(v for v in variants if v.startswith("stock-"))
+    ours = sorted(v for v in variants if "-split" in v and not v.startswith("stock-"))
+    return stock, ours
+
+
+def moe_pairs(rows: list[dict], model: str) -> dict[int, dict]:
+    """Per length: best stock and best ours measured side by side, from the latest run (``_runs``)
+    that has an ok row on each side, with that run's stock ``eager`` experts when it ran them.
+    A length with no such run gives each side's best over all runs, marked ``one_run = False``."""
+    mine = [r for r in rows if r.get("kind") == "step" and r.get("model") == model]
+    stock, ours = _moe_sides({r["variant"] for r in mine})
+    out = {}
+    for t in sorted({r["seq_len"] for r in mine}):
+        at = [r for r in mine if r["seq_len"] == t]
+        paired = [run for run in _runs(at)
+                  if _p50_by(run, model, t, stock)[0] is not None and _p50_by(run, model, t, ours)[0] is not None]
+        pick = paired[-1] if paired else at
+        s, sv, sf = _p50_by(pick, model, t, stock)
+        o, ov, of = _p50_by(pick, model, t, ours)
+        e, _, ef = _p50_by(pick, model, t, ["stock-eager"])
+        eager_here = e is not None or bool(ef)
+        if not eager_here:  # another run's eager experts: shown, but no ratio against ours
+            e, _, ef = _p50_by(at, model, t, ["stock-eager"])
+        out[t] = {"stock": s, "stock_variant": sv, "stock_failed": sf, "ours": o, "ours_variant": ov,
+                  "ours_failed": of, "eager": e, "eager_failed": ef, "one_run": bool(paired),
+                  "eager_same_run": eager_here and bool(paired),
+                  "run": _run_label(pick) if paired else "different runs"}
+    return out
+
+
+def moe_gap_md(pairs: dict[int, dict], model: str) -> str:
+    """Why the stock/ours ratio moves with length: a line ms = a + b·tokens fitted to each side's
+    side-by-side points. With a fixed part a and a per-token part b, stock/ours tends to
+    b_stock/b_ours at long lengths, and it rises with length only where that limit is above the
+    ratio at short lengths (a_stock/a_ours < b_stock/b_ours)."""
+    both = [(t, p["stock"], p["ours"]) for t, p in sorted(pairs.items()) if p["stock"] and p["ours"]]
+    fs, fo = _fit_line([(t, s) for t, s, _ in both]), _fit_line([(t, o) for t, _, o in both])
+    if not fs or not fo or fo[1] <= 0 or fo[0] <= 0:
+        return ""
+    (a_s, b_s), (a_o, b_o) = fs, fo
+    saved = ", ".join(f"{t}: {_ms(s - o)}" for t, s, o in both)
+    grows = a_s / a_o < b_s / b_o
+    return (f"**How the gap moves with length ({model}).** Fitted to the side-by-side points above "
+            f"({', '.join(str(t) for t, _, _ in both)} tokens), stock takes {a_s:.0f} ms + "
+            f"{b_s * 1024:.1f} ms per 1k tokens and ours {a_o:.0f} ms + {b_o * 1024:.1f} ms per 1k tokens. "
+            f"The fixed parts differ {a_s / a_o:.1f}×, the per-token parts {b_s / b_o:.2f}×, so stock / ours "
+            + ("rises with length toward" if grows else "falls with length toward")
+            + f" {b_s / b_o:.2f}×. A rising ratio needs ours to cost less than "
+            f"{b_s * 1024 / (a_s / a_o):.1f} ms per 1k tokens (stock's per-token part over the fixed-part "
+            f"ratio). The milliseconds saved per step do grow with length: {saved}.")
+
+
+def moe_e2e_targets_md(rows: list[dict]) -> str:
+    """Per GPU: ours (optim.moe, split LoRA) vs stock transformers experts + peft per length, each
+    pair from one run (``moe_pairs``), and the issue's end-to-end targets."""
+    steps = [r for r in rows if r.get("kind") == "step"]
+    out = []
+    for slug in sorted({r.get("gpu_slug") or "unknown" for r in steps}):
+        g = [r for r in steps if (r.get("gpu_slug") or "unknown") == slug]
+        device = next((r.get("device_name") for r in g if r.get("device_name")), slug)
+        body, targets, notes = [], [], []
+        for model in sorted({r["model"] for r in g}, key=_natural):
+            stock, ours = _moe_sides({r["variant"] for r in g if r["model"] == model})
+            if not stock and not ours:
+                continue
+            seeds_gpu, seeds, judged_on = SEEDS_MOE_MS.get(model, (None, {}, None))
+            pairs = moe_pairs(g, model)
+            ratios = []
+            for t, p in pairs.items():
+                s, o, e = p["stock"], p["ours"], p["eager"]
+                ratio = s / o if s and o else None
+                if ratio and p["one_run"]:
+                    ratios.append((t, ratio))
+                ref = seeds.get(t)
+                body.append([model, t, p["run"],
+                             f"{_ms(s)} ({p['stock_variant']})" if s else ("; ".join(p["stock_failed"]) or "not run"),
+                             f"{_ms(o)} ({p['ours_variant']})" if o else ("; ".join(p["ours_failed"]) or "not run"),
+                             f"{ratio:.2f}×" if ratio else DASH,
+                             (_ms(e) + ("" if p["eager_same_run"] else " (other run)")) if e
+                             else ("; ".join(p["eager_failed"]) or DASH),
+                             f"{e / o:.1f}×" if e and o and p["eager_same_run"] else DASH,
+                             f"{ref} ({seeds_gpu})" if ref else DASH,
+                             _met(None if o is None or ref is None else o < ref,
+                                  f"judged on the {judged_on}" if ref and judged_on and judged_on not in str(device)
+                                  else "")])
+            if model.startswith("gpt-oss"):
+                t0, want = MOE_SPEEDUP_TARGET
+                got = dict(ratios).get(t0)
+                targets.append([f"best ours ≥ {want:.0f}× best stock at {t0} tokens ({model})",
+                                f"{got:.2f}×" if got else "not run", _met(None if got is None else got >= want)])
+                grows = [r for _, r in ratios]
+                targets.append([f"the gap grows with sequence length ({model})",
+                                ", ".join(f"{t}: {r:.2f}×" for t, r in ratios) or "not run",
+                                _met(None if len(grows) < 2 else all(b >= a for a, b in zip(grows, grows[1:])))])
+                o16, ov16, of16 = _p50_by(g, model, 16384, ours)
+                s16, _, sf16 = _p50_by(g, model, 16384, stock)
+
+                def loss_of(variants, ok):
+                    modes = {r.get("loss_mode") or "full" for r in g if r["model"] == model
+                             and r["seq_len"] == 16384 and r["variant"] in variants
+                             and (r.get("status") == "ok") == ok}
+                    return "/".join(sorted(modes)) or "?"
+
+                caveat = ""
+                if o16 is not None and sf16 and loss_of([ov16], True) != loss_of(stock, False):
+                    # the loss, not the experts, may decide what fits: say so beside the verdict
+                    caveat = (f" (ours with the {loss_of([ov16], True)} loss, stock's failure with the "
+                              f"{loss_of(stock, False)} loss)")
+                targets.append([f"ours completes 16384 tokens where stock runs out of memory ({model})",
+                                f"ours {_ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
+                                f"stock {_ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
+                                _met(None if o16 is None and not of16 else (o16 is not None and s16 is None and bool(sf16)))])
+                lp, _, _ = _p50_by(g, model, 2048, ["loop-merged"])
+                sp, _, _ = _p50_by(g, model, 2048, ["sorted-merged"])
+                gain = _ratio_pct(lp, sp)
+                targets.append([f"sorted over loop end to end ≥ +{MOE_SORTED_E2E_TARGET:.0f}% ({model}, 2048, peft merged LoRA)",
+                                f"{_gain(gain)} ({_ms(lp)} → {_ms(sp)} ms)" if gain is not None else "not run",
+                                _met(None if gain is None else gain >= MOE_SORTED_E2E_TARGET)])
+            if (gap := moe_gap_md({t: p for t, p in pairs.items() if p["one_run"]}, model)):
+                notes.append(gap)
+            if seeds and judged_on and judged_on in str(device):
+                beats = [(t, o < seeds[t]) for t in seeds
+                         if (o := _p50_by(g, model, t, ours)[0]) is not None]
+                targets.append([f"ours below the seeds' {seeds_gpu} figures at every length ({model})",
+                                ", ".join(f"{t}: {'yes' if b else 'no'}" for t, b in beats) or "not run",
+                                _met(None if len(beats) < len(seeds) and all(b for _, b in beats)
+                                     else all(b for _, b in beats) and len(beats) == len(seeds))])
+        if body:
+            out.append(f"### {device} (`{slug}`): ours vs stock, end to end\n\n" + _table(
+                ["model", "tokens", "run", "best stock ms p50", "best ours ms p50", "stock / ours",
+                 "stock eager experts ms p50", "eager / ours", "seeds' ms", "ours below seeds'?"], body)
+                + "\n\nEach length's pair comes from one run: the latest run (rows recorded within "
+                  f"{SAME_RUN_MINUTES} minutes of each other, same code) with an ok row on both sides; `run` "
+                  "gives its start (UTC). Stock eager experts are transformers' per-expert loop, the other peer "
+                  "baseline, from the same run where it ran there. `different runs` marks a length no single "
+                  "run covered: each side's best over all runs, and no ratio.")
+        out += notes
+        if targets:
+            out.append("#### End-to-end targets\n\n" + _table(["target", "measured", "met?"], targets)
+                       + "\n\nA target whose points were not all run shows `–` (not judged) rather than no.")
+    return "\n\n".join(out)
+
+
+# The model that stock cannot train on an 80 GB card (issue: "say what would make it fit").
+MOE_FIT_MODEL = "qwen3-30b-a3b"
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GIB = 2**30
+
+
+def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
+    """What would make ``model`` fit on the smallest GPU the rows ran on: its measured peaks split
+    into the fixed part (frozen weights; adapters, their grads and AdamW's two states) and the
+    per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic
+    on those measurements."""
+    ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
+            and "-split" in str(r.get("variant")) and not str(r.get("variant")).startswith("stock-")
+            and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
+    caps = {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
+            for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
+    # one adapter dtype for the line: peft's default where measured (bf16-adapter rows would lower it)
+    dtypes = {r.get("lora_dtype") or "fp32" for r in ours}
+    keep = "fp32" if "fp32" in dtypes else min(dtypes, default="fp32")
+    ours = [r for r in ours if (r.get("lora_dtype") or "fp32") == keep]
+    if len({r["seq_len"] for r in ours}) < 2 or not caps:
+        return ""
+    small_gpu, cap = min(caps.items(), key=lambda kv: kv[1])
+    r0 = ours[0]
+    total, trainable = _f(r0.get("total_params")), _f(r0.get("trainable_params"))
+    if not total or not trainable:
+        return ""
+    w_b = _BYTES.get(str(r0.get("dtype")), 2)
+    a_b = 4 if (r0.get("lora_dtype") or "fp32") == "fp32" else w_b
+    frozen = (total - trainable) * w_b / GIB
+    state = trainable * a_b * 4 / GIB  # weights, grads, AdamW exp_avg and exp_avg_sq
+    by_t: dict[int, float] = {}
+    for r in ours:  # the lowest peak per length among our variants
+        t, pk = int(r["seq_len"]), _f(r["peak_allocated_gib"])
+        by_t[t] = min(by_t.get(t, pk), pk)
+    ts = sorted(by_t)
+    slope = (by_t[ts[-1]] - by_t[ts[0]]) / (ts[-1] - ts[0])  # GiB per token
+    line0 = by_t[ts[0]] - slope * ts[0]  # the peak at zero tokens, by the same line
+    base = max(line0, frozen + state)  # never below what the weights and the state take
+    rank = int(r0.get("lora_rank") or 16)
+
+    scen = [("as measured (adapters fp32, peft's default)" if a_b == 4 else "as measured", 0.0)]
+    if a_b == 4:
+        scen.append(("adapters in bf16 (`lora_dtype = \"model\"`)", state / 2))
+        if rank > 16:
+            scen.append((f"adapters in bf16, rank 16 instead of {rank}", state - state / 2 * 16 / rank))
+    scen.append(("AdamW's two states on the host", state / 2))
+    scen.append(("frozen weights in 8 bits", frozen / 2))
+    body = []
+    for name, saved in scen:
+        zero = base - saved
+        left = cap - zero
+        body.append([name, f"{saved:.1f}", f"{zero:.1f}",
+                     f"{left:.1f}" + (f" (≈ {int(left / slope):,} tokens)" if left > 0 else " (none)")])
+    peaks = ", ".join(f"{t}: {by_t[t]:.1f}" for t in ts)
+    # rows that ran with bf16 adapters test the bf16 row of the table: measured peak vs projected
+    bf16_zero = base - state / 2 if a_b == 4 else None
+    tried = {}
+    for r in rows:
+        if (r.get("kind") == "step" and r.get("model") == model and r.get("lora_dtype") == "model"
+                and "-split" in str(r.get("variant")) and (r.get("loss_mode") or "full") == "full"):
+            key = (str(r.get("device_name")), int(r["seq_len"]))
+            pk = _f(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
+            if key not in tried or (pk is not None and (tried[key] is None or pk < tried[key])):
+                tried[key] = pk
+    checks = [f"{t} tokens on the {dev}: " + (f"{pk:.1f} GiB (projected {bf16_zero + slope * t:.1f})"
+                                               if pk is not None else "did not run to the end")
+              for (dev, t), pk in sorted(tried.items())] if bf16_zero is not None else []
+    measured_bf16 = ("\n\nMeasured with bf16 adapters (`lora_dtype = \"model\"`), allocated peak per run: "
+                     + "; ".join(checks) + ".") if checks else ""
+    return (f"### What would fit {model} on one {small_gpu}\n\n"
+            f"Our split-LoRA rows peaked at {peaks} GiB allocated (tokens: GiB): "
+            f"{slope * 1024:.2f} MiB per token on a line through {line0:.1f} GiB at zero tokens. Weights and "
+            f"trainable state alone take {frozen + state:.1f} GiB: {frozen:.1f} GiB for the "
+            f"{(total - trainable) / 1e9:.2f} B frozen weights ({w_b} bytes each) and {state:.1f} GiB for the "
+            f"{trainable / 1e9:.2f} B adapter parameters with their grads and AdamW's two states "
+            f"({a_b} bytes each); the table starts from the larger of the two. The {small_gpu} has "
+            f"{cap:.1f} GiB.\n\n" + _table(
+                ["change", "saves GiB", "peak at zero tokens GiB", f"left on the {small_gpu} GiB (tokens at the measured slope)"], body)
+            + "\n\nOnly the first row is measured; each other row is that line lowered by what the change "
+              "saves (a projection, not a run). The CUDA context and the allocator's reserve come on top "
+              "of the allocated peak. `lora_dtype = \"model\"` exists in the harness "
+              "(`grouped_mm-split-bf16lora` in `experiments/moe.toml`); the host-side optimizer and 8-bit "
+              "weights need code this project does not have (no bitsandbytes here)." + measured_bf16)
+
+

@@ -1,0 +1,377 @@
+"""Packed sequences: metadata build cost m, structure builds per step, the cache's saving against
+(L−1)·m, and packed against stock."""
+
+from __future__ import annotations
+
+from harness.report.fmt import (
+    DASH,
+    GIB,
+    _f,
+    _ms,
+    _natural,
+    _num,
+    _pct,
+    _ratio_pct,
+    _stat,
+    _sub,
+    _table,
+    _v,
+)
+from harness.report.moe import _gain, _kind, _p50_by
+from harness.report.offload import _ratio_cell
+from harness.report.runs import _gpu_steps, _median_of, _one_run, _run_note
+
+SEEDS_PACKING_M = "m ≈ 13.7 ms at 2048 packed tokens (B200, SDPA mask rebuild)"
+# ---------------------------------------------------------------------------------------------
+# Packed-sequence metadata (bench_packing)
+
+
+def packing_m(rows: list[dict]) -> list[dict]:
+    """Per (backend incl. window/sinks, seq_len): the m rows from lengths and from position_ids."""
+    points: dict[tuple, dict] = {}
+    for r in _kind(rows, "packing_m"):
+        label = str(r.get("backend") or "unknown")
+        if r.get("window") is not None:
+            label += f" (window {r['window']})"
+        if r.get("sinks"):
+            label += " (sinks)"
+        key = (label, int(_f(r.get("seq_len")) or 0))
+        src = "position_ids" if r.get("from_position_ids") else "lengths"
+        points.setdefault(key, {"backend": key[0], "seq_len": key[1]})[src] = r
+    return [points[k] for k in sorted(points)]
+
+
+def packing_tables(rows: list[dict]) -> str:
+    parts = []
+    ms = packing_m(rows)
+    if ms:
+        def m(r):
+            if r is None or _f(r.get("m_ms")) is None:
+                return DASH
+            if _f(r.get("m_p20_ms")) is None:
+                return _ms(r["m_ms"])
+            return f"{_ms(r['m_ms'])} [{_ms(r['m_p20_ms'])}–{_ms(r['m_p80_ms'])}]"
+
+        body = [[pt["backend"], pt["seq_len"], m(pt.get("lengths")), m(pt.get("position_ids")),
+                 _ms(_sub((pt.get("position_ids") or {}).get("m_ms"), (pt.get("lengths") or {}).get("m_ms")))]
+                for pt in ms]
+        source = ("the printed m lines (p50 only)" if all(r.get("source") == "log" for r in _kind(rows, "packing_m"))
+                  else "packing_m rows, p50 [p20–p80]")
+        parts.append("#### Packed metadata build cost m\n\n" + _table(
+            ["backend", "packed tokens", "m ms from lengths", "m ms from position_ids", "position_ids extra ms"], body)
+            + f"\n\nm = one metadata + attention-structure build for a fresh packed batch, CUDA events and host "
+              f"time (the larger); from {source}. Seeds: {SEEDS_PACKING_M}.")
+    counts = [r for r in _kind(rows, "packing_counts") if isinstance(r.get("cache_on"), dict)]
+    if counts:
+        def syncs(r):
+            on, off = r.get("cache_on") or {}, r.get("cache_off") or {}
+            return f"{_v(on.get('packing_host_syncs'))} / {_v(off.get('packing_host_syncs'))}"
+
+        body = [[r.get("model"), r.get("seq_len"), r.get("backend"), "yes" if r.get("with_metadata") else "no",
+                 r.get("num_layers"), f"{_v(r.get('builds_on'))} / {_v(r.get('builds_off'))}", syncs(r),
+                 _ms(r.get("m_ms")), _ms(r.get("predicted_saving_ms")), _ms(r.get("seeds_prediction_ms"))]
+                for r in sorted(counts, key=lambda r: (_natural(r.get("model")), _f(r.get("seq_len")) or 0,
+                                                       str(r.get("backend")), not r.get("with_metadata")))]
+        parts.append("#### Structure builds and host syncs per training step\n\n" + _table(
+            ["model", "seq_len", "backend", "metadata passed", "L", "builds cache on / off",
+             "packing host syncs on / off", "m ms", "predicted saving ms (off − on)·m", "seeds' (L−1)·m ms"], body))
+    return "\n\n".join(parts)
+
+
+# Per packing backend, the counter of its attention-structure builds (optim.packing.COUNTERS).
+STRUCTURE_COUNTER = {"sdpa": "sdpa_mask", "flex": "flex_block_mask", "varlen": "varlen_args"}
+SEEDS_PACKING_GAIN = {"llama-3.2-1b": 11.5, "qwen3-0.6b": 14.8, "qwen3-14b": 14.3}  # % per step
+# REFERENCE.md: stock transformers flex_attention, Qwen3-0.6B, 8192 tokens of 1024-token documents.
+PACKING_SPEEDUP_TARGET = ("qwen3-0.6b", 8192, 1.3, "stock 411 ms on the H100")
+
+
+def _compiled(r: dict) -> bool:
+    return bool((r.get("switches") or {}).get("compile_layers", False))
+
+
+def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
+    """Per (gpu, model, seq_len, backend, compile_layers) with both cache on and off measured: builds
+    per step (counted), m (bench rows of the same ``gpu_slug``, from lengths), the predicted
+    (builds_off − builds_on)·m, the seeds' (L−1)·m, the measured off − on step time and their ratio.
+    Rows with compiled layers are only ever paired with compiled rows (a missing key means not compiled)."""
+    steps = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok"]
+    plain_m = [r for r in m_rows if r.get("kind") == "packing_m" and not r.get("from_position_ids")
+               and r.get("window") is None and not r.get("sinks")]
+    m_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_ms"))
+            for r in plain_m}
+    m_dev_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_device_ms"))
+                for r in plain_m}
+    groups: dict[tuple, dict] = {}
+    for r in steps:
+        sw = r.get("switches") or {}
+        backend = sw.get("packing_backend")
+        if backend not in STRUCTURE_COUNTER or "packing_cache" not in sw:
+            continue
+        key = (r.get("gpu_slug") or "unknown", r.get("model"), r.get("seq_len"), backend, _compiled(r))
+        groups.setdefault(key, {}).setdefault(bool(sw["packing_cache"]), []).append(r)
+    out = []
+    for (slug, model, t, backend, compiled), by in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], _natural(kv[0][1]), _f(kv[0][2]) or 0, kv[0][3], kv[0][4])):
+        if True not in by or False not in by:
+            continue
+        on, off = by[True][0], by[False][0]
+        counter = STRUCTURE_COUNTER[backend]
+
+        def per_step(r, counter=counter):
+            n = _f((r.get("packing_counters") or {}).get(counter))
+            steps_n = _f(r.get("measured_steps"))
+            return n / steps_n if n is not None and steps_n else None
+
+        b_on, b_off = per_step(on), per_step(off)
+        m = m_by.get((slug, backend, int(_f(t) or 0)))
+        m_dev = m_dev_by.get((slug, backend, int(_f(t) or 0)))
+        pred = (b_off - b_on) * m if None not in (b_on, b_off, m) else None
+        pred_dev = (b_off - b_on) * m_dev if None not in (b_on, b_off, m_dev) else None
+        layers = _f(on.get("num_layers"))
+        p_on, p_off = _stat(on, "step_ms"), _stat(off, "step_ms")
+        meas = _sub(p_off, p_on)
+        out.append({"gpu": slug, "model": model, "seq_len": t, "backend": backend, "compiled": compiled,
+                    "builds_on": b_on, "builds_off": b_off, "m_ms": m, "predicted_ms": pred,
+                    "predicted_device_ms": pred_dev,
+                    "seeds_ms": (layers - 1) * m if layers and m is not None else None,
+                    "on_ms": p_on, "off_ms": p_off, "measured_ms": meas,
+                    "ratio": meas / pred if meas is not None and pred else None,
+                    "ratio_device": meas / pred_dev if meas is not None and pred_dev else None,
+                    "gain_pct": _ratio_pct(p_off, p_on), "noise_pct": _noise_pct(on, off),
+                    "noise_ms": _width_ms(on, off)})
+    return out
+
+
+def _noise_pct(*rows) -> float | None:
+    """The larger within-run step-time spread (p80/p20 − 1, in %) of the rows compared."""
+    spreads = []
+    for r in rows:
+        p20, p80 = _stat(r, "step_ms", "p20"), _stat(r, "step_ms", "p80")
+        if p20 and p80:
+            spreads.append(p80 / p20)
+    return (max(spreads) - 1) * 100 if spreads else None
+
+
+def _width_ms(*rows) -> float | None:
+    """The wider p20–p80 step-time band (ms) of the rows compared."""
+    widths = [p80 - p20 for r in rows if (p20 := _stat(r, "step_ms", "p20")) is not None
+              and (p80 := _stat(r, "step_ms", "p80")) is not None]
+    return max(widths) if widths else None
+
+
+def _backend_label(p: dict) -> str:
+    return p["backend"] + (" (compiled)" if p.get("compiled") else "")
+
+
+def packing_cache_md(rows: list[dict], m_rows: list[dict]) -> str:
+    pts = packing_cache_points(rows, m_rows)
+    if not pts:
+        return ""
+    body = [[p["gpu"], p["model"], p["seq_len"], _backend_label(p),
+             f"{_num(p['builds_on'], '.1f')} / {_num(p['builds_off'], '.1f')}", _ms(p["m_ms"]),
+             _ms(p["predicted_ms"]), _ms(p["predicted_device_ms"]), _ms(p["seeds_ms"]),
+             f"{_ms(p['off_ms'])} → {_ms(p['on_ms'])}",
+             _ms(p["measured_ms"]), _ratio_cell(p["ratio"]), _ratio_cell(p["ratio_device"]), _gain(p["gain_pct"]),
+             _pct(SEEDS_PACKING_GAIN.get(p["model"])) if p["model"] in SEEDS_PACKING_GAIN else DASH]
+            for p in pts]
+    return ("### Cache on vs off: predicted and measured saving per step\n\n" + _table(
+        ["GPU", "model", "seq_len", "backend", "structure builds / step on / off", "m ms",
+         "predicted (off − on)·m ms", "device part of it ms", "seeds' (L−1)·m ms", "step ms off → on",
+         "measured saving ms",
+         "measured / predicted", "measured / device part", "cache gain", "seeds' gain"], body)
+        + "\n\nBuilds are counted (optim.packing counters over the measured steps), m comes from the "
+          "packing bench (from lengths, same GPU type), the step times from this experiment's rows. "
+          "A ratio above 1.5 means the uncached path costs more per rebuild in a training step than "
+          "an isolated build: in a host-bound step every rebuild's host time (and its sync for "
+          "max_seqlen) adds to the step, while m on an idle GPU measures the larger of device and "
+          "host time once. A ratio below 0.5 on a GPU-bound step (spread near 1.00) is what host "
+          "time that overlaps kernels already queued would give: there only the rebuilds' device "
+          "time must add. The \"device part\" column tests that where the bench recorded m's "
+          "device time (`m_device_ms`)."
+        + _missing_m_note(pts) + _bound_summary(pts))
+
+
+GPU_BOUND_SPREAD_PCT = 5.0  # both rows' p80/p20 within 5 %: the host keeps ahead of the GPU
+
+
+def _bound_summary(pts: list[dict]) -> str:
+    """Which part of m a rebuild costs, by who bounds the step: GPU-bound pairs against the device
+    part, host-bound pairs against the whole m (medians and ranges of measured / predicted)."""
+
+    def span(vals):
+        vals = sorted(vals)
+        return f"median {vals[len(vals) // 2]:.2f}, range {vals[0]:.2f}–{vals[-1]:.2f}, {len(vals)} pairs"
+
+    gpu_bound = [p for p in pts if p["ratio_device"] is not None and p["noise_pct"] is not None
+                 and p["noise_pct"] <= GPU_BOUND_SPREAD_PCT]
+    # a saving smaller than the steps' own p20-p80 band cannot be read off their medians
+    gpu = [p["ratio_device"] for p in gpu_bound if p["noise_ms"] is not None
+           and p["predicted_device_ms"] > p["noise_ms"]]
+    small = len(gpu_bound) - len(gpu)
+    host = [p["ratio"] for p in pts if p["ratio"] is not None and p["noise_pct"] is not None
+            and p["noise_pct"] > GPU_BOUND_SPREAD_PCT]
+    if not gpu and not host:
+        return ""
+    out = ["\n\nBy who bounds the step (both rows' spread within "
+           f"{GPU_BOUND_SPREAD_PCT:.0f} % reads as GPU-bound):"]
+    if gpu:
+        out.append(f"\n- GPU-bound: measured / device part {span(gpu)}. A rebuild costs the step its "
+                   "kernels; its host time hides behind kernels already queued."
+                   + (f" {small} more GPU-bound pairs predict a device part within their steps' "
+                      "p20–p80 band, too small to read." if small else ""))
+    if host:
+        out.append(f"\n- Host-bound: measured / predicted (the whole m) {span(host)}. Here the host "
+                   "time adds to the step, and the spread of these rows is the limit on what one pair says.")
+    return "".join(out)
+
+
+def _missing_m_note(pts: list[dict]) -> str:
+    missing = sorted({(p["gpu"], int(_f(p["seq_len"]) or 0)) for p in pts if p["m_ms"] is None})
+    if not missing:
+        return ""
+    return (" The bench has no m for " + ", ".join(f"{t} tokens on {g}" for g, t in missing)
+            + ", so those rows predict nothing.")
+
+
+def _packed_variants(rows: list[dict]) -> list[str]:
+    """Variants whose rows run an optim.packing backend (any cache or compile setting)."""
+    return sorted({str(r["variant"]) for r in rows if r.get("variant") is not None
+                   and (r.get("switches") or {}).get("packing_backend") in STRUCTURE_COUNTER})
+
+
+def _ok_rows(rows: list[dict], model, seq_len, variant) -> list[dict]:
+    return [r for r in rows if r.get("model") == model and r.get("seq_len") == seq_len
+            and r.get("variant") == variant and r.get("status") == "ok"]
+
+
+def packing_vs_stock_points(rows: list[dict]) -> list[dict]:
+    """Per (gpu, model, seq_len) with a ``stock-flex`` row: the best packed path (lowest step p50,
+    median over repeats, of any packed variant) against stock flex_attention, plain and compiled. A
+    stock row that failed (timed out, out of memory) keeps its point, with its status instead of a time."""
+    out = []
+    for slug, g in _gpu_steps(rows).items():
+        points = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") == "stock-flex"
+                  and r.get("model") and (_stat(r, "step_ms") if r.get("status") == "ok" else r.get("status"))}
+        for model, t in sorted(points, key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
+            mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
+            stock, _, stock_failed = _p50_by(mine, model, t, ["stock-flex"])
+            compiled, _, _ = _p50_by(mine, model, t, ["stock-flex-compiled"])
+            best, variant, failed = _p50_by(mine, model, t, _packed_variants(mine))
+            out.append({"gpu": slug, "model": model, "seq_len": t, "stock_ms": stock,
+                        "stock_compiled_ms": compiled, "best_ms": best, "best_variant": variant,
+                        "failed": failed, "stock_failed": [_failure_text(r) for r in mine if r.get("variant")
+                                                           == "stock-flex" and r.get("status") != "ok"],
+                        "ratio": stock / best if stock and best else None,
+                        "compiled_ratio": compiled / best if compiled and best else None,
+                        "stock_rows": _ok_rows(mine, model, t, "stock-flex"),
+                        "best_rows": _ok_rows(mine, model, t, variant) if variant else []})
+    return out
+
+
+def _failure_text(r: dict) -> str:
+    return f"{r.get('status')}: {r.get('message')}" if r.get("message") else str(r.get("status"))
+
+
+def _times(x) -> str:
+    return f"{x:.2f}×" if _f(x) is not None else DASH
+
+
+def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
+    """The packing issue's targets from the sweep rows: best packed path vs stock flex_attention,
+    cache on vs off vs the seeds' per-step gains, and peak memory of the packed paths."""
+    vs = packing_vs_stock_points(rows)
+    cache = packing_cache_points(rows, m_rows)
+    gpus = {p["gpu"] for p in vs + cache}
+    many = len(gpus) > 1
+    targets = []
+
+    model, t0, want, ref = PACKING_SPEEDUP_TARGET
+    goal = f"best packed path ≥ {want:g}× faster than stock flex_attention, {model} at {t0} tokens (REFERENCE: {ref})"
+    hits = [p for p in vs if p["model"] == model and p["seq_len"] == t0]
+    for p in hits or [None]:
+        if p is None or p["ratio"] is None:
+            measured = ("not measured" if p is None else f"stock-flex {_ms(p['stock_ms'])} ms, no packed row"
+                        if p["stock_ms"] else f"stock-flex {'; '.join(p['stock_failed'])}")
+            targets.append([goal, measured, DASH])
+            continue
+        measured = (f"{_times(p['ratio'])} (stock-flex {_ms(p['stock_ms'])} → {p['best_variant']} "
+                    f"{_ms(p['best_ms'])} ms); over stock-flex-compiled {_times(p['compiled_ratio'])}")
+        targets.append([goal + (f" ({p['gpu']})" if many else ""), measured,
+                        "met" if p["ratio"] >= want else "not met"])
+
+    for model, seeds in SEEDS_PACKING_GAIN.items():
+        goal = f"cache on saves ≥ the seeds' {_pct(seeds)} per step ({model})"
+        pts = [p for p in cache if p["model"] == model and p["gain_pct"] is not None]
+        if not pts:
+            targets.append([goal, "not measured", DASH])
+            continue
+        # a gain smaller than the step-time spread of the two rows is not a measurement of the cache
+        clear = [p for p in pts if p.get("noise_pct") is None or p["gain_pct"] > p["noise_pct"]]
+        best = max(clear or pts, key=lambda p: p["gain_pct"])
+        where = f"{_backend_label(best)}, {best['seq_len']} tokens" + (f", {best['gpu']}" if many else "")
+        noise = f"; spread ±{best['noise_pct']:.0f}%" if best.get("noise_pct") is not None else ""
+        if not clear:
+            result = ("within noise: every gain is smaller than the step-time spread (p80/p20) of its "
+                      "host-bound rows")
+        elif best["gain_pct"] >= seeds:
+            result = "met"
+        else:
+            result = "not met: see the measured / predicted column; the saving is (builds_off − builds_on)·m"
+        targets.append([goal, f"best {_gain(best['gain_pct'])} ({where}{noise})", result])
+
+    parts = ["### Packing targets\n\n" + _table(["target", "measured", "result"], targets)
+             + "\n\nThe result compares the measured value only; `–` means not judged. For the cache targets, "
+               "measured is the best cache gain over backends and lengths in the cache on vs off table "
+               "among those larger than the spread (p80/p20 − 1) of the two rows compared."]
+
+    if vs:
+        body = [[p["gpu"], p["model"], p["seq_len"],
+                 _ms(p["stock_ms"]) if p["stock_ms"] else "; ".join(p["stock_failed"]),
+                 f"{_ms(p['best_ms'])} ({p['best_variant']})" if p["best_ms"]
+                 else ("; ".join(p["failed"]) or "not run"),
+                 _times(p["ratio"]), _ms(p["stock_compiled_ms"]), _times(p["compiled_ratio"])] for p in vs]
+        text = ("#### Best packed path vs stock flex_attention\n\n" + _table(
+            ["GPU", "model", "tokens", "stock-flex ms p50", "best packed ms p50 (variant)", "stock-flex / best",
+             "stock-flex-compiled ms p50", "stock-flex-compiled / best"], body)
+            + "\n\nBest packed = the lowest step p50 among variants with packing_backend sdpa, flex or "
+              "varlen, with any cache or compile setting. stock-flex-compiled is stock flex_attention with "
+              "the same per-layer torch.compile (optim.regional), so its ratio shows what packing adds on "
+              "top of compilation. Each ratio divides two rows of the same sweep file "
+              "(`results/packing/<gpu>.jsonl`).")
+        model, t0 = PACKING_SPEEDUP_TARGET[:2]
+        for p in hits:
+            if p["best_rows"]:
+                note = _run_note([("stock-flex", p["stock_rows"]), (p["best_variant"], p["best_rows"])])
+                where = f" on {p['gpu']}" if many else ""
+                text += f" In the {model} {t0} comparison{where}, {note}"
+        parts.append(text)
+
+    peaks = []
+    for slug, g in _gpu_steps(rows).items():
+        for model, t in sorted({(r.get("model"), r.get("seq_len")) for r in g},
+                               key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
+            by = {v: _ok_rows(g, model, t, v) for v in ("packed-sdpa", "packed-flex", "packed-varlen")}
+            if not any(by.values()):
+                continue
+            peak = {v: _median_of(rs, lambda r: r.get("peak_allocated_gib")) for v, rs in by.items()}
+            batch = _median_of([r for rs in by.values() for r in rs], lambda r: r.get("batch_size"))
+            mask = batch * _f(t) ** 2 / GIB if batch and _f(t) else None
+            same = _one_run([r for rs in by.values() for r in rs])
+            diffs = " / ".join(_num(_sub(peak["packed-sdpa"], peak[v]), "+.3f")
+                               for v in ("packed-flex", "packed-varlen"))
+            peaks.append([slug, model, t, *(_num(peak[v], ".3f") for v in by), diffs,
+                          _num(mask, ".3f"), DASH if same is None else ("yes" if same else "no")])
+    if peaks:
+        parts.append(
+            "#### No T×T mask on the flex or varlen path\n\n"
+            "`tests/test_gpu_packing.py` (a GPU test) asserts it: at 16384 tokens the flex and varlen paths "
+            "allocate less than a quarter of a bool T×T mask. Below, the peak memory of the three packed "
+            "paths (cache on, not compiled) side by side: the SDPA path holds a (B, T, T) mask, the others "
+            "do not. The one run? column says yes when the rows were recorded within 30 minutes of each other "
+            "running the same code (one code hash; one commit for rows older than the hash); peaks from "
+            "different runs may differ for other reasons.\n\n" + _table(
+                ["GPU", "model", "tokens", "packed-sdpa GiB", "packed-flex GiB", "packed-varlen GiB",
+                 "sdpa − flex / sdpa − varlen GiB", "bool B·T² mask GiB", "one run?"], peaks))
+    return "\n\n".join(parts)
+
+

@@ -1,0 +1,96 @@
+"""Which rows come from one run: recording times and code hashes."""
+
+from __future__ import annotations
+
+from harness.report.fmt import _f, _values
+
+SAME_RUN_MINUTES = 30  # rows recorded further apart than this come from different sweep runs
+
+
+def _median_of(rows: list[dict], get) -> float | None:
+    vals = sorted(v for r in rows if (v := _f(get(r))) is not None)
+    return vals[len(vals) // 2] if vals else None
+
+
+
+
+def _when(r: dict):
+    from datetime import datetime, timezone
+
+    try:
+        t = datetime.fromisoformat(str(r.get("recorded_at")))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def _code_ids(rows: list[dict]) -> set:
+    """What ran: the hash of the measuring code where rows record it (env.code_sha), else the commit."""
+    return {e.get("code_sha") or e.get("git_sha") for r in rows if (e := r.get("env") or {})} - {None}
+
+
+def _one_run(rows: list[dict]) -> bool | None:
+    """True when the rows were recorded within SAME_RUN_MINUTES of each other running the same code
+    (one code hash, or one commit for rows without one), False when not, None when a time is missing."""
+    times = [_when(r) for r in rows]
+    if not rows or None in times:
+        return None
+    return (max(times) - min(times)).total_seconds() <= SAME_RUN_MINUTES * 60 and len(_code_ids(rows)) <= 1
+
+
+def _run_note(labelled: list[tuple[str, list[dict]]]) -> str:
+    """One sentence: when (and at which commit) each compared row was recorded, and whether that
+    reads as one run."""
+    rows = [r for _, rs in labelled for r in rs]
+    if not rows:
+        return ""
+
+    def seen(rs):
+        when = _values(r.get("recorded_at") for r in rs)
+        shas = _values(str(s)[:8] for r in rs if (s := (r.get("env") or {}).get("git_sha")))
+        return f"{when} (git {shas})"
+
+    text = " and ".join(f"{name} recorded {seen(rs)}" for name, rs in labelled)
+    times = [t for r in rows if (t := _when(r)) is not None]
+    span = (max(times) - min(times)).total_seconds() / 60 if len(times) == len(rows) else None
+    shas = _code_ids(rows)
+    if span is None:
+        verdict = "a recording time is missing, so it is unknown whether they come from one run"
+    elif span > SAME_RUN_MINUTES:
+        verdict = f"they are {span:.0f} minutes apart, so they come from different runs"
+    elif len(shas) > 1:
+        verdict = "they ran different code (commits or code hashes differ), so they come from different runs"
+    else:
+        verdict = f"they are {span:.0f} minutes apart running the same code, so they likely come from one run"
+    return f"{text}: {verdict}."
+
+
+def _gpu_steps(rows: list[dict]) -> dict[str, list[dict]]:
+    steps = [r for r in rows if r.get("kind") == "step"]
+    return {slug: [r for r in steps if (r.get("gpu_slug") or "unknown") == slug]
+            for slug in sorted({r.get("gpu_slug") or "unknown" for r in steps})}
+
+
+
+
+def _runs(rows: list[dict]) -> list[list[dict]]:
+    """The rows split into runs, oldest first: rows recorded within SAME_RUN_MINUTES of a run's
+    first row, running the same code (env.code_sha, else the commit), belong to it. Rows without a
+    recording time form one run of their own, first."""
+    timed = sorted((r for r in rows if _when(r) is not None), key=_when)
+    runs: list[list[dict]] = [[r for r in rows if _when(r) is None]]
+    for r in timed:
+        cur = runs[-1]
+        if (len(runs) > 1 and (_when(r) - _when(cur[0])).total_seconds() <= SAME_RUN_MINUTES * 60
+                and _code_ids(cur + [r]) == _code_ids(cur)):
+            cur.append(r)
+        else:
+            runs.append([r])
+    return [run for run in runs if run]
+
+
+def _run_label(run: list[dict]) -> str:
+    t = _when(run[0]) if run else None
+    return t.strftime("%m-%d %H:%M") if t else "unknown"
+
+

@@ -1,0 +1,244 @@
+"""The sections every experiment's report has, per GPU type: results, plots, failures,
+methodology, spread."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.report.fmt import (
+    _bytes,
+    _isnum,
+    _slug,
+    _truncate,
+    fmt_ms,
+    fmt_num,
+    fmt_pct,
+    md_table,
+)
+from harness.report.frames import STATISTIC, Section, points_frame, speedup_frame
+from harness.report.plots import (
+    _embed,
+    plot_bandwidth,
+    plot_memory,
+    plot_phase_split,
+    plot_speedup,
+    plot_step_time,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Sections: (df_steps, df_bw, rows, out_dir) -> markdown, all restricted to one GPU type.
+
+
+def section_results(df_steps, df_bw, rows, out_dir) -> str:
+    wide = points_frame(df_steps)
+    if wide.empty:
+        return "### Results\n\nNo step point finished ok on this GPU type."
+    header = ["model", "seq_len", "batch", "variant", "repeat", "step ms p50 [p20–p80]", "fwd ms", "bwd ms",
+              "opt ms", "steps/s", "tokens/s", "peak alloc GiB", "peak reserved GiB", "MFU", "HFU", "p80/p20"]
+    body = []
+    for r in wide.itertuples():
+        spread = r.step_ms_p80 / r.step_ms_p20 if _isnum(r.step_ms_p20) and r.step_ms_p20 else float("nan")
+        body.append([
+            r.model, r.seq_len, r.batch_size, r.variant, r.repeat,
+            f"{fmt_ms(r.step_ms_p50)} [{fmt_ms(r.step_ms_p20)}–{fmt_ms(r.step_ms_p80)}]",
+            fmt_ms(r.forward_ms_p50), fmt_ms(r.backward_ms_p50), fmt_ms(r.optimizer_ms_p50),
+            fmt_num(r.steps_per_s_p50, ".2f"), fmt_num(r.tokens_per_s_p50, ",.0f"),
+            fmt_num(r.peak_allocated_gib_p50, ".2f"), fmt_num(r.peak_reserved_gib_p50, ".2f"),
+            fmt_pct(r.mfu_p50, r.mfu_note), fmt_pct(r.hfu_p50, r.mfu_note), fmt_num(spread, ".2f"),
+        ])
+    note = "fwd/bwd/opt are p50 per phase; p80/p20 is the step-time spread."
+    return "### Results\n\n" + md_table(header, body) + "\n\n" + note
+
+
+def section_step_time(df_steps, df_bw, rows, out_dir) -> str:
+    path = plot_step_time(df_steps, out_dir / f"{_slug(rows)}-step-time.png")
+    if not path:
+        return ""
+    return "### Step time vs sequence length\n\n" + _embed(path, "step time vs sequence length")
+
+
+def section_phase_split(df_steps, df_bw, rows, out_dir) -> str:
+    path = plot_phase_split(df_steps, out_dir / f"{_slug(rows)}-phase-split.png")
+    if not path:
+        return ""
+    return "### Forward / backward / optimizer split\n\n" + _embed(path, "phase split")
+
+
+def section_memory(df_steps, df_bw, rows, out_dir) -> str:
+    if df_steps.empty:
+        return ""
+    path = plot_memory(df_steps, out_dir / f"{_slug(rows)}-peak-memory.png")
+    body = _embed(path, "peak VRAM") if path else "No device memory peaks recorded (CPU run)."
+    return "### Peak memory\n\n" + body
+
+
+def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
+    if df_steps.empty:
+        return ""
+    sp = speedup_frame(df_steps)
+    if sp.empty:
+        return "### Speedup vs baseline\n\nNo variant has a matching ok baseline point."
+    path = plot_speedup(sp, out_dir / f"{_slug(rows)}-speedup.png")
+    body = [[r.model, r.seq_len, r.batch_size, r.repeat, r.baseline_variant, r.variant,
+             fmt_ms(r.baseline_step_ms_p50), fmt_ms(r.step_ms_p50), f"{r.speedup:.2f}×"] for r in sp.itertuples()]
+    header = ["model", "seq_len", "batch", "repeat", "baseline", "variant", "baseline step ms p50",
+              "variant step ms p50", "speedup"]
+    return ("### Speedup vs baseline\n\n" + _embed(path, "speedup vs baseline") + "\n\n" + md_table(header, body)
+            + "\n\nspeedup = baseline step ms p50 / variant step ms p50, same model, seq_len, batch and repeat.")
+
+
+def section_bandwidth(df_steps, df_bw, rows, out_dir) -> str:
+    if df_bw.empty:
+        return "### Host → device bandwidth\n\nNo bandwidth rows for this GPU type."
+    path = plot_bandwidth(df_bw, out_dir / f"{_slug(rows)}-h2d-bandwidth.png")
+    body = []
+    for r in df_bw.itertuples():
+        known = _isnum(r.pcie_ceiling_gbps) and _isnum(r.p50)
+        of_ceiling = f"{100 * r.p50 / r.pcie_ceiling_gbps:.0f}%" if known else "n/a"
+        gbps = f"{fmt_num(r.p50, '.2f')} [{fmt_num(r.p20, '.2f')}–{fmt_num(r.p80, '.2f')}]"
+        body.append([r.memory, _bytes(r.size_bytes), gbps, of_ceiling])
+    table = md_table(["memory", "size", "GB/s p50 [p20–p80]", "of PCIe ceiling"], body)
+    return "### Host → device bandwidth\n\n" + _embed(path, "H2D bandwidth") + "\n\n" + table
+
+
+def section_failed(df_steps, df_bw, rows, out_dir) -> str:
+    failed = [r for r in rows if r.get("status") in ("oom", "error")]
+    if not failed:
+        return "### Failed points\n\nNone."
+    def key(r: dict) -> tuple:
+        return (r.get("kind") or "", r.get("model") or "", int(r.get("seq_len") or 0),
+                int(r.get("batch_size") or 0), r.get("variant") or "", int(r.get("repeat") or 0),
+                r.get("memory") or "", int(r.get("size_bytes") or 0), r.get("status") or "")
+
+    body = [[r.get("kind", ""), r.get("model", ""), r.get("seq_len", ""), r.get("batch_size", ""),
+             r.get("variant", r.get("memory", "")), r.get("repeat", ""), r.get("status", ""),
+             _truncate(r.get("message", ""))] for r in sorted(failed, key=key)]
+    return "### Failed points\n\n" + md_table(
+        ["kind", "model", "seq_len", "batch", "variant", "repeat", "status", "message"], body)
+
+
+def _values(items, fmt=str) -> str:
+    """Distinct values, sorted; several mean the rows were recorded under different set-ups,
+    which the reader must see rather than have one silently chosen."""
+    seen = sorted({fmt(v) for v in items if v is not None and v != ""})
+    return ", ".join(seen) if seen else "unknown"
+
+
+def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
+    envs = [r.get("env") or {} for r in rows]
+    steps = [r for r in rows if r.get("kind") == "step"]
+
+    def env(key: str, unit: str = "") -> str:
+        return _values(e.get(key) for e in envs) + unit if any(e.get(key) is not None for e in envs) else "unknown"
+
+    def git(e):
+        sha = e.get("git_sha")
+        if not sha:
+            return None
+        return sha[:12] + (" (dirty)" if e.get("git_dirty") else "")
+
+    def pcie(gen_key, width_key):
+        return _values(f"Gen{e.get(gen_key)} x{e.get(width_key)}" for e in envs
+                       if e.get(gen_key) is not None or e.get(width_key) is not None)
+
+    device = _values([e.get("device_name") for e in envs] + [r.get("device_name") for r in rows])
+    repeats = {r.get("repeat") for r in steps if r.get("repeat") is not None}
+    parts = [
+        f"Measured on {device} (device count {env('device_count')}), host {env('hostname')}, {env('platform')}.",
+        f"Driver {env('driver')}, CUDA {env('cuda')}, Python {env('python')}, torch {env('torch')}, "
+        f"transformers {env('transformers')}, peft {env('peft')}; git {_values(git(e) for e in envs)}.",
+        f"PCIe link {pcie('pcie_gen', 'pcie_width')} (max {pcie('pcie_max_gen', 'pcie_max_width')}); "
+        f"SM clock {env('sm_clock_mhz', ' MHz')} (max {env('max_sm_clock_mhz', ' MHz')}), memory clock "
+        f"{env('mem_clock_mhz', ' MHz')}, power limit {env('power_limit_w', ' W')}.",
+        f"Each point runs in its own fresh process: {_values(r.get('warmup_steps') for r in steps)} warm-up steps, "
+        f"then {_values(r.get('measured_steps') for r in steps)} measured steps, "
+        f"{len(repeats) if repeats else 'unknown'} repeat(s); dtype {_values(r.get('dtype') for r in steps)}, "
+        f"LoRA rank {_values(r.get('lora_rank') for r in steps)}, adapters in "
+        f"{_values(r.get('lora_dtype', 'fp32') for r in steps)} (fp32: peft's default upcast).",
+        f"Statistic: {STATISTIC}.",
+        "The Python garbage collector is collected, frozen and disabled for the measured steps.",
+        "Speedups are ratios of medians measured side by side in one run, on the same GPU type.",
+    ]
+    return "### Methodology\n\n" + " ".join(parts)
+
+
+def section_spread(df_steps, df_bw, rows, out_dir) -> str:
+    """Two spreads: within a run (p80/p20 of the step samples) and run to run (p80/p20 of the
+    per-repeat medians, each repeat a fresh process). Host-bound steps show host jitter in the
+    first; the second is what a regression gate compares."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("kind") == "step" and r.get("status") == "ok":
+            key = (r["model"], r["seq_len"], r.get("batch_size"), r["variant"])
+            groups.setdefault(key, []).append(r)
+    if not groups:
+        return ""
+    body = []
+    worst = {False: [0.0, 0.0], True: [0.0, 0.0]}  # per how the step ran: [run to run, within]
+    for key in sorted(groups):
+        reps = groups[key]
+        graphed = bool(reps[0].get("cuda_graph"))
+        medians = [r["step_ms"]["p50"] for r in reps]
+        within = max(r["step_ms"]["p80"] / r["step_ms"]["p20"] for r in reps)
+        worst[graphed][1] = max(worst[graphed][1], within)
+        if len(medians) > 1:
+            q = pd.Series(medians).quantile([0.2, 0.8])
+            run_to_run = q[0.8] / q[0.2]
+            worst[graphed][0] = max(worst[graphed][0], run_to_run)
+            r2r = f"{run_to_run:.3f}"
+        else:
+            r2r = "n/a (1 repeat)"
+        body.append([key[0], key[1], key[2], key[3], len(reps),
+                     " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}"])
+    header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
+              "run-to-run p80/p20", "within-run p80/p20 (worst repeat)"]
+
+    def worst_text(graphed: bool) -> str:
+        run, step = worst[graphed]
+        return (f"worst run-to-run spread {run:.3f}, worst within-run spread {step:.3f}" if run
+                else f"worst within-run spread {step:.3f}")
+
+    lines = []
+    if any(r[0].get("cuda_graph") for r in groups.values()):
+        lines.append(f"- Steps replayed as CUDA graphs (`cuda_graph = true`, optim.graphs): {worst_text(True)}. "
+                     "The host issues one launch per phase, so these spreads are the GPU's.")
+        if not all(r[0].get("cuda_graph") for r in groups.values()):
+            lines.append(f"- Eager steps: {worst_text(False)}. A host-bound eager step (the GPU waits "
+                         "for Python between kernels) varies with the host CPU; the graphed twin of the "
+                         "same point shows what the GPU itself does.")
+    else:
+        lines.append(worst_text(False).capitalize() + ".")
+    summary = "\n".join(lines)
+    return "### Spread\n\n" + md_table(header, body) + "\n\n" + summary
+
+
+# Run in order for each GPU type; append to register more (each returns markdown or "" to skip).
+SECTIONS: list[Section] = [
+    section_results,
+    section_step_time,
+    section_phase_split,
+    section_memory,
+    section_speedup,
+    section_spread,
+    section_bandwidth,
+    section_failed,
+    section_methodology,
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def summary(experiment: str, rows: list[dict], df_steps: pd.DataFrame) -> str:
+    steps = [r for r in rows if r.get("kind") == "step"]
+    ok = [r for r in steps if r.get("status") == "ok"]
+    failed = [r for r in rows if r.get("status") in ("oom", "error")]
+    n_bw = sum(1 for r in rows if r.get("kind") == "bandwidth" and r.get("status") == "ok")
+    models = _values(r.get("model") for r in steps)
+    variants = _values(r.get("variant") for r in steps)
+    gpus = _values(r.get("gpu_slug") for r in rows)
+    return (f"{len(ok)} ok step points ({models}; variants {variants}), {len(failed)} failed, "
+            f"{n_bw} bandwidth points, on {gpus}.")
+
+

@@ -1,0 +1,1 @@
+"""Running a sweep: experiment file → points → one isolated process per point → rows."""

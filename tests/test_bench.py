@@ -1,0 +1,52 @@
+"""The microbenchmarks' own measurements and their rows in the results store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import results as res
+from harness.bench import packing as bench_packing
+
+
+def test_measure_m_splits_host_time_from_device_time():
+    r = bench_packing.measure_m("sdpa", 256, warmup=1, repeats=3, device=torch.device("cpu"))
+    assert r["m_host_ms"] > 0 and r["m_device_ms"] is None and r["m_ms"] == pytest.approx(r["m_host_ms"])
+
+
+def test_bench_rows_land_beside_the_sweep_rows_and_a_rerun_replaces_its_own(tmp_path):
+    env = {"device_name": "NVIDIA H100 80GB HBM3", "git_sha": "abc"}
+    m = [{"kind": "packing_m", "backend": b, "seq_len": 2048, "from_position_ids": False, "window": None,
+          "sinks": False, "m_ms": ms} for b, ms in (("sdpa", 1.0), ("flex", 2.0))]
+    res.append_row(res.results_path(tmp_path, "packing", "nvidia-h100-80gb-hbm3"),
+                   {"kind": "step", "point_id": "p1", "status": "ok"})
+    path = res.write_bench_rows(tmp_path, "packing", m, env=env, command="python -m harness.bench.packing --x")
+    assert path == tmp_path / "packing" / "nvidia-h100-80gb-hbm3.jsonl"
+    again = [{**m[1], "m_ms": 3.0}]
+    res.write_bench_rows(tmp_path, "packing", again, env=env, command="python -m harness.bench.packing --y")
+    rows = res.read_rows(path)
+    assert [r["kind"] for r in rows] == ["step", "packing_m", "packing_m"]
+    by_backend = {r["backend"]: r for r in rows if r["kind"] == "packing_m"}
+    assert by_backend["sdpa"]["m_ms"] == 1.0 and by_backend["flex"]["m_ms"] == 3.0
+    assert by_backend["flex"]["command"].endswith("--y") and by_backend["flex"]["env"] == env
+    assert {r["gpu_slug"] for r in rows if r["kind"] == "packing_m"} == {"nvidia-h100-80gb-hbm3"}
+
+
+def test_a_row_of_unknown_kind_is_refused_and_nothing_is_written(tmp_path):
+    with pytest.raises(ValueError, match="not a microbenchmark row kind: 'step'"):
+        res.write_bench_rows(tmp_path, "x", [{"kind": "step"}], env={}, command="c")
+    assert not (tmp_path / "x" / "cpu.jsonl").exists()
+
+
+def test_bench_main_stores_rows_with_its_command(tmp_path):
+    code = bench_packing.main(["--results", str(tmp_path), "--lengths", "64", "--backends", "sdpa",
+                               "--repeats", "2", "--m-only"])
+    assert code == 0
+    (path,) = tmp_path.glob("packing/*.jsonl")
+    rows = res.read_rows(path)
+    assert {r["kind"] for r in rows} == {"packing_m"}
+    assert rows[0]["command"] == ("python -m harness.bench.packing --results " + str(tmp_path)
+                                  + " --lengths 64 --backends sdpa --repeats 2 --m-only")
+    assert json.dumps(rows)  # plain JSON

@@ -1,0 +1,47 @@
+"""The profile section: phases and kernel families of a profiled step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _report import (
+    H100,
+)
+
+from harness import report
+from harness.report import profiles
+
+
+def _write(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def _profile_summary(**over):
+    s = {"model": "gpt-oss-20b", "seq_len": 8192, "variant": "ours", "steps": 1, "device_name": "NVIDIA H100",
+         "profiled": "eager steps",
+         "phases": {"forward": {"gpu_span_ms": 200.0, "cpu_span_ms": 150.0, "gpu_busy_pct": 75.0, "launches": 10,
+                                "host_syncs": 0}},
+         "top_kernels": [{"name": "cutlass_GroupProblemShape_x", "ms": 300.0, "count": 4},
+                         {"name": "triton_tem_fused_flex_attention_backward", "ms": 100.0, "count": 2},
+                         {"name": "Memcpy DtoD (Device -> Device)", "ms": 50.0, "count": 9},
+                         {"name": "masked_fill_kernel", "ms": 30.0, "count": 9}],
+         "kernel_ms_total": 500.0}
+    return {**s, **over}
+
+
+def test_profile_section_splits_kernel_time_by_family(tmp_path):
+    _write(tmp_path / "x" / "profiles" / H100 / "a.summary.json", _profile_summary())
+    text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
+    assert "## Where the step's time goes (profiles)" in text
+    assert "| forward | 200.0 | 150.0 | 75.0% | 10 | 0 |" in text
+    assert "| grouped GEMM (torch grouped_mm) | 300.0 | 60.0% | 37.5 |" in text
+    assert "| copies and fills | 50.0 | 10.0% | 6.2 |" in text
+    assert "| other (elementwise, reductions, indexing) | 30.0 | 6.0% | 3.8 |" in text  # masked_fill is not a fill
+    assert "| kernels outside the top 4 | 20.0 | 4.0% | 2.5 |" in text
+    assert "| all kernels | 500.0 | 100.0% | 62.5 |" in text
+    (tmp_path / "x" / "profiles" / H100 / "b.summary.json").write_text('{"phases": {}}')
+    with pytest.raises(profiles.ProfileFileError, match="b.summary.json: not a harness profile summary"):
+        report.build_report(tmp_path, "x", tmp_path / "reports")
