@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from harness.measure.env import REPO_ROOT
+from harness.run import policy
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 DEFAULT_RESULTS = REPO_ROOT / "results"
@@ -72,7 +74,7 @@ def cmd_sweep(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"sweep {exp.name}: {len(exp.points())} points from {path}", file=sys.stderr)
-    summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet)
+    summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command)
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
     if not args.no_report:
         from harness import report
@@ -87,15 +89,12 @@ def _experiment_name(arg: str) -> str:
     (read from the file, so a file named differently from its experiment still finds its rows)."""
     if not arg.endswith(".toml"):
         return arg
-    import tomllib
+    from harness.run import experiment
 
     try:
-        name = tomllib.loads(Path(arg).read_text())["experiment"]["name"]
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{arg}: cannot read the experiment name from it ({type(e).__name__}: {e})") from e
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{arg}: [experiment] name is not a non-empty string")
-    return name
+        return experiment.load(arg).name
+    except experiment.ExperimentError as e:
+        raise ValueError(str(e)) from e
 
 
 def cmd_report(args) -> int:
@@ -223,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, metavar="S",
                    help="override the file's per-point time limit, in seconds; a point past it is "
                         "recorded as an error with its Python stacks in its log")
-    p.add_argument("--launcher", choices=["process", "preloaded"],
+    p.add_argument("--launcher", choices=policy.LAUNCHERS,
                    help="override the file's launcher: a fresh interpreter per point, or a fork of a "
                         "server that imported torch/transformers/peft once (same isolation)")
     p.set_defaults(func=cmd_sweep)
@@ -276,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return point.main(*argv[1:3])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command = shlex.join(["python", "-m", "harness", *argv])  # recorded in every row it writes
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

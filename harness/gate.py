@@ -19,13 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness import results as res
+from harness.row import IDENTITY, match_key
 
-# The fields of a row that SweepPoint.point_id hashes, minus ``repeat``. ``baseline_variant`` is
-# left out too: it only says which variant a report compares against, not what is measured.
-# The data spec, device and pin_cpu are hashed as well but not recorded in a row; within one
-# experiment they are fixed, which ``experiment`` stands for.
-IDENTITY_KEYS = ("experiment", "model", "seq_len", "batch_size", "variant", "switches", "gpus",
-                 "lora_rank", "dtype", "warmup_steps", "measured_steps")
 STATUSES = ("ok", "oom", "error")
 NOISE_MODES = ("auto", "off")
 
@@ -108,8 +103,8 @@ def device_name(row: dict) -> str:
 
 
 def identity(row: dict) -> str:
-    """What a point measures, without its repeat, as a canonical JSON string."""
-    return json.dumps({k: row.get(k) for k in IDENTITY_KEYS}, sort_keys=True, default=str)
+    """What a point measures, without its repeat (``harness.row.match_key``)."""
+    return match_key(row)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +351,7 @@ def compare(baseline_rows: list[dict], candidate_rows: list[dict], *, max_slowdo
     if not any(k in cand for k in base):
         raise GateError(
             f"no point of {candidate_where} matches one of {baseline_where}: a point is matched on "
-            f"{', '.join(IDENTITY_KEYS)}{' and the GPU' if by_device else ''}; were both sides run "
+            f"{', '.join(IDENTITY)}{' and the GPU' if by_device else ''}; were both sides run "
             f"from the same experiment file?")
 
     first = {k: (base.get(k) or cand.get(k))[0] for k in keys}

@@ -7,10 +7,13 @@ or the new one, never a torn line. Reports and gates read only these files.
 Row schema (``schema`` = 1). Every row has:
     schema, kind ("step" | "bandwidth"), experiment, gpu_slug, device_name, status ("ok" | "oom" |
     "error"), message (str, empty when ok), env (dict, see harness.measure.env), recorded_at (ISO-8601 UTC).
-A ``step`` row (one sweep point) adds:
-    point_id, model, family, seq_len, batch_size, variant, baseline_variant, switches (dict),
-    gpus, repeat, warmup_steps, measured_steps, lora_rank, dtype, num_layers, cuda_graph (bool:
-    the measured steps were CUDA-graph replays, optim.graphs),
+A ``step`` row (one sweep point, ``harness.row.Row``) adds:
+    point_id and the point's identity (``harness.row.IDENTITY``: experiment, model, seq_len,
+    batch_size, variant, switches (dict), gpus, warmup_steps, measured_steps, lora_rank,
+    lora_dtype, dtype, device, data (dict), pin_cpu, loss_mode, cuda_graph (bool: the measured
+    steps were CUDA-graph replays, optim.graphs)), repeat, family, num_layers, baseline_variant,
+    role, command (the command line that ran the sweep), experiment_sha256 (the experiment file's
+    hash; the file is kept as <experiment>/experiments/<sha[:16]>.toml),
     and when ok:
     forward_ms / backward_ms / optimizer_ms / step_ms: {"p20", "p50", "p80", "samples": [...]},
     steps_per_s, tokens_per_s, loss (list, one per measured step),
@@ -21,7 +24,9 @@ A ``step`` row (one sweep point) adds:
     ("measured steps", or "capture and replays" when graphed: a replay allocates nothing),
     attention_kernels ({kernel: calls or None}: the attention kernels that ran, e.g.
     "flex-fused", "varlen", "flex-unfused"; see harness.run.point.attention_kernels) and
-    attention_fallback (why optim.packing's fused flex could not run, or None).
+    attention_fallback (why optim.packing's fused flex could not run, or None), optim (per optim
+    module applied: what it changed, and ``resolved``, the value each of its switches took) and
+    switches_resolved (those values, flat).
 A microbenchmark row (``python -m harness.bench.offload|moe|packing``) has a kind in
 ``BENCH_KINDS`` and the fields its benchmark measures (see each bench module); it also records
 ``command``, ``env``, ``gpu_slug``, ``device_name`` and ``recorded_at``. A rerun replaces the rows

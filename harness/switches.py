@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from optim import MODULES
 from optim.switches import Switch
 
-# In the order they are enabled: optim.regional compiles the layers the others have set up.
-OPTIM_MODULES = ("optim.packing", "optim.offload", "optim.moe", "optim.regional")
+# In the order optim.enable applies them.
+OPTIM_MODULES = MODULES
 
 
 SWITCHES: dict[str, Switch] = {

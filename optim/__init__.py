@@ -26,14 +26,22 @@ from __future__ import annotations
 
 from optim.switches import Switch
 
-__all__ = ["Switch", "SWITCHES", "enable"]
+__all__ = ["Switch", "SWITCHES", "MODULES", "enable", "resolved"]
+
+# The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
+MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.regional")
 
 
 def _modules():
-    from optim import moe, offload, packing, regional
+    import importlib
 
-    # regional last: it compiles the layers as the others left them
-    return {"packing": packing, "moe": moe, "offload": offload, "regional": regional}
+    return {name.removeprefix("optim."): importlib.import_module(name) for name in MODULES}
+
+
+def resolved(module, **settings) -> dict:
+    """The value each of ``module``'s switches takes given ``settings``: the keyword, else its
+    OPTIM_<NAME> environment variable, else its default."""
+    return {name: sw.resolve(settings.get(name)) for name, sw in module.SWITCHES.items()}
 
 
 def __getattr__(name):

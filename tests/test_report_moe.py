@@ -14,6 +14,11 @@ from harness import report
 from harness.report import moe
 
 
+def _role(variant: str) -> str:
+    """What experiments/moe.toml gives these variants; the report reads the role, not the name."""
+    return "stock" if variant.startswith("stock-") else "ablation" if variant.endswith("-merged") else "ours"
+
+
 def test_moe_routing_percent_and_targets(tmp_path):
     store(tmp_path / "results", "moe", _moe_rows())
     text = report.build_report(tmp_path / "results", "moe", tmp_path / "reports").read_text()
@@ -41,7 +46,7 @@ def test_moe_end_to_end_targets_from_sweep_rows():
 
     def row(t, v, p50, status="ok"):
         return {"kind": "step", "gpu_slug": "h", "device_name": "NVIDIA H100 80GB HBM3", "model": "gpt-oss-20b",
-                "seq_len": t, "variant": v, "status": status,
+                "seq_len": t, "variant": v, "role": _role(v), "status": status,
                 "step_ms": {"p20": p50, "p50": p50, "p80": p50} if status == "ok" else None}
 
     rows = [row(1024, "stock-grouped_mm", 600), row(1024, "grouped_mm-split", 250),
@@ -71,7 +76,7 @@ def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
 
     def row(t, v, p50, when, sha="c1", status="ok"):
         return {"kind": "step", "gpu_slug": "h", "device_name": "NVIDIA H100 80GB HBM3", "model": "gpt-oss-20b",
-                "seq_len": t, "variant": v, "status": status, "recorded_at": when, "env": {"code_sha": sha},
+                "seq_len": t, "variant": v, "role": _role(v), "status": status, "recorded_at": when, "env": {"code_sha": sha},
                 "step_ms": {"p20": p50, "p50": p50, "p80": p50} if status == "ok" else None}
 
     old, new = "2026-11-20T10:00:00+00:00", "2026-11-22T07:00:00+00:00"
@@ -111,11 +116,11 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
     from harness.report.moe import moe_fit_md
 
     def row(t, peak, device="NVIDIA H200", cap=139.8):
-        return {"kind": "step", "status": "ok", "model": "qwen3-30b-a3b", "variant": "grouped_mm-split",
+        return {"kind": "step", "status": "ok", "model": "qwen3-30b-a3b", "variant": "grouped_mm-split", "role": "ours",
                 "seq_len": t, "peak_allocated_gib": peak, "total_params": 33e9, "trainable_params": 2.5e9,
                 "dtype": "bf16", "lora_rank": 64, "device_name": device, "env": {"memory_total_gib": cap}}
 
-    h100 = {"kind": "step", "status": "ok", "model": "gpt-oss-20b", "variant": "stock-grouped_mm",
+    h100 = {"kind": "step", "status": "ok", "model": "gpt-oss-20b", "variant": "stock-grouped_mm", "role": "stock",
             "device_name": "NVIDIA H100", "env": {"memory_total_gib": 79.6}}
     md = moe_fit_md([row(1024, 96.0), row(8192, 104.0), h100])
     frozen, state = 30.5e9 * 2 / 2**30, 2.5e9 * 4 * 4 / 2**30  # 56.8 and 37.3 GiB
@@ -132,3 +137,9 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
     assert with_bf16.endswith(f"8192 tokens on the NVIDIA H200: 80.0 GiB (projected {base - state / 2 + 8.0 / 7168 * 8192:.1f}).")
     # one length only, or no GPU capacity recorded: nothing to say
     assert moe_fit_md([row(1024, 96.0), h100]) == ""
+
+
+def test_sides_follow_roles_not_names():
+    rows = [{"variant": "baseline-a", "role": "stock"}, {"variant": "mine", "role": "ours"},
+            {"variant": "mine-default", "role": "ours-default"}, {"variant": "x-merged", "role": "ablation"}]
+    assert moe._moe_sides(rows) == (["baseline-a"], ["mine", "mine-default"])

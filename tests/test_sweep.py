@@ -13,6 +13,7 @@ import torch
 
 from harness import results as res
 from harness.measure.env import REPO_ROOT
+from harness.row import Row
 from harness.run import experiment, sweep
 
 EXP = """
@@ -66,6 +67,13 @@ def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monk
     assert "Traceback" in rows["boom"]["traceback"]
     assert rows["oom"]["status"] == "oom" and "out of memory" in rows["oom"]["message"]
     assert rows["dies"]["status"] == "error" and "SIGKILL" in rows["dies"]["message"]
+    # A failure row, written by the point (boom, oom) or by the sweep for a dead one (dies), has
+    # every field an ok row has but the measurements.
+    header = set(Row.__dataclass_fields__) - {"measured"} | {"point_id"}
+    for r in rows.values():
+        assert header <= set(r), header - set(r)
+        assert r["family"] == "llama" and r["num_layers"] == 2 and r["experiment_sha256"] == exp.sha256
+    assert rows["good"]["switches_resolved"] == {}  # a stock variant enables no optim module
 
     # resume: the error and the crash are retried, the ok and the oom are not
     monkeypatch.delenv("PACKBENCH_FAULT")
@@ -276,6 +284,11 @@ def test_cli_overrides_launcher_and_timeout_keeping_point_ids(tmp_path, write_to
         signal.signal(signal.SIGTERM, before)
     (row,) = _rows(tmp_path)
     assert code == 0 and row["point_id"] == point.point_id
+    # provenance: the command line, and the experiment file kept under results/ by its hash
+    assert row["command"] == (f"python -m harness sweep {path} --results {tmp_path / 'results'} --no-report "
+                              "--quiet --launcher preloaded --timeout 2")
+    kept = tmp_path / "results" / "iso" / "experiments" / f"{row['experiment_sha256'][:16]}.toml"
+    assert kept.read_text() == Path(path).read_text()
     assert row["status"] == "error" and row["message"] == "timed out after 2 s"
     with pytest.raises(SystemExit):
         cli.main(["sweep", str(path), "--timeout", "0"])

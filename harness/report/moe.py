@@ -195,9 +195,18 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     return my - b * mt, b
 
 
-def _moe_sides(variants) -> tuple[list[str], list[str]]:
-    stock = sorted(v for v in variants if v.startswith("stock-"))
-    ours = sorted(v for v in variants if "-split" in v and not v.startswith("stock-"))
+OURS = ("ours", "ours-default")
+
+
+def _ours(r: dict) -> bool:
+    """A row of ours, by the role its experiment file gave the variant (ablations excluded)."""
+    return r.get("role") in OURS
+
+
+def _moe_sides(rows) -> tuple[list[str], list[str]]:
+    """The stock and our variants among ``rows``, by role."""
+    stock = sorted({r["variant"] for r in rows if r.get("role") == "stock"})
+    ours = sorted({r["variant"] for r in rows if _ours(r)})
     return stock, ours
 
 
@@ -206,7 +215,7 @@ def moe_pairs(rows: list[dict], model: str) -> dict[int, dict]:
     that has an ok row on each side, with that run's stock ``eager`` experts when it ran them.
     A length with no such run gives each side's best over all runs, marked ``one_run = False``."""
     mine = [r for r in rows if r.get("kind") == "step" and r.get("model") == model]
-    stock, ours = _moe_sides({r["variant"] for r in mine})
+    stock, ours = _moe_sides(mine)
     out = {}
     for t in sorted({r["seq_len"] for r in mine}):
         at = [r for r in mine if r["seq_len"] == t]
@@ -258,7 +267,7 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
         device = next((r.get("device_name") for r in g if r.get("device_name")), slug)
         body, targets, notes = [], [], []
         for model in sorted({r["model"] for r in g}, key=_natural):
-            stock, ours = _moe_sides({r["variant"] for r in g if r["model"] == model})
+            stock, ours = _moe_sides([r for r in g if r["model"] == model])
             if not stock and not ours:
                 continue
             seeds_gpu, seeds, judged_on = SEEDS_MOE_MS.get(model, (None, {}, None))
@@ -351,8 +360,7 @@ def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
     per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic
     on those measurements."""
     ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
-            and "-split" in str(r.get("variant")) and not str(r.get("variant")).startswith("stock-")
-            and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
+            and _ours(r) and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
     caps = {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
             for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
     # one adapter dtype for the line: peft's default where measured (bf16-adapter rows would lower it)
@@ -399,7 +407,7 @@ def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
     tried = {}
     for r in rows:
         if (r.get("kind") == "step" and r.get("model") == model and r.get("lora_dtype") == "model"
-                and "-split" in str(r.get("variant")) and (r.get("loss_mode") or "full") == "full"):
+                and _ours(r) and (r.get("loss_mode") or "full") == "full"):
             key = (str(r.get("device_name")), int(r["seq_len"]))
             pk = _f(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
             if key not in tried or (pk is not None and (tried[key] is None or pk < tried[key])):

@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import row as rowmod
+from harness.run.policy import LAUNCHERS, MULTI_GPU_LAUNCHERS
 from harness.switches import OWNER, SWITCHES, resolve
 from harness.workload import models as model_registry
 
 MIN_WARMUP_STEPS = 3
 MIN_MEASURED_STEPS = 10
-LAUNCHERS = ("process", "preloaded")  # "torchrun" slots in here (harness/run/launchers.py)
-MULTI_GPU_LAUNCHERS: tuple[str, ...] = ()  # ...and here
 DISTRIBUTIONS = ("lognormal", "fixed", "uniform")
 DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -50,7 +50,9 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """One timed run. Everything a fresh process needs to run it, and nothing else."""
+    """One timed run. Everything a fresh process needs to run it, and nothing else. Its identity
+    is ``harness.row.IDENTITY``; the run policy (launcher, timeout), the comparison context
+    (baseline variant, role) and the provenance (command, experiment hash) ride along outside it."""
 
     experiment: str
     model: str
@@ -66,34 +68,33 @@ class SweepPoint:
     dtype: str
     device: str
     data: DataSpec
-    launcher: str = "process"
-    timeout_s: float = 900.0
-    baseline_variant: str = ""
     pin_cpu: bool = False
-    loss: str = "full"
+    loss_mode: str = "full"
     lora_dtype: str = "fp32"
     cuda_graph: bool = False
+    # run policy
+    launcher: str = "process"
+    timeout_s: float = 900.0
+    # context and provenance
+    baseline_variant: str = ""
+    role: str = ""
+    command: str = ""
+    experiment_sha256: str = ""
 
     @property
     def point_id(self) -> str:
-        """Stable identity for resume: what is measured, not how long we wait for it."""
-        key = asdict(self)
-        key.pop("timeout_s")
-        if not key["pin_cpu"]:
-            key.pop("pin_cpu")  # added later: unpinned points keep their earlier identity
-        if key["loss"] == "full":
-            key.pop("loss")  # likewise
-        if key["lora_dtype"] == "fp32":
-            key.pop("lora_dtype")  # likewise
-        if not key["cuda_graph"]:
-            key.pop("cuda_graph")  # likewise
-        if key["launcher"] == "preloaded":
-            key["launcher"] = "process"  # one process per point either way; only the imports differ
-        blob = json.dumps(key, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Stable identity for resume: what is measured, not how or why it is run."""
+        return rowmod.point_id(asdict(self))
 
     def label(self) -> str:
         return f"{self.model} T={self.seq_len} bs={self.batch_size} {self.variant} r{self.repeat}"
+
+    def new_row(self) -> rowmod.Row:
+        """This point's row before it ran (status error until told otherwise)."""
+        spec = model_registry.get(self.model)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(rowmod.Row) if hasattr(self, f.name)}
+        fields["data"] = asdict(self.data)
+        return rowmod.Row(**fields, family=spec.family, num_layers=spec.num_hidden_layers)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -132,6 +133,9 @@ class Experiment:
     lora_dtype: str = "fp32"
     variant_lora_dtype: dict[str, str] = field(default_factory=dict)  # likewise for ``lora_dtype``
     variant_cuda_graph: dict[str, bool] = field(default_factory=dict)  # variants timed as graph replays
+    roles: dict[str, str] = field(default_factory=dict)  # variant -> its role (harness.row.ROLES)
+    sha256: str = ""  # of the experiment file's bytes
+    text: str = ""  # the experiment file as read
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -161,9 +165,11 @@ class Experiment:
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
-                                loss=self.variant_loss.get(vname, self.loss),
+                                loss_mode=self.variant_loss.get(vname, self.loss),
                                 lora_dtype=self.variant_lora_dtype.get(vname, self.lora_dtype),
                                 cuda_graph=self.variant_cuda_graph.get(vname, False),
+                                role=self.roles.get(vname, ""),
+                                experiment_sha256=self.sha256,
                             )
                         )
         return out
@@ -209,12 +215,19 @@ def _choice(path, key: str, value: Any, choices) -> Any:
 def load(path: str | Path) -> Experiment:
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ExperimentError(path, "-", "file not found") from None
+    except OSError as e:
+        raise ExperimentError(path, "-", f"cannot read it ({e.strerror})") from None
+    try:
+        text = data.decode()
+        raw = tomllib.loads(text)
+    except UnicodeDecodeError as e:
+        raise ExperimentError(path, "-", f"not UTF-8 text ({e.reason})") from None
     except tomllib.TOMLDecodeError as e:
         raise ExperimentError(path, "-", f"not valid TOML: {e}") from None
-    return parse(raw, path)
+    return dataclasses.replace(parse(raw, path), sha256=hashlib.sha256(data).hexdigest(), text=text)
 
 
 def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
@@ -300,9 +313,12 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     variant_loss: dict[str, str] = {}
     variant_lora_dtype: dict[str, str] = {}
     variant_cuda_graph: dict[str, bool] = {}
+    roles: dict[str, str] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph"})
+        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role"})
         settings = dict(settings)
+        if "role" in settings:  # what the variant stands for in a comparison; reports read it
+            roles[vname] = _choice(path, f"variants.{vname}.role", settings.pop("role"), rowmod.ROLES)
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
             variant_loss[vname] = _choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
         if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
@@ -342,7 +358,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
-        variant_cuda_graph=variant_cuda_graph,
+        variant_cuda_graph=variant_cuda_graph, roles=roles,
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness.measure.env import REPO_ROOT
+from harness.run import policy
 from harness.run.experiment import SweepPoint
 from harness.run.point import PROGRESS_PREFIX
 
@@ -122,15 +123,10 @@ class Launcher:
             status, message = "error", f"killed by {sig}" + (" (host out of memory?)" if sig == "SIGKILL" else "")
         else:
             status, message = "error", f"exited with code {returncode} without a result"
-        return {
-            "kind": "step", "point_id": point.point_id, "experiment": point.experiment,
-            "model": point.model, "seq_len": point.seq_len, "batch_size": point.batch_size,
-            "variant": point.variant, "baseline_variant": point.baseline_variant,
-            "switches": point.switches, "gpus": point.gpus, "repeat": point.repeat,
-            "warmup_steps": point.warmup_steps, "measured_steps": point.measured_steps,
-            "lora_rank": point.lora_rank, "lora_dtype": point.lora_dtype, "dtype": point.dtype,
-            "status": status, "message": message, "log_tail": tail[-1500:],
-        }
+        row = point.new_row()
+        row.status, row.message = status, message
+        row.measured["log_tail"] = tail[-1500:]
+        return row.to_dict()
 
 
 class Child:
@@ -252,7 +248,8 @@ class PreloadedLauncher(Launcher):
         return Child(proc.pid, stdout, wait)
 
 
-LAUNCHERS: dict[str, type[Launcher]] = {"process": Launcher, "preloaded": PreloadedLauncher}
+LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Launcher, PreloadedLauncher)}
+assert tuple(LAUNCHERS) == policy.LAUNCHERS, "harness.run.policy lists the launchers"
 
 
 def for_point(point: SweepPoint) -> Launcher:

@@ -44,47 +44,22 @@ def _progress(**fields) -> None:
     print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
-def _base_row(point: SweepPoint, spec) -> dict:
-    return {
-        "kind": "step",
-        "point_id": point.point_id,
-        "experiment": point.experiment,
-        "model": point.model,
-        "family": spec.family,
-        "num_layers": spec.num_hidden_layers,
-        "seq_len": point.seq_len,
-        "batch_size": point.batch_size,
-        "variant": point.variant,
-        "baseline_variant": point.baseline_variant,
-        "switches": point.switches,
-        "gpus": point.gpus,
-        "repeat": point.repeat,
-        "warmup_steps": point.warmup_steps,
-        "measured_steps": point.measured_steps,
-        "lora_rank": point.lora_rank,
-        "lora_dtype": point.lora_dtype,
-        "dtype": point.dtype,
-        "cuda_graph": point.cuda_graph,
-    }
-
-
 def run_point(point: SweepPoint) -> dict:
     """Run ``point`` and return its result row. OOM and other failures become rows too."""
     spec = model_registry.get(point.model)
-    row = _base_row(point, spec)
+    row = point.new_row()
     t0 = time.perf_counter()
     try:
         _inject_fault(point)
-        row.update(_measure(point, spec))
-        row["status"], row["message"] = "ok", ""
+        row.measured.update(_measure(point, spec))
+        row.status, row.message = "ok", ""
     except torch.OutOfMemoryError as e:
-        row["status"], row["message"] = "oom", str(e).splitlines()[0][:500]
+        row.status, row.message = "oom", str(e).splitlines()[0][:500]
     except Exception as e:  # noqa: BLE001 - any failure of one point is a result, not a crash
-        row["status"] = "error"
-        row["message"] = f"{type(e).__name__}: {e}"[:500]
-        row["traceback"] = traceback.format_exc()[-4000:]
-    row["wall_s"] = time.perf_counter() - t0
-    return row
+        row.status, row.message = "error", f"{type(e).__name__}: {e}"[:500]
+        row.measured["traceback"] = traceback.format_exc()[-4000:]
+    row.measured["wall_s"] = time.perf_counter() - t0
+    return row.to_dict()
 
 
 def _inject_fault(point: SweepPoint) -> None:
@@ -138,7 +113,7 @@ class Prepared:
             timer.start_step()
         batch = self.batches[i]
         with phase("forward"):
-            loss = causal_lm_loss(self.model, batch.input_ids, batch.labels, chunked=point.loss == "chunked",
+            loss = causal_lm_loss(self.model, batch.input_ids, batch.labels, chunked=point.loss_mode == "chunked",
                                   position_ids=batch.position_ids, **self.extra[i])
         mark()
         with phase("backward"):
@@ -168,7 +143,7 @@ class Prepared:
 
         def forward_loss():
             return causal_lm_loss(self.model, static["input_ids"], static["labels"],
-                                  chunked=point.loss == "chunked", position_ids=static["position_ids"], **extra)
+                                  chunked=point.loss_mode == "chunked", position_ids=static["position_ids"], **extra)
 
         step = graphs.GraphedStep(forward_loss, self.optimizer)
         step.capture()
@@ -298,8 +273,9 @@ def _measure(point: SweepPoint, spec) -> dict:
         "device_type": device.type,
         "attn_implementation_used": model.config._attn_implementation,
         "optim": optim_applied,
+        # every optim switch of the modules applied, as it resolved (OPTIM_* variables included)
+        "switches_resolved": {k: v for m in optim_applied.values() for k, v in m.get("resolved", {}).items()},
         "pinned_core": pinned_core,
-        "loss_mode": point.loss,
         **optim_stats,
         "dtype_used": str(dtype).replace("torch.", ""),
         "graph_capture_ms": graphed.step.capture_ms if graphed is not None else None,
@@ -309,9 +285,12 @@ def _measure(point: SweepPoint, spec) -> dict:
 
 
 def _enable_optim(model, switches: dict) -> dict:
-    """Apply each optim module the variant configures; stock variants configure none."""
+    """Apply each optim module the variant configures, in ``optim.enable``'s order; stock variants
+    configure none. Returns, per module applied, what it changed (its ``describe``) and the value
+    each of its switches resolved to (the variant's setting, else OPTIM_<NAME>, else the default)."""
     import importlib
 
+    import optim
     from harness.switches import optim_settings
 
     applied = {}
@@ -320,6 +299,7 @@ def _enable_optim(model, switches: dict) -> dict:
         mod.enable(model, **settings)
         describe = getattr(mod, "describe", None)
         applied[modname] = describe(model) if describe else settings
+        applied[modname] = {**applied[modname], "resolved": optim.resolved(mod, **settings)}
     return applied
 
 

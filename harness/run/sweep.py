@@ -7,7 +7,7 @@ killed midway loses only the point in flight.
 
 from __future__ import annotations
 
-import datetime as dt
+import dataclasses
 import json
 import os
 import subprocess
@@ -97,10 +97,6 @@ class Progress:
         self.stream.flush()
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def run_bandwidth_rows(experiment: str, timeout_s: float = 600) -> list[dict]:
     """The H2D benchmark in its own process, like every other measurement."""
     with tempfile.TemporaryDirectory(prefix="packbench-bw-") as tmp:
@@ -122,12 +118,30 @@ def run_bandwidth_rows(experiment: str, timeout_s: float = 600) -> list[dict]:
     return rows
 
 
-def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, progress: bool = True) -> SweepSummary:
+def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | None:
+    """The experiment file as it was read, under results/<experiment>/experiments/<sha>.toml, so
+    rows (which record ``experiment_sha256``) and reports need nothing outside results/."""
+    if not exp.text:
+        return None
+    path = Path(results_root) / exp.name / "experiments" / f"{exp.sha256[:16]}.toml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(exp.text)
+        tmp.replace(path)
+    return path
+
+
+def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, progress: bool = True,
+        command: str = "") -> SweepSummary:
+    """Run ``exp``'s unfinished points; ``command`` (the command line that started the sweep) is
+    recorded in every row."""
     device_name = detect_device_name(exp.device)
     slug = res.gpu_slug(device_name)
     path = res.results_path(results_root, exp.name, slug)
     summary = SweepSummary(results_path=path)
     log_dir = Path(results_root) / exp.name / "logs" / slug
+    keep_experiment_file(exp, results_root)
 
     existing = res.read_rows(path)  # fails loudly on a corrupt file before anything runs
     done = set() if overwrite else res.finished_point_ids(path)
@@ -137,10 +151,10 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
         if overwrite or not have_bw:
             rows = run_bandwidth_rows(exp.name)
             for row in rows:
-                row.update(gpu_slug=slug, device_name=device_name, recorded_at=_now())
+                row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
             res.replace_rows(path, lambda r: r.get("kind") == "bandwidth", rows)
 
-    points = exp.points()
+    points = [dataclasses.replace(p, command=command) for p in exp.points()]
     todo = [p for p in points if p.point_id not in done]
     summary.skipped = len(points) - len(todo)
     bar = Progress(len(todo)) if progress else None
@@ -150,7 +164,7 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
         if bar:
             bar.start(i, point.label())
         row = for_point(point).run(point, log_dir / f"{point.point_id}.log", bar.step if bar else None)
-        row.update(gpu_slug=slug, device_name=device_name, recorded_at=_now())
+        row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
         row.setdefault("env", {})
         res.append_row(path, row, replace_point=True)
         summary.ran += 1
