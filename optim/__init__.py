@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from optim.switches import Switch
 
-__all__ = ["Switch", "SWITCHES", "MODULES", "enable", "resolved"]
+__all__ = ["Switch", "SWITCHES", "MODULES", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
 MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.regional")
@@ -50,21 +50,45 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-def enable(model, **settings):
+def enable(model, *, only=None, **settings):
     """Enable every optimization on a transformers model (peft-wrapped or not), each with its
     defaults unless ``settings`` (or an OPTIM_<NAME> environment variable) says otherwise.
 
     Call it after peft wraps the model and before the optimizer is built: the MoE router
     setting decides which parameters train.
+
+    ``only`` (module names such as ``("packing", "regional")``) applies just those modules, each
+    as asked: ``only=("offload",)`` with ``offload="none"`` still routes checkpointing through the
+    offloader, where a plain ``enable`` leaves checkpointing alone. ``enabled(model)`` returns what
+    the call applied.
     """
     mods = _modules()
     known = {k for mod in mods.values() for k in mod.SWITCHES}
     unknown = set(settings) - known
     if unknown:
         raise ValueError(f"unknown optim switch(es) {sorted(unknown)} (valid: {', '.join(sorted(known))})")
-    for mod in mods.values():
+    if only is not None:
+        names = [n.removeprefix("optim.") for n in ([only] if isinstance(only, str) else only)]
+        bad = sorted(set(names) - set(mods))
+        if bad:
+            raise ValueError(f"unknown optim module(s) {bad} (valid: {', '.join(mods)})")
+        outside = sorted(k for k in settings if not any(k in mods[n].SWITCHES for n in names))
+        if outside:
+            raise ValueError(f"switch(es) {outside} belong to modules outside only={tuple(names)}")
+        mods = {k: v for k, v in mods.items() if k in names}
+    applied = {}
+    for name, mod in mods.items():
         own = {k: v for k, v in settings.items() if k in mod.SWITCHES}
-        if mod is mods["offload"] and mod.SWITCHES["offload"].resolve(own.get("offload")) == "none":
+        if only is None and name == "offload" and mod.SWITCHES["offload"].resolve(own.get("offload")) == "none":
             continue  # off by default: enabling "none" would still turn checkpointing on
         mod.enable(model, **own)
+        describe = getattr(mod, "describe", None)
+        applied[f"optim.{name}"] = {**(describe(model) if describe else own), "resolved": resolved(mod, **own)}
+    object.__setattr__(model, "_optim_enabled", applied)
     return model
+
+
+def enabled(model) -> dict:
+    """Per module the last ``enable`` applied (in ``MODULES`` order): what it changed (the module's
+    ``describe``, else the settings it got) and ``resolved``, the value each of its switches took."""
+    return dict(getattr(model, "_optim_enabled", {}))

@@ -48,3 +48,26 @@ def test_unknown_switch_is_refused():
     with pytest.raises(ValueError, match="unknown optim switch.*valid: .*packing_cache"):
         optim.enable(torch.nn.Linear(2, 2), packing_cahce=False)
     assert "moe_backend" in optim.SWITCHES and "offload" in optim.SWITCHES
+
+
+def test_only_applies_the_named_modules_as_asked():
+    spec = models.get("qwen3-0.6b-tiny")
+    model = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+    optim.enable(model, only=("offload",), offload="none")
+    got = optim.enabled(model)
+    # named explicitly, "none" still routes checkpointing through the offloader; nothing else ran
+    assert list(got) == ["optim.offload"] and got["optim.offload"]["resolved"]["offload"] == "none"
+    from optim import offload
+    assert offload.get(model) is not None
+    assert model.base_model.model.config._attn_implementation != packing.ATTN_NAME
+
+    plain = optim.enable(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4), offload="none")
+    assert "optim.offload" not in optim.enabled(plain) and offload.get(plain) is None
+    assert list(optim.enabled(plain))[0] == "optim.packing"
+
+
+def test_only_refuses_unknown_modules_and_foreign_switches():
+    with pytest.raises(ValueError, match="unknown optim module"):
+        optim.enable(torch.nn.Linear(2, 2), only=("pakcing",))
+    with pytest.raises(ValueError, match="outside only"):
+        optim.enable(torch.nn.Linear(2, 2), only=("packing",), offload="double")

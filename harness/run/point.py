@@ -285,22 +285,18 @@ def _measure(point: SweepPoint, spec) -> dict:
 
 
 def _enable_optim(model, switches: dict) -> dict:
-    """Apply each optim module the variant configures, in ``optim.enable``'s order; stock variants
-    configure none. Returns, per module applied, what it changed (its ``describe``) and the value
-    each of its switches resolved to (the variant's setting, else OPTIM_<NAME>, else the default)."""
-    import importlib
-
+    """``optim.enable`` restricted to the modules the variant configures (stock variants configure
+    none), so a sweep measures exactly what that call gives. Returns ``optim.enabled(model)``: per
+    module applied, what it changed and the value each of its switches resolved to (the variant's
+    setting, else OPTIM_<NAME>, else the default)."""
     import optim
     from harness.switches import optim_settings
 
-    applied = {}
-    for modname, settings in optim_settings(switches).items():
-        mod = importlib.import_module(modname)
-        mod.enable(model, **settings)
-        describe = getattr(mod, "describe", None)
-        applied[modname] = describe(model) if describe else settings
-        applied[modname] = {**applied[modname], "resolved": optim.resolved(mod, **settings)}
-    return applied
+    per_module = optim_settings(switches)
+    if not per_module:
+        return {}
+    optim.enable(model, only=tuple(per_module), **{k: v for s in per_module.values() for k, v in s.items()})
+    return optim.enabled(model)
 
 
 def _optim_stats(model, optim_applied: dict) -> dict:
