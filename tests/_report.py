@@ -93,3 +93,19 @@ def _moe_rows() -> list[dict]:
         {**base, "kind": "moe_experts", "backend": "grouped_mm", "lora": "split", "tokens": 2048, "status": "ok",
          **timing(2.0, 3.0)},
     ]
+
+
+def spec(section: str) -> dict:
+    """``[report.<section>]`` of the repository's experiment file of that name: the tests judge
+    against the targets the reports use."""
+    from harness.run import experiment
+
+    return experiment.load(Path(__file__).parents[1] / "experiments" / f"{section}.toml").report[section]
+
+
+def keep_experiment(results: Path, name: str) -> Path:
+    """The repository's experiments/<name>.toml kept under results/<name>/experiments/, as a sweep
+    keeps it."""
+    from harness.run import experiment, sweep
+
+    return sweep.keep_experiment_file(experiment.load(Path(__file__).parents[1] / "experiments" / f"{name}.toml"), results)

@@ -1,6 +1,9 @@
 """Experiment files: valid ones expand into points; every malformed one fails before anything
 runs, with one error naming the file, the key and the valid choices."""
 
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from harness.run import experiment
@@ -201,3 +204,20 @@ cuda_graph = true
         with pytest.raises(ExperimentError) as e:
             experiment.load(write_toml(base.replace(*edit)))
         assert "variants.b.cuda_graph" in str(e.value) and fragment in str(e.value)
+
+
+def test_report_tables_name_variants_of_the_file(tmp_path):
+    from harness.run import experiment as ex
+
+    text = (Path(__file__).parents[1] / "experiments" / "packing.toml").read_text()
+    ok = ex.parse(tomllib.loads(text))
+    assert ok.report["packing"]["stock"] == "stock-flex"
+    # renaming the variant without its [report] reference fails at load, naming the key
+    renamed = text.replace("[variants.stock-flex]", "[variants.stock-flex-v2]").replace(
+        'baseline = "stock-flex"', 'baseline = "stock-flex-v2"')
+    with pytest.raises(ex.ExperimentError, match=r"\[report.packing.stock\].*stock-flex-v2"):
+        ex.parse(tomllib.loads(renamed))
+    with pytest.raises(ex.ExperimentError, match=r"\[report.pakcing\] unknown report section"):
+        ex.parse(tomllib.loads(text.replace("[report.packing]", "[report.pakcing]")))
+    with pytest.raises(ex.ExperimentError, match=r"\[report.packing.speedupp\] unknown key"):
+        ex.parse(tomllib.loads(text.replace("\nspeedup = ", "\nspeedupp = ")))

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _report import COMMAND, H100, _moe_rows, _offload_rows, store
+from _report import COMMAND, H100, _moe_rows, _offload_rows, keep_experiment, store
 
 from harness import report
 from harness.report import frames, sections
@@ -221,6 +221,11 @@ def test_build_all_renders_bench_only_and_bench_after_sweep(tmp_path):
     shutil.copy(FIXTURE_RESULTS / "demo" / "cpu.jsonl", results / "moe" / "cpu.jsonl")
     store(results, "moe", _moe_rows())
     (results / "empty" / "logs").mkdir(parents=True)  # no rows: no report
+    # with no experiment file kept beside the rows, a report compares but judges nothing
+    untargeted = report.build_report(results, "offload", tmp_path / "untargeted").read_text()
+    assert "## Side-by-side benchmark (one process)" in untargeted and "## Targets" not in untargeted
+    keep_experiment(results, "offload")
+    keep_experiment(results, "moe")
     paths = report.build_all(results, tmp_path / "reports")
     assert paths == [tmp_path / "reports" / "moe" / "README.md", tmp_path / "reports" / "offload" / "README.md"]
 

@@ -7,11 +7,15 @@ from _report import (
     _cells,
     _moe_rows,
     _section,
+    keep_experiment,
+    spec,
     store,
 )
 
 from harness import report
 from harness.report import moe
+
+SPEC = spec("moe")
 
 
 def _role(variant: str) -> str:
@@ -21,6 +25,7 @@ def _role(variant: str) -> str:
 
 def test_moe_routing_percent_and_targets(tmp_path):
     store(tmp_path / "results", "moe", _moe_rows())
+    keep_experiment(tmp_path / "results", "moe")
     text = report.build_report(tmp_path / "results", "moe", tmp_path / "reports").read_text()
     side = _section(text, "## Side-by-side benchmark (one process)")
     # 10/8 − 1 = +25.0% forward, 5/4.5 − 1 = +11.1% backward; the OOM backend says so.
@@ -53,7 +58,7 @@ def test_moe_end_to_end_targets_from_sweep_rows():
             row(2048, "stock-grouped_mm", 900), row(2048, "grouped_mm-split", 290),
             row(16384, "stock-grouped_mm", None, "oom"), row(16384, "grouped_mm-split", 1700),
             row(2048, "loop-merged", 3600), row(2048, "sorted-merged", 3000)]
-    md = moe_e2e_targets_md(rows)
+    md = moe_e2e_targets_md(rows, SPEC)
     # rows without a recording time count as one run ("unknown")
     assert ("| gpt-oss-20b | 2048 | unknown | 900.0 (stock-grouped_mm) | 290.0 (grouped_mm-split) | 3.10× | – | – "
             "| 293 (B200) | yes |") in md
@@ -63,12 +68,12 @@ def test_moe_end_to_end_targets_from_sweep_rows():
     # 4096 and 8192 were not run: the every-length target is not judged
     assert "1024: yes, 2048: yes, 16384: yes | – |" in md
     # judged on the GPU the issue names for that model only (gpt-oss-20b: the H100)
-    assert "ours below the seeds'" not in moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in rows])
+    assert "ours below the seeds'" not in moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in rows], SPEC)
     qwen = [{**r, "model": "qwen3-30b-a3b", "device_name": "NVIDIA H100 80GB HBM3"} for r in rows]
-    assert "ours below the seeds'" not in moe_e2e_targets_md(qwen)
-    assert "| 366 (H100) | yes (judged on the H200) |" in moe_e2e_targets_md(qwen)
+    assert "ours below the seeds'" not in moe_e2e_targets_md(qwen, SPEC)
+    assert "| 366 (H100) | yes (judged on the H200) |" in moe_e2e_targets_md(qwen, SPEC)
     assert "ours below the seeds' H100 figures at every length (qwen3-30b-a3b) | 1024: yes" in \
-        moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in qwen])
+        moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in qwen], SPEC)
 
 
 def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
@@ -94,12 +99,12 @@ def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
         # a different code hash within 30 minutes is a different run
         row(1024, "stock-grouped_mm", 200, "2026-11-22T07:10:00+00:00", sha="c2"),
     ]
-    pairs = moe_pairs(rows, "gpt-oss-20b")
+    pairs = moe_pairs(rows, "gpt-oss-20b", SPEC["eager_experts"])
     assert pairs[2048]["stock"] == 600 and pairs[2048]["ours"] == 170 and pairs[2048]["one_run"]
     assert pairs[2048]["eager"] == 3000 and not pairs[2048]["eager_same_run"]
     assert pairs[4096]["eager"] == 4000 and pairs[4096]["eager_same_run"]
     assert pairs[8192]["ours"] == 530 and pairs[1024]["stock"] == 500
-    md = moe_e2e_targets_md(rows)
+    md = moe_e2e_targets_md(rows, SPEC)
     assert "| gpt-oss-20b | 2048 | 11-22 07:00 | 600.0 (stock-grouped_mm) | 170.0 (grouped_mm-split) | 3.53× | 3000.0 (other run) | – |" in md
     assert "| 4000.0 | 13.8× |" in md
     assert ("stock takes 400 ms + 100.0 ms per 1k tokens and ours 50 ms + 60.0 ms per 1k tokens. The fixed parts "
@@ -108,7 +113,7 @@ def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
     assert "1024: 390.0, 2048: 430.0, 4096: 510.0, 8192: 670.0." in md
     assert "| the gap grows with sequence length (gpt-oss-20b) | 1024: 4.55×, 2048: 3.53×, 4096: 2.76×, 8192: 2.26× | no |" in md
     # only one side anywhere: each side's best over all runs, no ratio
-    solo = moe_pairs([row(2048, "grouped_mm-split", 170, new), row(2048, "stock-grouped_mm", 600, old)], "gpt-oss-20b")
+    solo = moe_pairs([row(2048, "grouped_mm-split", 170, new), row(2048, "stock-grouped_mm", 600, old)], "gpt-oss-20b", SPEC["eager_experts"])
     assert not solo[2048]["one_run"] and solo[2048]["run"] == "different runs"
 
 
@@ -122,7 +127,7 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
 
     h100 = {"kind": "step", "status": "ok", "model": "gpt-oss-20b", "variant": "stock-grouped_mm", "role": "stock",
             "device_name": "NVIDIA H100", "env": {"memory_total_gib": 79.6}}
-    md = moe_fit_md([row(1024, 96.0), row(8192, 104.0), h100])
+    md = moe_fit_md([row(1024, 96.0), row(8192, 104.0), h100], SPEC["fit_model"])
     frozen, state = 30.5e9 * 2 / 2**30, 2.5e9 * 4 * 4 / 2**30  # 56.8 and 37.3 GiB
     assert "on one NVIDIA H100" in md and f"{frozen + state:.1f} GiB" in md
     # bf16 adapters save half the state, from the larger of the zero-token line and weights + state
@@ -131,12 +136,12 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
     assert "| as measured (adapters fp32, peft's default) | 0.0 |" in md and "(none)" in md
     # a bf16-adapter row does not bend the fp32 line
     bf16 = {**row(8192, 80.0), "variant": "grouped_mm-split-bf16lora", "lora_dtype": "model"}
-    with_bf16 = moe_fit_md([row(1024, 96.0), row(8192, 104.0), bf16, h100])
+    with_bf16 = moe_fit_md([row(1024, 96.0), row(8192, 104.0), bf16, h100], SPEC["fit_model"])
     assert with_bf16.startswith(md)
     # ... and is set beside the table's projection for it
     assert with_bf16.endswith(f"8192 tokens on the NVIDIA H200: 80.0 GiB (projected {base - state / 2 + 8.0 / 7168 * 8192:.1f}).")
     # one length only, or no GPU capacity recorded: nothing to say
-    assert moe_fit_md([row(1024, 96.0), h100]) == ""
+    assert moe_fit_md([row(1024, 96.0), h100], SPEC["fit_model"]) == ""
 
 
 def test_sides_follow_roles_not_names():

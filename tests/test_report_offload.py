@@ -9,6 +9,8 @@ from _report import (
     _offload_point,
     _offload_rows,
     _section,
+    keep_experiment,
+    spec,
     store,
 )
 
@@ -19,6 +21,7 @@ from harness.report import offload
 @pytest.fixture
 def offload_readme(tmp_path) -> str:
     store(tmp_path / "results", "offload", _offload_rows())
+    keep_experiment(tmp_path / "results", "offload")
     return report.build_report(tmp_path / "results", "offload", tmp_path / "reports").read_text()
 
 
@@ -82,6 +85,6 @@ def test_offload_bound_reachable_everywhere():
     rows = _offload_point("qwen3-8b", 2048, 4, 64 * MIB, {"single": 2000.0, "double": 1700.0},
                           {"single": 1.0, "double": 1.0}, {"layers_reloaded": 33, "c_ms": 20.0, "g_ms": 30.0})
     points = offload.offload_points(rows)
-    (gain,) = [t for t in offload.offload_targets(points) if t["target"].startswith("double over single")]
+    (gain,) = [t for t in offload.offload_targets(points, spec("offload")["seeds"]) if t["target"].startswith("double over single")]
     assert gain["ok"] is True and gain["note"] == ""
-    assert "reachable in principle" in offload.offload_bound_paragraph(points)
+    assert "reachable in principle" in offload.offload_bound_paragraph(points, spec("offload")["seeds"])

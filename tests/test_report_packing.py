@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from _report import spec
+
 from harness.report import bench
+
+SPEC = spec("packing")
 
 
 def test_packing_cache_predicted_vs_measured():
@@ -50,7 +54,7 @@ def test_packing_cache_md_sorts_pairs_by_who_bounds_the_step():
     rows = [row(16384, True, 700.0, 1.001, 10), row(16384, False, 716.0, 1.001, 560),   # GPU-bound
             row(8192, True, 700.0, 1.04, 10), row(8192, False, 701.0, 1.04, 560),       # within its band
             row(2048, True, 400.0, 1.2, 10), row(2048, False, 530.0, 1.2, 560)]         # host-bound
-    md = packing_cache_md(rows, m)
+    md = packing_cache_md(rows, m, SPEC)
     # 16 ms saved of a 16.5 ms device part; 2048: 130 ms of 137.5 ms predicted from the whole m
     assert "- GPU-bound: measured / device part median 0.97, range 0.97–0.97, 1 pairs." in md
     assert "1 more GPU-bound pairs predict a device part within their steps' p20–p80 band" in md
@@ -61,7 +65,7 @@ def test_packing_cache_md_names_lengths_without_m():
     from harness.report.packing import packing_cache_md
 
     rows = [_packing_row("packed-flex", 400.0, seq_len=16384), _packing_row("packed-flex-nocache", 410.0, seq_len=16384)]
-    md = packing_cache_md(rows, [])
+    md = packing_cache_md(rows, [], SPEC)
     assert "device part of it ms" in md and "The bench has no m for 16384 tokens on g" in md
 
 
@@ -74,7 +78,7 @@ def _packing_row(variant, p50, *, model="qwen3-0.6b", seq_len=8192, status="ok",
     if variant.startswith("packed-") and not variant.endswith("-compiled"):
         sw.setdefault("packing_cache", not variant.endswith("-nocache"))
     return {"kind": "step", "gpu_slug": "g", "model": model, "seq_len": seq_len, "variant": variant,
-            "status": status, "switches": sw, "batch_size": 1, "num_layers": 28, "measured_steps": 10,
+            "role": "stock" if variant.startswith("stock-") else "ours", "status": status, "switches": sw, "batch_size": 1, "num_layers": 28, "measured_steps": 10,
             "step_ms": {"p20": p50, "p50": p50, "p80": p50 * spread} if status == "ok" else None,
             "peak_allocated_gib": peak, "recorded_at": at, "env": {"git_sha": sha}}
 
@@ -91,12 +95,12 @@ def test_packing_cache_compiled_rows_do_not_collide():
     rows.append(_packing_row("packed-flex-compiled", 260.0, packing_cache=False))
     pts = packing_cache_points(rows, [])
     assert [(q["compiled"], q["on_ms"], q["off_ms"]) for q in pts] == [(False, 400.0, 500.0), (True, 200.0, 260.0)]
-    md = packing_cache_md(rows, [])
+    md = packing_cache_md(rows, [], SPEC)
     assert "| g | qwen3-0.6b | 8192 | flex | " in md and "| g | qwen3-0.6b | 8192 | flex (compiled) | " in md
 
 
 def test_packing_best_packed_vs_stock_flex_met():
-    from harness.report.packing import packing_targets_md
+    from harness.report.packing import packing_targets_md, packing_vs_stock_points
 
     rows = [_packing_row("stock-flex", 500.0, at="2026-11-22T00:30:00+00:00"),
             _packing_row("stock-flex-compiled", 250.0),
@@ -104,16 +108,28 @@ def test_packing_best_packed_vs_stock_flex_met():
             _packing_row("packed-sdpa", None, status="oom"),
             _packing_row("packed-varlen-compiled", 200.0, at="2026-11-22T00:40:00+00:00"),
             _packing_row("stock-flex", 300.0, seq_len=2048)]  # no packed row at 2048
-    md = packing_targets_md(rows, [])
-    assert ("| best packed path ≥ 1.3× faster than stock flex_attention, qwen3-0.6b at 8192 tokens "
+    at_2048, at_8192 = packing_vs_stock_points(rows, SPEC)
+    assert (at_8192["stock_ms"], at_8192["best_ms"], at_8192["best_variant"]) == (500.0, 200.0, "packed-varlen-compiled")
+    assert at_8192["ratio"] == pytest.approx(2.5) and at_8192["compiled_ratio"] == pytest.approx(1.25)
+    assert at_8192["failed"] == ["packed-sdpa: oom"]
+    assert (at_2048["stock_ms"], at_2048["best_ms"], at_2048["ratio"]) == (300.0, None, None)
+    # the one rendered check: the target's row, its verdict from the experiment file's min_ratio
+    md = packing_targets_md(rows, [], SPEC)
+    assert (f"| best packed path ≥ {SPEC['speedup']['min_ratio']:g}× faster than stock-flex, qwen3-0.6b at 8192 tokens "
             "(REFERENCE: stock 411 ms on the H100) | 2.50× (stock-flex 500.0 → packed-varlen-compiled 200.0 ms); "
             "over stock-flex-compiled 1.25× | met |") in md
-    assert "| g | qwen3-0.6b | 8192 | 500.0 | 200.0 (packed-varlen-compiled) | 2.50× | 250.0 | 1.25× |" in md
-    assert "| g | qwen3-0.6b | 2048 | 300.0 | not run | – | – | – |" in md
-    assert "same sweep file" in md
-    assert ("stock-flex recorded 2026-11-22T00:30:00+00:00 (git aaaa1111) and packed-varlen-compiled recorded "
-            "2026-11-22T00:40:00+00:00 (git aaaa1111): they are 10 minutes apart running the same code, so they likely "
-            "come from one run.") in md
+    assert "10 minutes apart running the same code, so they likely come from one run." in md
+
+
+def test_packing_comparisons_follow_the_experiment_file():
+    from harness.report.packing import packing_vs_stock_points
+
+    rows = [_packing_row("stock-flex", 500.0), _packing_row("packed-flex", 400.0)]
+    renamed = [{**r, "variant": "stock-flex-v2"} if r["variant"] == "stock-flex" else r for r in rows]
+    # the stock side is the variant [report.packing] names, whatever its name
+    assert packing_vs_stock_points(renamed, SPEC) == []
+    (p,) = packing_vs_stock_points(renamed, {**SPEC, "stock": "stock-flex-v2"})
+    assert p["ratio"] == pytest.approx(1.25)
 
 
 def test_packing_best_packed_vs_stock_flex_not_met_and_different_runs():
@@ -121,17 +137,17 @@ def test_packing_best_packed_vs_stock_flex_not_met_and_different_runs():
 
     rows = [_packing_row("stock-flex", 500.0, at="2026-11-21T20:00:00+00:00"),
             _packing_row("packed-flex", 450.0, at="2026-11-22T00:00:00+00:00")]
-    md = packing_targets_md(rows, [])
+    md = packing_targets_md(rows, [], SPEC)
     assert "| 1.11× (stock-flex 500.0 → packed-flex 450.0 ms); over stock-flex-compiled – | not met |" in md
     assert "they are 240 minutes apart, so they come from different runs." in md
     # within 30 minutes but at another commit: still different runs
     rows[1].update(recorded_at="2026-11-21T20:05:00+00:00", env={"git_sha": "bbbb2222"})
     assert "ran different code (commits or code hashes differ), so they come from different runs." \
-        in packing_targets_md(rows, [])
+        in packing_targets_md(rows, [], SPEC)
     # different commits but one hash of the measuring code (a commit that added only results): one run
     rows[0]["env"] = {"git_sha": "aaaa1111", "code_sha": "c0de"}
     rows[1]["env"] = {"git_sha": "bbbb2222", "code_sha": "c0de"}
-    assert "5 minutes apart running the same code, so they likely come from one run." in packing_targets_md(rows, [])
+    assert "5 minutes apart running the same code, so they likely come from one run." in packing_targets_md(rows, [], SPEC)
 
 
 def test_packing_targets_missing_stock_flex_and_odd_rows():
@@ -141,17 +157,17 @@ def test_packing_targets_missing_stock_flex_and_odd_rows():
             {"kind": "step"}, {"kind": "step", "variant": "stock-flex", "status": "ok", "step_ms": "fast"},
             {"kind": "step", "variant": "packed-sdpa", "model": "qwen3-0.6b", "seq_len": "8192", "status": "ok",
              "switches": None, "recorded_at": None, "peak_allocated_gib": float("nan")}]
-    md = packing_targets_md(rows, [])
+    md = packing_targets_md(rows, [], SPEC)
     assert "None" not in md and "nan" not in md
     assert "qwen3-0.6b at 8192 tokens (REFERENCE: stock 411 ms on the H100) | not measured | – |" in md
     assert "#### Best packed path vs stock flex_attention" not in md
     assert "| g | qwen3-0.6b | 8192 | – | – | 15.000 | – / – | 0.062 | yes |" in md
     # a stock-flex row but no packed path at all: stated, not judged
-    md = packing_targets_md([_packing_row("stock-flex", 500.0)], [])
+    md = packing_targets_md([_packing_row("stock-flex", 500.0)], [], SPEC)
     assert "| stock-flex 500.0 ms, no packed row | – |" in md
     # and nothing at all still renders the target lines
-    assert "not measured" in packing_targets_md([], [])
-    assert bench.sweep_targets("packing", [{"kind": "step"}]) != []
+    assert "not measured" in packing_targets_md([], [], SPEC)
+    assert bench.sweep_targets({"packing": SPEC}, [{"kind": "step"}]) != []
 
 
 def test_packing_cache_gain_vs_seeds():
@@ -161,7 +177,7 @@ def test_packing_cache_gain_vs_seeds():
             _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 420.0),  # +5%
             _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b"),
             _packing_row("packed-sdpa-nocache", 303.0, model="llama-3.2-1b")]  # +1%
-    md = packing_targets_md(rows, [])
+    md = packing_targets_md(rows, [], SPEC)
     assert ("| cache on saves ≥ the seeds' +14.8% per step (qwen3-0.6b) | best +25.0% (flex, 8192 tokens; "
             "spread ±0%) | met |") in md
     assert ("| cache on saves ≥ the seeds' +11.5% per step (llama-3.2-1b) | best +1.0% (sdpa, 8192 tokens; spread ±0%) | "
@@ -178,7 +194,7 @@ def test_packing_cache_gain_within_noise_is_not_judged():
             _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 440.0, spread=1.05),  # +10% > 5%
             _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b", spread=1.3),
             _packing_row("packed-sdpa-nocache", 330.0, model="llama-3.2-1b")]  # +10% < 30%
-    md = packing_targets_md(rows, [])
+    md = packing_targets_md(rows, [], SPEC)
     assert "(qwen3-0.6b) | best +10.0% (varlen, 8192 tokens; spread ±5%) | not met" in md
     assert "(llama-3.2-1b) | best +10.0% (sdpa, 8192 tokens; spread ±30%) | within noise" in md
 
@@ -189,7 +205,7 @@ def test_packing_peak_memory_side_by_side():
     rows = [_packing_row("packed-sdpa", 410.0, peak=15.8), _packing_row("packed-flex", 400.0, peak=15.7),
             _packing_row("packed-varlen", 390.0, peak=15.75, at="2026-11-22T02:00:00+00:00"),
             _packing_row("packed-flex-compiled", 200.0, peak=1.0)]  # compiled: not in this table
-    md = packing_targets_md(rows, [])
+    md = packing_targets_md(rows, [], SPEC)
     assert "`tests/test_gpu_packing.py` (a GPU test) asserts it" in md
     assert "| g | qwen3-0.6b | 8192 | 15.800 | 15.700 | 15.750 | +0.100 / +0.050 | 0.062 | no |" in md
 
@@ -199,6 +215,6 @@ def test_packing_vs_stock_keeps_a_point_whose_stock_run_failed():
 
     failed = _packing_row("stock-flex", None, seq_len=16384, status="error")
     failed["message"] = "timed out after 150 s"
-    md = packing_targets_md([failed, _packing_row("packed-flex", 700.0, seq_len=16384)], [])
+    md = packing_targets_md([failed, _packing_row("packed-flex", 700.0, seq_len=16384)], [], SPEC)
     assert "| g | qwen3-0.6b | 16384 | error: timed out after 150 s | 700.0 (packed-flex) | – |" in md
 

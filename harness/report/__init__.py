@@ -8,6 +8,7 @@ gives byte-identical markdown.
 - ``plots``: the PNGs; ``sections``: the sections every report has, per GPU type;
 - ``bench``: the microbenchmarks' rows; ``offload``, ``moe``, ``packing``: each optimization's
   tables, analytic checks and targets; ``profiles``: where a profiled step's time goes;
+- ``spec``: the experiment file's ``[report]`` tables: what each section compares and its targets;
 - ``fmt``: cell formatting; ``runs``: which rows come from one run.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import results as res
-from harness.report import bench, profiles
+from harness.report import bench, profiles, spec
 from harness.report.fmt import _values
 from harness.report.frames import bandwidth_frame, steps_frame
 from harness.report.sections import SECTIONS, summary
@@ -49,9 +50,13 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
         parts.append(f"## {device} (`{slug}`)")
         parts += [text.strip() for section in SECTIONS
                   if (text := section(df_steps, df_bw, gpu_rows, out_dir)) and text.strip()]
-    parts += bench.sweep_targets(experiment, rows)
+    tables, kept = spec.load(results_root, experiment, rows)
+    if kept is not None and tables:
+        parts.append(f"Comparisons and targets from `[report]` in `results/{experiment}/experiments/{kept.name}`, "
+                     "the experiment file as the sweep read it.")
+    parts += bench.sweep_targets(tables, rows)
     parts += profiles.profile_sections(results_root, experiment)
-    parts += bench.sections(rows, experiment)
+    parts += bench.sections(rows, experiment, tables)
     readme = out_dir / "README.md"
     readme.write_text("\n\n".join(parts) + "\n")
     return readme

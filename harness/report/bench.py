@@ -53,9 +53,10 @@ def _provenance(g: BenchGroup, experiment: str) -> str:
             + (f": {setup}" if setup else "") + (f"; git {', '.join(sorted(shas))}" if shas else "") + ".")
 
 
-def sections(rows: list[dict], experiment: str) -> list[str]:
-    """"## Side-by-side benchmark (one process)" and, where targets apply, "## Targets" ([] when
-    the experiment has no bench rows)."""
+def sections(rows: list[dict], experiment: str, spec: dict | None = None) -> list[str]:
+    """"## Side-by-side benchmark (one process)" and, where the experiment file's ``[report]``
+    tables (``spec``) set targets, "## Targets" ([] when the experiment has no bench rows)."""
+    spec = spec or {}
     found = groups(rows)
     if not found:
         return []
@@ -65,9 +66,10 @@ def sections(rows: list[dict], experiment: str) -> list[str]:
     for g in found:
         points = offload.offload_points(g.rows)
         body = [text for text in (offload.offload_tables(points, g.rows) if points else "",
-                                  moe.moe_tables(g.rows), packing.packing_tables(g.rows)) if text]
+                                  moe.moe_tables(g.rows), packing.packing_tables(g.rows, spec.get("packing") or {})) if text]
         side += [f"### {_device(g)}", _provenance(g, experiment), *(body or ["No rows this report knows how to read."])]
-        goals = [text for text in (offload.offload_targets_md(points), moe.moe_targets_md(g.rows)) if text]
+        goals = [text for text in (offload.offload_targets_md(points, spec["offload"]) if "offload" in spec else "",
+                                   moe.moe_targets_md(g.rows, spec["moe"]) if "moe" in spec else "") if text]
         if goals:
             targets += [f"### {_device(g)}", *goals]
     out = ["\n\n".join(side)]
@@ -77,17 +79,19 @@ def sections(rows: list[dict], experiment: str) -> list[str]:
     return out
 
 
-def sweep_targets(experiment: str, rows: list[dict]) -> list[str]:
-    """End-to-end comparisons read from an experiment's sweep rows (MoE, packing)."""
+def sweep_targets(spec: dict, rows: list[dict]) -> list[str]:
+    """End-to-end comparisons read from an experiment's sweep rows: one per section its file's
+    ``[report.<section>]`` tables (``spec``) name (moe, packing)."""
     steps = [r for r in rows if r.get("kind") == "step"]
     if not steps:
         return []
-    if experiment == "moe":
-        text = "\n\n".join(x for x in (moe.moe_e2e_targets_md(steps), moe.moe_fit_md(steps)) if x)
-    elif experiment == "packing":
+    texts = []
+    if "moe" in spec:
+        fit = spec["moe"].get("fit_model")
+        texts += [moe.moe_e2e_targets_md(steps, spec["moe"]), moe.moe_fit_md(steps, fit) if fit else ""]
+    if "packing" in spec:
         m_rows = [r for r in bench_rows(rows) if r.get("kind") == "packing_m"]
-        text = "\n\n".join(x for x in (packing.packing_cache_md(steps, m_rows),
-                                       packing.packing_targets_md(steps, m_rows)) if x)
-    else:
-        return []
+        texts += [packing.packing_cache_md(steps, m_rows, spec["packing"]),
+                  packing.packing_targets_md(steps, m_rows, spec["packing"])]
+    text = "\n\n".join(x for x in texts if x)
     return ["## From the sweep rows: end-to-end comparisons and models\n\n" + text] if text else []

@@ -21,7 +21,6 @@ from harness.switches import SWITCHES
 
 # the backends the layer benchmark compares: every choice of the switch but "auto"
 MOE_BACKENDS = tuple(b for b in SWITCHES["moe_backend"].choices if b != "auto")
-SEEDS_MOE_ROUTING = {"forward_ms": 23.0, "backward_ms": 13.0}
 # ---------------------------------------------------------------------------------------------
 # MoE layer (bench_moe)
 
@@ -139,10 +138,12 @@ def moe_crossover_md(rows: list[dict]) -> str:
           "(X·A_e)·B_e costs fewer FLOPs than peft's materialized W + B·A for all E experts.")
 
 
-def moe_targets_md(rows: list[dict]) -> str:
+def moe_targets_md(rows: list[dict], spec: dict) -> str:
+    """The routing targets of ``spec`` (the experiment's ``[report.moe]``) against the layer bench."""
     body = []
+    seeds = {k: float(v) for k, v in (spec.get("seeds_routing") or {}).items()}
     for pt in moe_routing(rows):
-        for metric, target in SEEDS_MOE_ROUTING.items():
+        for metric, target in seeds.items():
             gain = pt[f"sorted_over_loop_{metric}"]
             phase = metric.removesuffix("_ms")
             body.append([f"routing {phase}, sorted over loop ≥ {_pct(target)} ({pt['model']} T={pt['tokens']})",
@@ -155,19 +156,6 @@ def moe_targets_md(rows: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # End-to-end targets read from an experiment's sweep rows (not bench files)
-
-# The seeds' published ms/step (REFERENCE.md): Unsloth on a B200 for gpt-oss-20b, on an H100 for
-# Qwen3-30B-A3B; bf16 LoRA r=64 on attention and every expert gate_up/down.
-# The third field names the GPU the issue judges that target on (gpt-oss-20b on the H100, a
-# slower GPU than theirs; Qwen3-30B-A3B on the H200, where stock peft fits it): elsewhere the
-# table still compares, but no verdict is given.
-SEEDS_MOE_MS = {
-    "gpt-oss-20b": ("B200", {1024: 275, 2048: 293, 4096: 370, 8192: 712, 16384: 1776}, "H100"),
-    "qwen3-30b-a3b": ("H100", {1024: 366, 2048: 467, 4096: 712, 8192: 1377, 16384: 3182}, "H200"),
-}
-MOE_SPEEDUP_TARGET = (2048, 3.0)  # best ours over best stock, gpt-oss-20b
-MOE_SORTED_E2E_TARGET = 10.0  # % steps/s, sorted over loop end to end, gpt-oss-20b
-
 
 def _p50_by(rows, model, seq_len, variants) -> tuple[float | None, str | None, list[str]]:
     """Fastest ok p50 (median over repeats) among ``variants``; the statuses of failed ones."""
@@ -210,9 +198,10 @@ def _moe_sides(rows) -> tuple[list[str], list[str]]:
     return stock, ours
 
 
-def moe_pairs(rows: list[dict], model: str) -> dict[int, dict]:
+def moe_pairs(rows: list[dict], model: str, eager: str | None = None) -> dict[int, dict]:
     """Per length: best stock and best ours measured side by side, from the latest run (``_runs``)
-    that has an ok row on each side, with that run's stock ``eager`` experts when it ran them.
+    that has an ok row on each side, with that run's ``eager`` variant (stock's per-expert loop) when
+    it ran it.
     A length with no such run gives each side's best over all runs, marked ``one_run = False``."""
     mine = [r for r in rows if r.get("kind") == "step" and r.get("model") == model]
     stock, ours = _moe_sides(mine)
@@ -224,10 +213,10 @@ def moe_pairs(rows: list[dict], model: str) -> dict[int, dict]:
         pick = paired[-1] if paired else at
         s, sv, sf = _p50_by(pick, model, t, stock)
         o, ov, of = _p50_by(pick, model, t, ours)
-        e, _, ef = _p50_by(pick, model, t, ["stock-eager"])
+        e, _, ef = _p50_by(pick, model, t, [eager] if eager else [])
         eager_here = e is not None or bool(ef)
         if not eager_here:  # another run's eager experts: shown, but no ratio against ours
-            e, _, ef = _p50_by(at, model, t, ["stock-eager"])
+            e, _, ef = _p50_by(at, model, t, [eager] if eager else [])
         out[t] = {"stock": s, "stock_variant": sv, "stock_failed": sf, "ours": o, "ours_variant": ov,
                   "ours_failed": of, "eager": e, "eager_failed": ef, "one_run": bool(paired),
                   "eager_same_run": eager_here and bool(paired),
@@ -257,9 +246,17 @@ def moe_gap_md(pairs: dict[int, dict], model: str) -> str:
             f"ratio). The milliseconds saved per step do grow with length: {saved}.")
 
 
-def moe_e2e_targets_md(rows: list[dict]) -> str:
+def _seeds_ms(spec: dict) -> dict[str, tuple[str, dict[int, float], str | None]]:
+    """``[report.moe.seeds_ms.<model>]``: the seeds' GPU, their ms per length, the GPU judged on."""
+    return {model: (t.get("gpu"), {int(k): v for k, v in (t.get("ms") or {}).items()}, t.get("judged_on"))
+            for model, t in (spec.get("seeds_ms") or {}).items()}
+
+
+def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
     """Per GPU: ours (optim.moe, split LoRA) vs stock transformers experts + peft per length, each
-    pair from one run (``moe_pairs``), and the issue's end-to-end targets."""
+    pair from one run (``moe_pairs``), and the targets of ``spec`` (the experiment's
+    ``[report.moe]``: the speed-up, sorted over loop, what completes, the seeds' step times)."""
+    seeds_ms, eager = _seeds_ms(spec), spec.get("eager_experts")
     steps = [r for r in rows if r.get("kind") == "step"]
     out = []
     for slug in sorted({r.get("gpu_slug") or "unknown" for r in steps}):
@@ -270,8 +267,8 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
             stock, ours = _moe_sides([r for r in g if r["model"] == model])
             if not stock and not ours:
                 continue
-            seeds_gpu, seeds, judged_on = SEEDS_MOE_MS.get(model, (None, {}, None))
-            pairs = moe_pairs(g, model)
+            seeds_gpu, seeds, judged_on = seeds_ms.get(model, (None, {}, None))
+            pairs = moe_pairs(g, model, eager)
             ratios = []
             for t, p in pairs.items():
                 s, o, e = p["stock"], p["ours"], p["eager"]
@@ -290,8 +287,8 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
                              _met(None if o is None or ref is None else o < ref,
                                   f"judged on the {judged_on}" if ref and judged_on and judged_on not in str(device)
                                   else "")])
-            if model.startswith("gpt-oss"):
-                t0, want = MOE_SPEEDUP_TARGET
+            if (sp := spec.get("speedup")) and sp.get("model") == model:
+                t0, want = int(sp["seq_len"]), float(sp["min_ratio"])
                 got = dict(ratios).get(t0)
                 targets.append([f"best ours ≥ {want:.0f}× best stock at {t0} tokens ({model})",
                                 f"{got:.2f}×" if got else "not run", _met(None if got is None else got >= want)])
@@ -299,12 +296,14 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
                 targets.append([f"the gap grows with sequence length ({model})",
                                 ", ".join(f"{t}: {r:.2f}×" for t, r in ratios) or "not run",
                                 _met(None if len(grows) < 2 else all(b >= a for a, b in zip(grows, grows[1:])))])
-                o16, ov16, of16 = _p50_by(g, model, 16384, ours)
-                s16, _, sf16 = _p50_by(g, model, 16384, stock)
+            if (fits := spec.get("completes")) and fits.get("model") == model:
+                t16 = int(fits["seq_len"])
+                o16, ov16, of16 = _p50_by(g, model, t16, ours)
+                s16, _, sf16 = _p50_by(g, model, t16, stock)
 
                 def loss_of(variants, ok):
                     modes = {r.get("loss_mode") or "full" for r in g if r["model"] == model
-                             and r["seq_len"] == 16384 and r["variant"] in variants
+                             and r["seq_len"] == t16 and r["variant"] in variants
                              and (r.get("status") == "ok") == ok}
                     return "/".join(sorted(modes)) or "?"
 
@@ -313,16 +312,20 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
                     # the loss, not the experts, may decide what fits: say so beside the verdict
                     caveat = (f" (ours with the {loss_of([ov16], True)} loss, stock's failure with the "
                               f"{loss_of(stock, False)} loss)")
-                targets.append([f"ours completes 16384 tokens where stock runs out of memory ({model})",
+                targets.append([f"ours completes {t16} tokens where stock runs out of memory ({model})",
                                 f"ours {_ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
                                 f"stock {_ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
                                 _met(None if o16 is None and not of16 else (o16 is not None and s16 is None and bool(sf16)))])
-                lp, _, _ = _p50_by(g, model, 2048, ["loop-merged"])
-                sp, _, _ = _p50_by(g, model, 2048, ["sorted-merged"])
+            sol = spec.get("sorted_over_loop")
+            if sol and sol.get("model") == model and spec.get("loop") and spec.get("sorted"):
+                t0, want = int(sol["seq_len"]), float(sol["min_gain_pct"])
+                lp, _, _ = _p50_by(g, model, t0, [spec["loop"]])
+                sp, _, _ = _p50_by(g, model, t0, [spec["sorted"]])
                 gain = _ratio_pct(lp, sp)
-                targets.append([f"sorted over loop end to end ≥ +{MOE_SORTED_E2E_TARGET:.0f}% ({model}, 2048, peft merged LoRA)",
+                targets.append([f"sorted over loop end to end ≥ +{want:.0f}% ({model}, {t0}, "
+                                f"{spec['loop']} → {spec['sorted']})",
                                 f"{_gain(gain)} ({_ms(lp)} → {_ms(sp)} ms)" if gain is not None else "not run",
-                                _met(None if gain is None else gain >= MOE_SORTED_E2E_TARGET)])
+                                _met(None if gain is None else gain >= want)])
             if (gap := moe_gap_md({t: p for t, p in pairs.items() if p["one_run"]}, model)):
                 notes.append(gap)
             if seeds and judged_on and judged_on in str(device):
@@ -348,13 +351,11 @@ def moe_e2e_targets_md(rows: list[dict]) -> str:
     return "\n\n".join(out)
 
 
-# The model that stock cannot train on an 80 GB card (issue: "say what would make it fit").
-MOE_FIT_MODEL = "qwen3-30b-a3b"
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GIB = 2**30
 
 
-def moe_fit_md(rows: list[dict], model: str = MOE_FIT_MODEL) -> str:
+def moe_fit_md(rows: list[dict], model: str) -> str:
     """What would make ``model`` fit on the smallest GPU the rows ran on: its measured peaks split
     into the fixed part (frozen weights; adapters, their grads and AdamW's two states) and the
     per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic

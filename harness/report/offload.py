@@ -25,26 +25,21 @@ from harness.report.fmt import (
 )
 from harness.switches import SWITCHES
 
+OFFLOAD_MODES = SWITCHES["offload"].choices
 # The caching allocator rounds large blocks up to 2 MiB, so a measured peak delta may exceed the
 # buffer it holds by that much without a second buffer being any larger.
-OFFLOAD_MODES = SWITCHES["offload"].choices
 ALLOCATOR_SLACK_GIB = 2 * MIB / GIB
 RATIO_OK = (0.5, 1.5)
 NONE_STEP_TOLERANCE_PCT = 5.0
 
-# The seeds' double-buffering headlines (NVIDIA B200), keyed by the size in the model name.
-SEEDS_OFFLOAD = {
-    "8b": {"gain_pct": 8.4, "steps_per_s": "0.3739→0.4053", "extra_vram_gb": 0.37},
-    "14b": {"gain_pct": 6.7, "steps_per_s": "0.2245→0.2395", "extra_vram_gb": 0.47},
-    "32b": {"gain_pct": 4.6, "steps_per_s": "0.1979→0.2070", "extra_vram_gb": 0.23},
-}
-# argsort + bincount routing against the per-expert torch.where loop (GPT-OSS, B200).
 # ---------------------------------------------------------------------------------------------
 # Offloaded checkpointing (bench_offload)
 
 
-def _seed_key(model: str) -> str | None:
-    hit = re.search(r"(?<![\d.])(8|14|32)b(?![a-z0-9])", model.lower())
+def _seed_key(model: str, seeds: dict) -> str | None:
+    """The key of ``seeds`` (sizes such as "8b") that names ``model``'s size, if any."""
+    sizes = "|".join(re.escape(k.lower().removesuffix("b")) for k in seeds)
+    hit = re.search(rf"(?<![\d.])({sizes})b(?![a-z0-9])", model.lower()) if sizes else None
     return f"{hit[1]}b" if hit else None
 
 
@@ -170,14 +165,15 @@ def offload_tables(points: list[dict], rows: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
-def offload_targets(points: list[dict]) -> list[dict]:
-    """Target rows: {target, seeds, measured, ok (bool | None), note}."""
+def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
+    """Target rows: {target, seeds, measured, ok (bool | None), note}; ``seeds`` is
+    ``[report.offload.seeds]`` (the seeds' headline per model size)."""
     out = []
     for pt in points:
-        key = _seed_key(pt["model"])
+        key = _seed_key(pt["model"], seeds)
         if key is None:
             continue
-        seed = SEEDS_OFFLOAD[key]
+        seed = seeds[key]
         gain, bound = pt["double_over_single_pct"], pt["bound_pct"]
         ok = None if gain is None else gain >= seed["gain_pct"]
         note = ""
@@ -187,13 +183,13 @@ def offload_targets(points: list[dict]) -> list[dict]:
                     "seeds": f"{_pct(seed['gain_pct'])} ({seed['steps_per_s']} steps/s, {key.upper()}, B200)",
                     "measured": f"{_pct(gain)} (bound {_pct(bound)})", "ok": ok, "note": note})
     for pt in points:
-        key = _seed_key(pt["model"])
+        key = _seed_key(pt["model"], seeds)
         buf, delta, layer = pt["buffer_gib"], pt["buffer_peak_gib"], pt["layer_gib"]
         ok = None
         if layer is not None and (buf is not None or delta is not None):
             ok = ((buf is None or buf <= layer) and (delta is None or delta <= layer + ALLOCATOR_SLACK_GIB))
         out.append({"target": f"second buffer ≤ one layer input ({_point(pt)})",
-                    "seeds": f"+{SEEDS_OFFLOAD[key]['extra_vram_gb']:.2f} GB extra VRAM ({key.upper()})" if key else DASH,
+                    "seeds": f"+{seeds[key]['extra_vram_gb']:.2f} GB extra VRAM ({key.upper()})" if key else DASH,
                     "measured": DASH if buf is None and delta is None else
                     f"{_num(buf, '.3f')} GiB, peak {_num(delta, '+.3f')} GiB vs {_num(layer, '.3f')} GiB",
                     "ok": ok, "note": ""})
@@ -216,7 +212,7 @@ def offload_targets(points: list[dict]) -> list[dict]:
     return out
 
 
-def offload_bound_paragraph(points: list[dict]) -> str:
+def offload_bound_paragraph(points: list[dict], seeds: dict) -> str:
     known = [pt for pt in points if pt["bound_pct"] is not None]
     if not known:
         return ""
@@ -233,10 +229,10 @@ def offload_bound_paragraph(points: list[dict]) -> str:
             "g": " At every point here g < c: the recompute is the short side."}.get("".join(sides), "")
     short = []
     for pt in known:
-        key = _seed_key(pt["model"])
-        if key and pt["bound_pct"] < SEEDS_OFFLOAD[key]["gain_pct"]:
-            short.append(f"{_point(pt)} (bound {_pct(pt['bound_pct'])} < {_pct(SEEDS_OFFLOAD[key]['gain_pct'])})")
-    targeted = [pt for pt in known if _seed_key(pt["model"])]
+        key = _seed_key(pt["model"], seeds)
+        if key and pt["bound_pct"] < seeds[key]["gain_pct"]:
+            short.append(f"{_point(pt)} (bound {_pct(pt['bound_pct'])} < {_pct(seeds[key]['gain_pct'])})")
+    targeted = [pt for pt in known if _seed_key(pt["model"], seeds)]
     if short:
         verdict = f" The seeds' target is not reachable where the bound is below it: {'; '.join(short)}."
     elif targeted:
@@ -249,15 +245,17 @@ def offload_bound_paragraph(points: list[dict]) -> str:
             + "; ".join(term(pt) for pt in known) + "." + side + verdict)
 
 
-def offload_targets_md(points: list[dict]) -> str:
-    rows = offload_targets(points)
+def offload_targets_md(points: list[dict], spec: dict) -> str:
+    """The offload targets; ``spec`` is the experiment's ``[report.offload]``."""
+    seeds = spec.get("seeds") or {}
+    rows = offload_targets(points, seeds)
     if not rows:
         return ""
     body = [[r["target"], r["seeds"], r["measured"], _met(r["ok"], r["note"])] for r in rows]
     parts = ["#### Offloaded checkpointing\n\n" + _table(["target", "seeds' figure", "measured", "met?"], body),
              f"The buffer target lets the measured peak delta exceed one layer input by "
              f"{ALLOCATOR_SLACK_GIB * GIB / MIB:.0f} MiB, the caching allocator's block rounding."]
-    if para := offload_bound_paragraph(points):
+    if para := offload_bound_paragraph(points, seeds):
         parts.append(para)
     return "\n\n".join(parts)
 

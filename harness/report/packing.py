@@ -21,7 +21,6 @@ from harness.report.moe import _gain, _kind, _p50_by
 from harness.report.offload import _ratio_cell
 from harness.report.runs import _gpu_steps, _median_of, _one_run, _run_note
 
-SEEDS_PACKING_M = "m ≈ 13.7 ms at 2048 packed tokens (B200, SDPA mask rebuild)"
 # ---------------------------------------------------------------------------------------------
 # Packed-sequence metadata (bench_packing)
 
@@ -41,7 +40,8 @@ def packing_m(rows: list[dict]) -> list[dict]:
     return [points[k] for k in sorted(points)]
 
 
-def packing_tables(rows: list[dict]) -> str:
+def packing_tables(rows: list[dict], spec: dict) -> str:
+    """The packing bench's m and structure-count tables; ``spec`` is ``[report.packing]``."""
     parts = []
     ms = packing_m(rows)
     if ms:
@@ -60,7 +60,7 @@ def packing_tables(rows: list[dict]) -> str:
         parts.append("#### Packed metadata build cost m\n\n" + _table(
             ["backend", "packed tokens", "m ms from lengths", "m ms from position_ids", "position_ids extra ms"], body)
             + f"\n\nm = one metadata + attention-structure build for a fresh packed batch, CUDA events and host "
-              f"time (the larger); from {source}. Seeds: {SEEDS_PACKING_M}.")
+              f"time (the larger); from {source}." + (f" Seeds: {spec['seeds_m']}." if spec.get("seeds_m") else ""))
     counts = [r for r in _kind(rows, "packing_counts") if isinstance(r.get("cache_on"), dict)]
     if counts:
         def syncs(r):
@@ -80,9 +80,7 @@ def packing_tables(rows: list[dict]) -> str:
 
 # Per packing backend, the counter of its attention-structure builds (optim.packing.COUNTERS).
 STRUCTURE_COUNTER = {"sdpa": "sdpa_mask", "flex": "flex_block_mask", "varlen": "varlen_args"}
-SEEDS_PACKING_GAIN = {"llama-3.2-1b": 11.5, "qwen3-0.6b": 14.8, "qwen3-14b": 14.3}  # % per step
 # REFERENCE.md: stock transformers flex_attention, Qwen3-0.6B, 8192 tokens of 1024-token documents.
-PACKING_SPEEDUP_TARGET = ("qwen3-0.6b", 8192, 1.3, "stock 411 ms on the H100")
 
 
 def _compiled(r: dict) -> bool:
@@ -163,8 +161,9 @@ def _backend_label(p: dict) -> str:
     return p["backend"] + (" (compiled)" if p.get("compiled") else "")
 
 
-def packing_cache_md(rows: list[dict], m_rows: list[dict]) -> str:
+def packing_cache_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
     pts = packing_cache_points(rows, m_rows)
+    seeds = spec.get("seeds_cache_gain_pct") or {}
     if not pts:
         return ""
     body = [[p["gpu"], p["model"], p["seq_len"], _backend_label(p),
@@ -172,7 +171,7 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict]) -> str:
              _ms(p["predicted_ms"]), _ms(p["predicted_device_ms"]), _ms(p["seeds_ms"]),
              f"{_ms(p['off_ms'])} → {_ms(p['on_ms'])}",
              _ms(p["measured_ms"]), _ratio_cell(p["ratio"]), _ratio_cell(p["ratio_device"]), _gain(p["gain_pct"]),
-             _pct(SEEDS_PACKING_GAIN.get(p["model"])) if p["model"] in SEEDS_PACKING_GAIN else DASH]
+             _pct(seeds.get(p["model"])) if p["model"] in seeds else DASH]
             for p in pts]
     return ("### Cache on vs off: predicted and measured saving per step\n\n" + _table(
         ["GPU", "model", "seq_len", "backend", "structure builds / step on / off", "m ms",
@@ -244,26 +243,30 @@ def _ok_rows(rows: list[dict], model, seq_len, variant) -> list[dict]:
             and r.get("variant") == variant and r.get("status") == "ok"]
 
 
-def packing_vs_stock_points(rows: list[dict]) -> list[dict]:
-    """Per (gpu, model, seq_len) with a ``stock-flex`` row: the best packed path (lowest step p50,
-    median over repeats, of any packed variant) against stock flex_attention, plain and compiled. A
-    stock row that failed (timed out, out of memory) keeps its point, with its status instead of a time."""
+def packing_vs_stock_points(rows: list[dict], spec: dict) -> list[dict]:
+    """Per (gpu, model, seq_len) with a row of ``spec["stock"]`` (the experiment's stock path): the
+    best packed path (lowest step p50, median over repeats, of any packed variant) against it, and
+    against ``spec["stock_compiled"]``. A stock row that failed (timed out, out of memory) keeps its
+    point, with its status instead of a time."""
+    stock_v, compiled_v = spec.get("stock"), spec.get("stock_compiled")
+    if not stock_v:
+        return []
     out = []
     for slug, g in _gpu_steps(rows).items():
-        points = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") == "stock-flex"
+        points = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") == stock_v
                   and r.get("model") and (_stat(r, "step_ms") if r.get("status") == "ok" else r.get("status"))}
         for model, t in sorted(points, key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
             mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
-            stock, _, stock_failed = _p50_by(mine, model, t, ["stock-flex"])
-            compiled, _, _ = _p50_by(mine, model, t, ["stock-flex-compiled"])
+            stock, _, stock_failed = _p50_by(mine, model, t, [stock_v])
+            compiled, _, _ = _p50_by(mine, model, t, [compiled_v] if compiled_v else [])
             best, variant, failed = _p50_by(mine, model, t, _packed_variants(mine))
             out.append({"gpu": slug, "model": model, "seq_len": t, "stock_ms": stock,
                         "stock_compiled_ms": compiled, "best_ms": best, "best_variant": variant,
                         "failed": failed, "stock_failed": [_failure_text(r) for r in mine if r.get("variant")
-                                                           == "stock-flex" and r.get("status") != "ok"],
+                                                           == stock_v and r.get("status") != "ok"],
                         "ratio": stock / best if stock and best else None,
                         "compiled_ratio": compiled / best if compiled and best else None,
-                        "stock_rows": _ok_rows(mine, model, t, "stock-flex"),
+                        "stock_rows": _ok_rows(mine, model, t, stock_v),
                         "best_rows": _ok_rows(mine, model, t, variant) if variant else []})
     return out
 
@@ -276,30 +279,47 @@ def _times(x) -> str:
     return f"{x:.2f}×" if _f(x) is not None else DASH
 
 
-def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
-    """The packing issue's targets from the sweep rows: best packed path vs stock flex_attention,
-    cache on vs off vs the seeds' per-step gains, and peak memory of the packed paths."""
-    vs = packing_vs_stock_points(rows)
+def _plain_packed(rows: list[dict], backend: str) -> list[dict]:
+    """Ok rows of ours running ``backend`` as enable gives it: cache on, layers not compiled, the
+    full loss, no graph."""
+    def sw(r):
+        return r.get("switches") or {}
+    return [r for r in rows if r.get("status") == "ok" and r.get("role") in ("ours", "ours-default")
+            and sw(r).get("packing_backend") == backend and sw(r).get("packing_cache", True) is not False
+            and not sw(r).get("compile_layers") and not r.get("cuda_graph")
+            and (r.get("loss_mode") or "full") == "full"]
+
+
+def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
+    """The targets of ``spec`` (the experiment's ``[report.packing]``) from the sweep rows: best
+    packed path vs the stock path, cache on vs off vs the seeds' per-step gains, and the peak memory
+    of the packed paths."""
+    vs = packing_vs_stock_points(rows, spec)
+    stock_v, compiled_v = spec.get("stock") or "stock", spec.get("stock_compiled") or "stock compiled"
     cache = packing_cache_points(rows, m_rows)
     gpus = {p["gpu"] for p in vs + cache}
     many = len(gpus) > 1
     targets = []
 
-    model, t0, want, ref = PACKING_SPEEDUP_TARGET
-    goal = f"best packed path ≥ {want:g}× faster than stock flex_attention, {model} at {t0} tokens (REFERENCE: {ref})"
-    hits = [p for p in vs if p["model"] == model and p["seq_len"] == t0]
-    for p in hits or [None]:
-        if p is None or p["ratio"] is None:
-            measured = ("not measured" if p is None else f"stock-flex {_ms(p['stock_ms'])} ms, no packed row"
-                        if p["stock_ms"] else f"stock-flex {'; '.join(p['stock_failed'])}")
-            targets.append([goal, measured, DASH])
-            continue
-        measured = (f"{_times(p['ratio'])} (stock-flex {_ms(p['stock_ms'])} → {p['best_variant']} "
-                    f"{_ms(p['best_ms'])} ms); over stock-flex-compiled {_times(p['compiled_ratio'])}")
-        targets.append([goal + (f" ({p['gpu']})" if many else ""), measured,
-                        "met" if p["ratio"] >= want else "not met"])
+    sp = spec.get("speedup") or {}
+    target_model, t0 = sp.get("model"), int(sp.get("seq_len") or 0)
+    hits = [p for p in vs if p["model"] == target_model and p["seq_len"] == t0]
+    if sp:
+        want, ref = float(sp["min_ratio"]), sp.get("reference")
+        goal = (f"best packed path ≥ {want:g}× faster than {stock_v}, {target_model} at {t0} tokens"
+                + (f" (REFERENCE: {ref})" if ref else ""))
+        for p in hits or [None]:
+            if p is None or p["ratio"] is None:
+                measured = ("not measured" if p is None else f"{stock_v} {_ms(p['stock_ms'])} ms, no packed row"
+                            if p["stock_ms"] else f"{stock_v} {'; '.join(p['stock_failed'])}")
+                targets.append([goal, measured, DASH])
+                continue
+            measured = (f"{_times(p['ratio'])} ({stock_v} {_ms(p['stock_ms'])} → {p['best_variant']} "
+                        f"{_ms(p['best_ms'])} ms); over {compiled_v} {_times(p['compiled_ratio'])}")
+            targets.append([goal + (f" ({p['gpu']})" if many else ""), measured,
+                            "met" if p["ratio"] >= want else "not met"])
 
-    for model, seeds in SEEDS_PACKING_GAIN.items():
+    for model, seeds in (spec.get("seeds_cache_gain_pct") or {}).items():
         goal = f"cache on saves ≥ the seeds' {_pct(seeds)} per step ({model})"
         pts = [p for p in cache if p["model"] == model and p["gain_pct"] is not None]
         if not pts:
@@ -319,7 +339,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
             result = "not met: see the measured / predicted column; the saving is (builds_off − builds_on)·m"
         targets.append([goal, f"best {_gain(best['gain_pct'])} ({where}{noise})", result])
 
-    parts = ["### Packing targets\n\n" + _table(["target", "measured", "result"], targets)
+    parts = [] if not targets else ["### Packing targets\n\n" + _table(["target", "measured", "result"], targets)
              + "\n\nThe result compares the measured value only; `–` means not judged. For the cache targets, "
                "measured is the best cache gain over backends and lengths in the cache on vs off table "
                "among those larger than the spread (p80/p20 − 1) of the two rows compared."]
@@ -330,35 +350,34 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
                  f"{_ms(p['best_ms'])} ({p['best_variant']})" if p["best_ms"]
                  else ("; ".join(p["failed"]) or "not run"),
                  _times(p["ratio"]), _ms(p["stock_compiled_ms"]), _times(p["compiled_ratio"])] for p in vs]
-        text = ("#### Best packed path vs stock flex_attention\n\n" + _table(
-            ["GPU", "model", "tokens", "stock-flex ms p50", "best packed ms p50 (variant)", "stock-flex / best",
-             "stock-flex-compiled ms p50", "stock-flex-compiled / best"], body)
+        text = (f"#### Best packed path vs {stock_v}\n\n" + _table(
+            ["GPU", "model", "tokens", f"{stock_v} ms p50", "best packed ms p50 (variant)", f"{stock_v} / best",
+             f"{compiled_v} ms p50", f"{compiled_v} / best"], body)
             + "\n\nBest packed = the lowest step p50 among variants with packing_backend sdpa, flex or "
-              "varlen, with any cache or compile setting. stock-flex-compiled is stock flex_attention with "
+              f"varlen, with any cache or compile setting. {compiled_v} is {stock_v} with "
               "the same per-layer torch.compile (optim.regional), so its ratio shows what packing adds on "
               "top of compilation. Each ratio divides two rows of the same sweep file "
-              "(`results/packing/<gpu>.jsonl`).")
-        model, t0 = PACKING_SPEEDUP_TARGET[:2]
+              "(`results/<experiment>/<gpu>.jsonl`).")
         for p in hits:
             if p["best_rows"]:
-                note = _run_note([("stock-flex", p["stock_rows"]), (p["best_variant"], p["best_rows"])])
+                note = _run_note([(stock_v, p["stock_rows"]), (p["best_variant"], p["best_rows"])])
                 where = f" on {p['gpu']}" if many else ""
-                text += f" In the {model} {t0} comparison{where}, {note}"
+                text += f" In the {target_model} {t0} comparison{where}, {note}"
         parts.append(text)
 
     peaks = []
     for slug, g in _gpu_steps(rows).items():
         for model, t in sorted({(r.get("model"), r.get("seq_len")) for r in g},
                                key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
-            by = {v: _ok_rows(g, model, t, v) for v in ("packed-sdpa", "packed-flex", "packed-varlen")}
+            at = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
+            by = {b: _plain_packed(at, b) for b in ("sdpa", "flex", "varlen")}
             if not any(by.values()):
                 continue
             peak = {v: _median_of(rs, lambda r: r.get("peak_allocated_gib")) for v, rs in by.items()}
             batch = _median_of([r for rs in by.values() for r in rs], lambda r: r.get("batch_size"))
             mask = batch * _f(t) ** 2 / GIB if batch and _f(t) else None
             same = _one_run([r for rs in by.values() for r in rs])
-            diffs = " / ".join(_num(_sub(peak["packed-sdpa"], peak[v]), "+.3f")
-                               for v in ("packed-flex", "packed-varlen"))
+            diffs = " / ".join(_num(_sub(peak["sdpa"], peak[b]), "+.3f") for b in ("flex", "varlen"))
             peaks.append([slug, model, t, *(_num(peak[v], ".3f") for v in by), diffs,
                           _num(mask, ".3f"), DASH if same is None else ("yes" if same else "no")])
     if peaks:
@@ -370,7 +389,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict]) -> str:
             "do not. The one run? column says yes when the rows were recorded within 30 minutes of each other "
             "running the same code (one code hash; one commit for rows older than the hash); peaks from "
             "different runs may differ for other reasons.\n\n" + _table(
-                ["GPU", "model", "tokens", "packed-sdpa GiB", "packed-flex GiB", "packed-varlen GiB",
+                ["GPU", "model", "tokens", "packed sdpa GiB", "packed flex GiB", "packed varlen GiB",
                  "sdpa − flex / sdpa − varlen GiB", "bool B·T² mask GiB", "one run?"], peaks))
     return "\n\n".join(parts)
 

@@ -134,6 +134,7 @@ class Experiment:
     variant_lora_dtype: dict[str, str] = field(default_factory=dict)  # likewise for ``lora_dtype``
     variant_cuda_graph: dict[str, bool] = field(default_factory=dict)  # variants timed as graph replays
     roles: dict[str, str] = field(default_factory=dict)  # variant -> its role (harness.row.ROLES)
+    report: dict[str, dict[str, Any]] = field(default_factory=dict)  # [report.<section>] tables
     sha256: str = ""  # of the experiment file's bytes
     text: str = ""  # the experiment file as read
 
@@ -175,7 +176,21 @@ class Experiment:
         return out
 
 
-_TOP_KEYS = {"experiment", "data", "variants"}
+_TOP_KEYS = {"experiment", "data", "variants", "report"}
+
+# What a report section may read from ``[report.<section>]``: the keys naming a variant of this
+# file (checked here, so renaming a variant fails at load instead of emptying a section), and the
+# targets it judges against. The section modules under harness/report/ read these tables.
+REPORT_VARIANT_KEYS = {
+    "packing": ("stock", "stock_compiled"),
+    "moe": ("eager_experts", "loop", "sorted"),
+    "offload": (),
+}
+REPORT_TARGET_KEYS = {
+    "packing": ("speedup", "seeds_cache_gain_pct", "seeds_m"),
+    "moe": ("speedup", "sorted_over_loop", "completes", "fit_model", "seeds_ms", "seeds_routing"),
+    "offload": ("seeds",),
+}
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
@@ -350,6 +365,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
 
     baseline = exp.get("baseline", next(iter(variants)))
     _choice(path, "experiment.baseline", baseline, list(variants))
+    report = _report(path, raw.get("report", {}), variants)
 
     return Experiment(
         name=name, path=str(path), description=str(exp.get("description", "")), models=canon,
@@ -358,8 +374,26 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
-        variant_cuda_graph=variant_cuda_graph, roles=roles,
+        variant_cuda_graph=variant_cuda_graph, roles=roles, report=report,
     )
+
+
+def _report(path, raw: Any, variants: dict) -> dict[str, dict[str, Any]]:
+    """``[report.<section>]``: which optimization sections the report adds from the sweep rows,
+    the variants each compares (by name, checked against ``variants``) and its targets."""
+    if not isinstance(raw, dict):
+        raise ExperimentError(path, "report", "must be a table of [report.<section>] tables", sorted(REPORT_VARIANT_KEYS))
+    out = {}
+    for section, table in raw.items():
+        if section not in REPORT_VARIANT_KEYS:
+            raise ExperimentError(path, f"report.{section}", "unknown report section", sorted(REPORT_VARIANT_KEYS))
+        _check_keys(path, f"report.{section}", table,
+                    set(REPORT_VARIANT_KEYS[section]) | set(REPORT_TARGET_KEYS[section]))
+        for key in REPORT_VARIANT_KEYS[section]:
+            if key in table:
+                _choice(path, f"report.{section}.{key}", table[key], list(variants))
+        out[section] = dict(table)
+    return out
 
 
 def subset(exp: Experiment, *, models=None, seq_lens=None, variants=None) -> Experiment:
