@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _sweep import small_gpu_experiment
 
 from harness import results as res
-from harness.run import experiment, sweep
+from harness.run import sweep
 from harness.run.experiment import DataSpec
 from harness.workload import models
 from harness.workload.data import make_batch
@@ -90,24 +91,10 @@ def test_replayed_graph_trains_like_the_eager_steps(case):
         assert err < 3e-2, f"{case}: {n} differs from the eager steps by {err:.3g}"
 
 
-EXP = """
-[experiment]
-name = "gpu-graph"
-models = ["qwen3-0.6b"]
-seq_lens = [1024]
-device = "cuda"
-bandwidth = false
-timeout_s = 300
-[variants.sdpa]
-attn_implementation = "sdpa"
-[variants.sdpa-graph]
-attn_implementation = "sdpa"
-cuda_graph = true
-"""
-
-
-def test_a_graphed_point_is_a_timed_row_beside_its_eager_twin(tmp_path, write_toml):
-    summary = sweep.run(experiment.load(write_toml(EXP)), tmp_path, progress=False)
+def test_a_graphed_point_is_a_timed_row_beside_its_eager_twin(tmp_path):
+    exp = small_gpu_experiment("gpu-graph", {"sdpa": {"attn_implementation": "sdpa"},
+                                             "sdpa-graph": {"attn_implementation": "sdpa", "cuda_graph": True}})
+    summary = sweep.run(exp, tmp_path, progress=False)
     assert summary.statuses == {"ok": 2}
     rows = {r["variant"]: r for r in res.read_rows(summary.results_path)}
     graphed, eager = rows["sdpa-graph"], rows["sdpa"]

@@ -3,30 +3,19 @@ H2D benchmark against the PCIe ceiling. Marked gpu: run on a GPU machine."""
 
 import pytest
 import torch
+from _sweep import small_gpu_experiment
 
 from harness import results as res
 from harness.measure import bandwidth
-from harness.run import experiment, sweep
+from harness.run import sweep
 
 pytestmark = pytest.mark.gpu
 
-EXP = """
-[experiment]
-name = "gpu-check"
-models = ["qwen3-0.6b"]
-seq_lens = [1024]
-device = "cuda"
-bandwidth = false
-timeout_s = 300
-[variants.sdpa]
-attn_implementation = "sdpa"
-[variants.flex]
-attn_implementation = "flex_attention"
-"""
+VARIANTS = {"sdpa": {"attn_implementation": "sdpa"}, "flex": {"attn_implementation": "flex_attention"}}
 
 
-def test_point_on_gpu_records_events_memory_and_mfu(tmp_path, write_toml):
-    exp = experiment.load(write_toml(EXP))
+def test_point_on_gpu_records_events_memory_and_mfu(tmp_path):
+    exp = small_gpu_experiment("gpu-check", VARIANTS)
     summary = sweep.run(exp, tmp_path, progress=False)
     assert summary.statuses == {"ok": 2}
     for row in res.read_rows(summary.results_path):
@@ -40,10 +29,9 @@ def test_point_on_gpu_records_events_memory_and_mfu(tmp_path, write_toml):
         assert all(torch.isfinite(torch.tensor(row["loss"])))
 
 
-def test_real_oom_is_a_row_and_the_sweep_goes_on(tmp_path, write_toml):
+def test_real_oom_is_a_row_and_the_sweep_goes_on(tmp_path):
     # 64 rows x 32768 tokens of a 151936-word vocabulary: the logits alone need terabytes
-    text = EXP.replace("seq_lens = [1024]", "seq_lens = [32768]\nbatch_size = 64")
-    exp = experiment.load(write_toml(text))
+    exp = small_gpu_experiment("gpu-check", VARIANTS, seq_lens=[32768], batch_size=64)
     summary = sweep.run(exp, tmp_path, progress=False)
     rows = res.read_rows(summary.results_path)
     assert len(rows) == 2 and {r["status"] for r in rows} == {"oom"}
