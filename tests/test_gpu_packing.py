@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from _lora import randomize_lora_b
 
 import optim.packing as P
+from optim.packing import backends as PB
 from harness.workload import models
 
 pytestmark = pytest.mark.gpu
@@ -223,8 +224,8 @@ def test_varlen_stands_in_when_fused_flex_cannot_run(monkeypatch, caplog):
 
     fused_logits, fused_grads, ran = run()
     assert set(ran) == {"flex-fused"}
-    monkeypatch.setattr(P, "_fused_flex_failed", "the compiler failed (planted by the test)")
-    monkeypatch.setattr(P, "_stand_in_logged", False)
+    monkeypatch.setattr(PB, "_fused_flex_failed", "the compiler failed (planted by the test)")
+    monkeypatch.setattr(PB, "_stand_in_logged", False)
     with caplog.at_level(logging.WARNING, logger="optim.packing"):
         logits, grads, ran = run()
         run()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from _lora import randomize_lora_b
 
 import optim.packing as P
+from optim.packing import backends as PB
 from harness.workload import models
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -154,7 +155,7 @@ def test_flex_block_mask_matches_exact_block_classification(window):
             left -= l
         rows.append(row)
     meta = P.PackedMetadata.from_lengths(rows)
-    entry = P._build_entry(("test",), meta, torch.device("cpu"))
+    entry = P.build_entry(("test",), meta, torch.device("cpu"))
     ours = P.build_flex_block_mask(entry, window)
     doc = entry.doc
 
@@ -243,7 +244,7 @@ def test_no_mask_outlives_the_step_and_new_batch_replaces(built):
         refs.append(weakref.ref(m))
         return m
 
-    P.build_sdpa_mask = spy
+    PB.build_sdpa_mask = spy
     try:
         _step(model, ids, meta)
         assert P.cached_entry(cpu) is None  # released when the backward left the first layer
@@ -260,7 +261,7 @@ def test_no_mask_outlives_the_step_and_new_batch_replaces(built):
         assert P.cached_entry(cpu).key == ("meta", meta2.serial)
         assert all(r() is None for r in refs[:2])
     finally:
-        P.build_sdpa_mask = orig
+        PB.build_sdpa_mask = orig
         P.release()
 
 
@@ -370,8 +371,8 @@ def _ref_flash_backward(g, q, k, v, out, lse, cu, _cu, mq, mk, dropout, causal, 
 def test_varlen_sink_backward_algebra(monkeypatch, window):
     """_FlashVarlen's sink handling (rescale by sigmoid(lse - sink), backward through the flash
     backward with grad_out = s*dy and out = y) gives the exact gradients of eager sink attention."""
-    monkeypatch.setitem(P._flash_ops, "forward", _ref_flash_forward)
-    monkeypatch.setitem(P._flash_ops, "backward", _ref_flash_backward)
+    monkeypatch.setitem(PB._flash_ops, "forward", _ref_flash_forward)
+    monkeypatch.setitem(PB._flash_ops, "backward", _ref_flash_backward)
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",
                         type("S", (), {"default": type("D", (), {"_schema": "window_size_left"})()})(),
                         raising=False)
@@ -383,7 +384,7 @@ def test_varlen_sink_backward_algebra(monkeypatch, window):
     sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 7, 9, 20], dtype=torch.int32)
     left = -1 if window is None else window - 1
-    out = P._FlashVarlen.apply(q, k, v, sinks, cu, 11, 0.3, left)
+    out = PB._FlashVarlen.apply(q, k, v, sinks, cu, 11, 0.3, left)
     w = torch.randn_like(out)
     got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
     # eager reference: softmax over [scores, sink], drop the sink column
@@ -410,9 +411,9 @@ def test_varlen_sink_backward_algebra(monkeypatch, window):
 
 @pytest.fixture
 def fresh_fused_flex(monkeypatch):
-    monkeypatch.setattr(P, "_FLEX_COMPILE_BACKEND", "eager")
-    monkeypatch.setattr(P, "_fused_flex_compiled", None)
-    monkeypatch.setattr(P, "_fused_flex_failed", None)
+    monkeypatch.setattr(PB, "_FLEX_COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(PB, "_fused_flex_compiled", None)
+    monkeypatch.setattr(PB, "_fused_flex_failed", None)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -422,7 +423,7 @@ def _flex_inputs(T=128):
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(3))
     meta = P.PackedMetadata.from_lengths([[T // 4, T - T // 4]])
-    entry = P._build_entry(("test", T), meta, torch.device("cpu"))
+    entry = P.build_entry(("test", T), meta, torch.device("cpu"))
     return q, k, v, P.build_flex_block_mask(entry, None), entry
 
 
@@ -446,7 +447,7 @@ def test_fused_flex_survives_a_full_flex_attention_cache(fresh_fused_flex):
         # or not: dynamo runs it eagerly, and only torch's one-time warning says so
         torch.compile(flex_attention, backend="eager", fullgraph=True)(q, k, v, block_mask=bm)
         assert len(_debug_get_cache_entry_list(flex_attention.__code__)) == limit
-        res = P._fused_flex(q, k, v, bm, 0.25, False, False)
+        res = PB._fused_flex(q, k, v, bm, 0.25, False, False)
         assert res is not None and P.fused_flex_failure() is None
         ref = flex_attention(q, k, v, block_mask=bm, scale=0.25)
     torch.testing.assert_close(res[0], ref)
@@ -457,12 +458,12 @@ def test_fused_flex_run_eagerly_is_refused(fresh_fused_flex):
     the scores, the reason is kept, and without a varlen kernel the call refuses clearly."""
     q, k, v, bm, entry = _flex_inputs()
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        assert P._fused_flex(q, k, v, bm, 0.25, False, False) is None
+        assert PB._fused_flex(q, k, v, bm, 0.25, False, False) is None
     assert "eagerly" in P.fused_flex_failure()
     # sticky: the process does not try again (each try could compile for seconds)
-    assert P._fused_flex(q, k, v, bm, 0.25, False, False) is None
+    assert PB._fused_flex(q, k, v, bm, 0.25, False, False) is None
     with pytest.raises(P.FusedFlexUnavailable, match="fused kernel cannot run .*eagerly.*varlen"):
-        P._flex_stand_in(entry, q, k, v, 0.25, None, None, True)
+        PB._flex_stand_in(entry, q, k, v, 0.25, None, None, True)
 
 
 def test_kernels_record_what_ran(built):

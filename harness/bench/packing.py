@@ -129,7 +129,7 @@ def measure_m(backend: str, seq_len: int, *, window: int | None = None, sinks: b
 
     def once(i):
         m = P.PackedMetadata.from_position_ids(pos) if from_position_ids else meta
-        entry = P._build_entry(("bench", i), m, device)
+        entry = P.build_entry(("bench", i), m, device)
         return build_structure(entry)
 
     samples, host, dev = [], [], []

@@ -1,0 +1,122 @@
+"""Checkpointed layer inputs offloaded to pinned host memory, reloaded double-buffered.
+
+    import optim.offload
+    model = optim.offload.enable(model, offload="double")   # transformers model, peft or not
+    loss.backward(); optim.offload.get(model).stats()        # bytes offloaded, c and g if profiled
+
+    off = optim.offload.Offloader("double")                  # standalone, like torch.utils.checkpoint
+    y = off(block, x)                                        # or optim.offload.checkpoint(block, x, offloader=off)
+
+Gradient checkpointing keeps one input per decoder layer alive on the GPU until the backward.
+Here that input is copied, on a side CUDA stream, into a persistent pinned host buffer (one per
+"slot", sized on the first step and reused) and the GPU copy is released. In the backward the
+input is copied back into a GPU *staging* buffer, the layer is recomputed under grad mode and
+backpropagated (the reentrant-checkpoint recipe, made robust: see ``_OffloadFunction``).
+
+Modes (switch ``offload``, env ``OPTIM_OFFLOAD``):
+
+- ``none``: plain GPU checkpointing (``torch.utils.checkpoint``, non-reentrant). Baseline.
+- ``single``: one staging buffer; each layer's backward issues its reload, waits, computes. The
+  copy and the compute take turns: T ≈ L·(c + g).
+- ``double``: two staging buffers. Before layer i's recompute starts, the reload of layer i−1 is
+  issued on the copy stream into the other buffer (explicit one-layer-ahead prefetch), so the
+  copy hides behind layer i's compute: T ≈ c + (L−1)·max(c, g) + g. Events order every reuse of a
+  staging buffer after the compute that last read it, and a newly allocated buffer's first copy
+  after the compute-stream work queued before its allocation (``_ensure_staging``).
+- ``save_on_cpu``: the peer, PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+  around non-reentrant checkpointing (what ``gradient_checkpointing_enable(offload=True)`` does in
+  transformers 5.17): a fresh pinned buffer per tensor per step, copies on the compute stream.
+
+What is offloaded: the first positional tensor argument of each checkpointed call (a decoder
+layer's ``hidden_states``), when it has at least ``min_bytes`` bytes and is not a leaf that
+requires grad (autograd holds such a leaf until the backward, so a host copy frees nothing: in a
+transformers model with LoRA that is the first layer's input, the embedding output). Nothing else
+may hold the input either: the recompute closure keeps only the non-tensor arguments. The offload of a layer's
+input is issued when the *next* checkpointed layer starts its forward; the last layer never sees
+a next one, so its input stays on the GPU, which is right: its backward runs first and would
+reload it at once. Other tensor arguments (and keyword tensors, e.g. masks and rotary tables
+shared by every layer) stay where they are.
+
+Memory guard (switch ``offload_guard``): the second staging buffer is allocated only when the
+memory the process can still allocate covers the step's peak growth, the buffer and a headroom
+(see ``Offloader._guard_ok``); otherwise ``double`` falls back to ``single``. If a pinned host
+buffer or the first staging buffer cannot be had, the mode falls back to ``none`` (inputs stay
+on the GPU). One log line on logger ``optim.offload`` per fallback. Allocations happen only in the first step (or when
+a larger batch arrives), are caught on failure, and each replaces at least one layer input on
+the GPU, so the guard itself never causes an OOM.
+
+Without CUDA (CPU tensors) there are no streams or events: the same slots, staging buffers,
+prefetch order and recompute run synchronously, which is what the CPU tests exercise.
+
+Layout: ``offloader`` (the ``Offloader`` and the switches), ``function`` (the autograd function
+and its per-call records); this module holds the entry points ``enable``, ``get`` and ``checkpoint``.
+
+Only torch is imported here (transformers is used through the model object you pass in).
+"""
+
+from __future__ import annotations
+
+from optim.offload.function import StepStats
+from optim.offload.offloader import DEFAULT_MIN_BYTES, MODES, SWITCHES, Offloader
+
+__all__ = ["DEFAULT_MIN_BYTES", "MODES", "SWITCHES", "Offloader", "StepStats", "checkpoint", "enable", "get"]
+
+
+_DEFAULT: Offloader | None = None
+
+
+def checkpoint(function, *args, offloader: Offloader | None = None, **kwargs):
+    """Standalone use, like ``torch.utils.checkpoint.checkpoint(function, *args)``. Without an
+    ``offloader``, a module-wide one in the mode of the ``offload`` switch (env) is used."""
+    global _DEFAULT
+    if offloader is None:
+        if _DEFAULT is None:
+            _DEFAULT = Offloader(SWITCHES["offload"].resolve(),
+                                 guard=SWITCHES["offload_guard"].resolve())
+        offloader = _DEFAULT
+    return offloader(function, *args, **kwargs)
+
+
+_ATTR = "_optim_offloader"
+
+
+def enable(
+    model,
+    offload: str | None = None,
+    offload_guard: bool | None = None,
+    *,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    headroom_bytes: int | None = None,
+    profile: bool = False,
+):
+    """Turn gradient checkpointing on in a transformers model (peft-wrapped or not), every
+    checkpointed layer going through an ``Offloader``. Returns the model; ``get(model)`` returns
+    the offloader (its ``stats()``). Calling it again replaces the previous offloader."""
+    mode = SWITCHES["offload"].resolve(offload)
+    guard = SWITCHES["offload_guard"].resolve(offload_guard)
+    base = _hf_model(model)
+    old = getattr(model, _ATTR, None)
+    if old is not None:
+        old.close()
+    off = Offloader(mode, guard=guard, min_bytes=min_bytes, headroom_bytes=headroom_bytes,
+                    profile=profile)
+    # gradient_checkpointing_enable also makes the embeddings' output require grad (peft needs
+    # it); then every GradientCheckpointingLayer gets our function, called as f(layer_call, *args).
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=off)
+    object.__setattr__(model, _ATTR, off)
+    return model
+
+
+def get(model) -> Offloader | None:
+    return getattr(model, _ATTR, None)
+
+
+def _hf_model(model):
+    # The transformers PreTrainedModel inside (peft's wrappers forward attributes but do not
+    # define these methods on their class).
+    for m in model.modules():
+        if getattr(type(m), "_set_gradient_checkpointing", None) is not None and \
+                getattr(type(m), "gradient_checkpointing_enable", None) is not None:
+            return m
+    raise TypeError(f"{type(model).__name__} holds no transformers model with gradient checkpointing")

@@ -1,0 +1,317 @@
+"""Packed-sequence attention: boundary metadata built once per batch, reused by every layer.
+
+When short documents are packed into one row, every layer needs the same boundary information
+(lengths, ``cu_seqlens``, ``max_seqlen`` and the attention structure derived from them). Stock
+transformers rebuilds it per forward (SDPA: a dense T×T mask; flash: ``cu_seqlens`` from
+position_ids with a ``.item()`` sync in every layer) and gpt-oss never detects packing at all.
+Here it is built once per batch and per device, cached, and reused by every layer call and
+every gradient-checkpoint recompute.
+
+Use::
+
+    import optim.packing as packing
+    model = packing.enable(model)                  # backend "auto", cache on
+    batch = packing.PackingCollator(max_length=8192)(examples)
+    out = model(**batch, use_cache=False)          # batch carries packing=PackedMetadata
+
+or, with your own tensors, ``model(input_ids=..., position_ids=..., labels=...,
+**packing.packed_kwargs(PackedMetadata.from_lengths(lengths)))``. With only ``position_ids``
+(no metadata) the boundaries are read from them with exactly one device-to-host sync per batch.
+
+Backends (switch ``packing_backend``):
+  * ``sdpa``: ``scaled_dot_product_attention`` with a cached additive block-diagonal causal mask
+    (built vectorized, O(T²) memory — the seeds' path);
+  * ``flex``: ``flex_attention`` with a cached document ``BlockMask`` built directly at block
+    granularity (never a T×T tensor);
+  * ``varlen``: FlashAttention-2 varlen (``torch.nn.attention.varlen.varlen_attn``) on
+    ``cu_seqlens``/``max_seqlen`` (CUDA, fp16/bf16 only).
+
+Layout: ``metadata`` (the batch's boundaries, their per-device cache and the structures built from
+them), ``backends`` (the three kernels), ``collator`` (``PackingCollator``); this module holds the
+switches, the attention function transformers calls, and ``enable``.
+
+Cache policy (switch ``packing_cache``):
+  * one entry per device; it belongs to one batch and a new batch replaces it;
+  * the batch is identified by the ``PackedMetadata`` object (immutable: lengths are tuples),
+    or, without one, by the ``position_ids`` tensor object *and* its ``_version`` counter, so an
+    in-place edit of position_ids makes the next layer rebuild instead of reading a stale mask;
+  * the entry is dropped when the backward pass leaves the first attention layer of the batch
+    (an identity autograd node on its query), so no T×T mask outlives the step; in no-grad use
+    it lives until the next batch or :func:`release`.
+  With the cache off everything is rebuilt in every layer call and every recompute.
+
+gpt-oss attention sinks are applied exactly on every backend (see each path), and sliding-window
+layers (``module.sliding_window``/``config.layer_types``) get their own cached structure.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from optim.packing.backends import (
+    _KERNELS,
+    FusedFlexUnavailable,
+    _flex_core,
+    _flex_output,
+    fused_flex_failure,
+    resolve_backend,
+    varlen_available,
+)
+from optim.packing.collator import PackingCollator
+from optim.packing.metadata import (
+    ATTN_NAME,
+    BACKENDS,
+    COUNTERS,
+    FLEX_BLOCK,
+    FORWARD_KWARG,
+    KERNEL_CALLS,
+    STRUCTURES_KWARG,
+    PackedMetadata,
+    _entry_for,
+    _ReleaseOnBackward,
+    _structure,
+    build_entry,
+    build_flex_block_mask,
+    build_sdpa_mask,
+    build_varlen_args,
+    cached_entry,
+    counters,
+    kernels,
+    packed_kwargs,
+    release,
+    reset_counters,
+)
+from optim.switches import Switch
+
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "packing_cache",
+            (True, False),
+            True,
+            "build packed-sequence metadata and attention structures once per batch (off: in "
+            "every layer call and every recompute, the behaviour the seeds measured against)",
+        ),
+        # "auto" picks the fastest path that can run: on CUDA with fp16/bf16, FlashAttention-2
+        # varlen needs no mask at all (only cu_seqlens), skips all cross-document work and is the
+        # fastest kernel; flex is next (Triton kernel, skips masked blocks, needs a small BlockMask);
+        # SDPA with an explicit mask loses the flash kernel, so it is only the CPU choice (flex has
+        # no CPU backward and varlen no CPU kernel).
+        Switch(
+            "packing_backend",
+            ("auto", *BACKENDS, "off"),
+            "auto",
+            "packed attention kernel: auto = varlen on CUDA (fp16/bf16) when torch has it, "
+            "else flex on CUDA, sdpa on CPU; off = leave the model's attention alone (stock)",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    cache: bool = True
+    backend: str = "auto"
+    validate: bool | None = None  # None: check position_ids vs metadata where free (CPU tensors)
+
+
+_DEFAULT = PackingSettings()
+
+
+def _should_validate(settings: PackingSettings, position_ids) -> bool:
+    """Check position_ids against the metadata where it costs no sync (CPU tensors), unless told."""
+    if settings.validate is not None:
+        return settings.validate
+    return position_ids is not None and position_ids.device.type == "cpu"
+
+
+def _layer_window(module, sliding_window) -> int | None:
+    if sliding_window:
+        return int(sliding_window)
+    w = getattr(module, "sliding_window", None)
+    if w:
+        return int(w)
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and idx is not None and types[idx] == "sliding_attention":
+        return int(config.sliding_window)
+    return None
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    packing: PackedMetadata | None = None,
+    packing_structures: dict | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: (B, H, T, D) q/k/v in, (B, T, H, D) out.
+
+    Inside a compiled layer (``optim.regional``) with the batch's flex BlockMasks prebuilt
+    outside the graph (``prebuild_structures``), flex attention is traced into the layer's
+    graph. Everything else runs eager, behind a graph break: the metadata cache is host state.
+    """
+    if packing_structures is not None and torch.compiler.is_compiling() and not dropout \
+            and key.shape[2] == query.shape[2]:
+        # the window recorded by enable(), not _layer_window: that reads layer_idx, and a graph
+        # guarded on layer_idx would be compiled once per layer
+        window = int(sliding_window) if sliding_window else getattr(module, "_optim_packing_window", None)
+        block_mask = packing_structures.get(window)
+        if block_mask is not None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+            gqa = query.shape[1] != key.shape[1]
+            out, lse = _flex_core(flex_attention, query, key, value, block_mask, scale, gqa, sinks is not None)
+            return _flex_output(out, lse, sinks, query.dtype), None
+    return _packed_attention_eager(module, query, key, value, attention_mask, scaling, dropout,
+                                   sliding_window, s_aux, position_ids, packing, **kwargs)
+
+
+@torch.compiler.disable
+def _packed_attention_eager(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                            s_aux, position_ids, packing, **kwargs):
+    settings: PackingSettings = getattr(module, "_optim_packing", _DEFAULT)
+    B, H, T, D = query.shape
+    if key.shape[2] != T:
+        raise NotImplementedError("packed attention is for training/prefill without a KV cache "
+                                  "(pass use_cache=False)")
+    if dropout:
+        raise NotImplementedError("packed attention does not implement attention dropout")
+    scale = scaling if scaling is not None else D ** -0.5
+    window = _layer_window(module, sliding_window)
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    device = query.device
+    validate = _should_validate(settings, position_ids)
+    entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate)
+    if settings.cache and torch.is_grad_enabled() and query.requires_grad:
+        if entry.first_module is None:
+            entry.first_module = id(module)
+        if entry.first_module == id(module):
+            query = _ReleaseOnBackward.apply(query, entry.key, device)
+    backend = resolve_backend(settings.backend, device, query.dtype)
+    out = _KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
+    return out, None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``packed_attention_forward`` under ``ATTN_NAME`` (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, packed_attention_forward)
+        _registered = True
+
+
+def _structures_hook(settings: PackingSettings, windows: tuple):
+    def hook(module, args, kwargs):
+        meta = kwargs.get(FORWARD_KWARG)
+        if meta is None or kwargs.get(STRUCTURES_KWARG) is not None:
+            return None
+        ref = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None),
+                   args[0] if args else None)
+        param = next(module.parameters(), None)
+        if ref is None or param is None:
+            return None
+        device, pos = ref.device, kwargs.get("position_ids")
+        if resolve_backend(settings.backend, device, param.dtype) != "flex":
+            return None
+        entry = _entry_for(meta, pos, meta.batch_size, meta.seq_len, device, True,
+                           _should_validate(settings, pos))
+        masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
+                 for w in windows}
+        return args, {**kwargs, STRUCTURES_KWARG: masks}
+
+    return hook
+
+
+def prebuild_structures(model) -> int:
+    """Build each packed batch's flex BlockMasks once, before the decoder layers run, and hand
+    them to every layer as the ``packing_structures`` kwarg; returns the stacks hooked.
+
+    For compiled layers (``optim.regional`` calls this): the masks enter the graph as inputs, so
+    flex attention is traced into the layer and one graph serves every batch. Only with the
+    cache on and the flex backend; other backends keep their graph break. Idempotent.
+    """
+    settings = getattr(model, "_optim_packing", None)
+    if settings is None or not settings.cache or settings.backend in ("off", "sdpa", "varlen"):
+        return 0
+    windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
+                           key=lambda w: -1 if w is None else w))
+    n = 0
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and not getattr(m, "_optim_packing_prebuild", False):
+            m.register_forward_pre_hook(_structures_hook(settings, windows), with_kwargs=True)
+            m._optim_packing_prebuild = True
+            n += 1
+    return n
+
+
+def _attention_modules(model) -> Iterable[torch.nn.Module]:
+    for m in model.modules():
+        if hasattr(m, "q_proj") and hasattr(m, "layer_idx"):
+            yield m
+
+
+def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | None = None,
+           **_ignored):
+    """Enable packed attention on a transformers causal LM (peft-wrapped or not).
+
+    Registers the attention function, switches the model's attention implementation to it (so
+    transformers also stops building its own masks) and records the settings on every attention
+    module. Settings: ``packing_cache`` (True/False), ``packing_backend`` (auto/sdpa/flex/varlen,
+    or off to leave the model untouched),
+    each also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND. Other optim switches are ignored.
+    Returns the model.
+    """
+    settings = PackingSettings(
+        cache=SWITCHES["packing_cache"].resolve(packing_cache),
+        backend=SWITCHES["packing_backend"].resolve(packing_backend),
+        validate=validate,
+    )
+    if settings.backend == "off":
+        return model
+    register()
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(ATTN_NAME)
+    else:
+        model.config._attn_implementation = ATTN_NAME
+    n = 0
+    for m in _attention_modules(model):
+        m._optim_packing = settings
+        m._optim_packing_window = _layer_window(m, None)
+        n += 1
+    if n == 0:
+        raise ValueError("packing.enable: found no attention modules (q_proj + layer_idx) in the model")
+    model._optim_packing = settings
+    return model
+
+
+__all__ = [
+    "ATTN_NAME", "BACKENDS", "COUNTERS", "FLEX_BLOCK", "FORWARD_KWARG", "KERNEL_CALLS", "STRUCTURES_KWARG",
+    "SWITCHES", "FusedFlexUnavailable", "PackedMetadata", "PackingCollator", "PackingSettings",
+    "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "enable",
+    "fused_flex_failure", "kernels", "packed_attention_forward", "packed_kwargs", "prebuild_structures",
+    "register", "release", "reset_counters", "resolve_backend", "varlen_available",
+]

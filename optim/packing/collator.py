@@ -1,0 +1,79 @@
+"""``PackingCollator``: tokenized examples → packed rows with position_ids and the batch's
+``PackedMetadata``, ready for ``model(**batch)`` and ``transformers.Trainer``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from optim.packing.metadata import FORWARD_KWARG, PackedMetadata
+
+
+class PackingCollator:
+    """Pack a list of tokenized examples into rows of ``max_length`` tokens.
+
+    Greedy first-fit in order; an example longer than ``max_length`` is truncated. Each row's
+    free tail becomes one padding document (``pad_token_id``, labels -100) so every row has the
+    same length. Labels are the input ids (or the example's ``labels``) with each document's
+    first token set to -100, so no token learns to predict across a boundary. Returns
+    ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per document) and
+    ``packing`` (a :class:`PackedMetadata`), ready for ``model(**batch)`` and
+    ``transformers.Trainer`` (set ``remove_unused_columns=False``).
+    """
+
+    def __init__(self, max_length: int | None = None, pad_token_id: int = 0,
+                 pad_to_multiple_of: int | None = None, label_pad_id: int = -100):
+        self.max_length = max_length
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.label_pad_id = label_pad_id
+
+    def __call__(self, examples: list[dict]) -> dict[str, Any]:
+        docs = []
+        for ex in examples:
+            ids = list(ex["input_ids"])
+            labels = list(ex.get("labels", ids))
+            if len(labels) != len(ids):
+                raise ValueError("packing: an example's labels and input_ids differ in length")
+            if not ids:
+                continue
+            if self.max_length is not None:
+                ids, labels = ids[: self.max_length], labels[: self.max_length]
+            labels[0] = self.label_pad_id
+            docs.append((ids, labels))
+        if not docs:
+            raise ValueError("packing: no non-empty examples to pack")
+        rows: list[list[tuple]] = []
+        fill: list[int] = []
+        for d in docs:
+            for r, used in enumerate(fill):
+                if self.max_length is None or used + len(d[0]) <= self.max_length:
+                    rows[r].append(d)
+                    fill[r] += len(d[0])
+                    break
+            else:
+                rows.append([d])
+                fill.append(len(d[0]))
+        T = self.max_length if self.max_length is not None else max(fill)
+        if self.pad_to_multiple_of:
+            T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids, labels, lengths = [], [], []
+        for row, used in zip(rows, fill):
+            ids = [t for d in row for t in d[0]]
+            lab = [t for d in row for t in d[1]]
+            lens = [len(d[0]) for d in row]
+            if used < T:
+                ids += [self.pad_token_id] * (T - used)
+                lab += [self.label_pad_id] * (T - used)
+                lens.append(T - used)
+            input_ids.append(ids)
+            labels.append(lab)
+            lengths.append(lens)
+        meta = PackedMetadata.from_lengths(lengths, T)
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "position_ids": meta.position_ids(),
+            FORWARD_KWARG: meta,
+        }

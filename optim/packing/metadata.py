@@ -1,0 +1,377 @@
+"""Packed-batch metadata (lengths, cu_seqlens, max_seqlen, document ids), its per-device
+cache, and the attention structures built from it: the SDPA mask, the flex BlockMask and the
+varlen arguments, each once per batch when cached. The counters say how often each was built."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "optim_packed"
+FORWARD_KWARG = "packing"  # the model forward kwarg that carries a PackedMetadata
+# Prebuilt flex BlockMasks per sliding window, handed to compiled layers (see prebuild_structures)
+STRUCTURES_KWARG = "packing_structures"
+FLEX_BLOCK = 128  # flex_attention's default sparse block size
+BACKENDS = ("sdpa", "flex", "varlen")
+
+# Build and sync counters: what the bench reports per training step ("count, don't assume").
+COUNTERS: collections.Counter = collections.Counter()
+# Calls per attention kernel that actually ran on the eager path: "flex-fused", "flex-unfused"
+# (CPU only), "varlen", "sdpa-mask". Flex traced into compiled layers (optim.regional) runs
+# inside the layer's graph and is not counted here; it is always the fused kernel.
+KERNEL_CALLS: collections.Counter = collections.Counter()
+
+
+def reset_counters() -> None:
+    COUNTERS.clear()
+    KERNEL_CALLS.clear()
+
+
+def counters() -> dict[str, int]:
+    return dict(COUNTERS)
+
+
+def kernels() -> dict[str, int]:
+    """Calls per attention kernel since the last ``reset_counters()`` (see ``KERNEL_CALLS``)."""
+    return dict(KERNEL_CALLS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------------
+
+_serials = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMetadata:
+    """Host-side description of one packed batch: per-row document lengths.
+
+    Everything the kernels need follows from it without reading the device: ``cu_seqlens``
+    (over the flattened batch, int32) and ``max_seqlen`` are computed on the host. Device copies
+    and attention structures are built lazily, once per device, by the attention function.
+    Immutable by design (lengths are tuples), so it can key the cache.
+    """
+
+    lengths: tuple[tuple[int, ...], ...]
+    seq_len: int
+    serial: int = field(default_factory=lambda: next(_serials), compare=False)
+
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: Sequence[Sequence[int]] | Sequence[int],
+        seq_len: int | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> "PackedMetadata":
+        """``lengths``: per row, the document lengths (a flat list means one row). Each row must
+        sum to ``seq_len`` (default: the first row's sum). ``position_ids``, if given, are checked
+        against the lengths (free on CPU; one sync if they are on a GPU)."""
+        if len(lengths) and not isinstance(lengths[0], (list, tuple)):
+            lengths = [lengths]  # type: ignore[list-item]
+        rows = tuple(tuple(int(l) for l in row) for row in lengths)  # type: ignore[union-attr]
+        if not rows:
+            raise ValueError("packing: no rows")
+        T = sum(rows[0]) if seq_len is None else int(seq_len)
+        for r, row in enumerate(rows):
+            if not row:
+                raise ValueError(f"packing: row {r} has no documents")
+            if min(row) <= 0:
+                raise ValueError(f"packing: row {r} has a zero-length or negative document: {list(row)}")
+            if sum(row) != T:
+                raise ValueError(f"packing: row {r} lengths sum to {sum(row)}, not the row length {T}")
+        meta = cls(rows, T)
+        if position_ids is not None:
+            meta.check_position_ids(position_ids)
+        return meta
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> "PackedMetadata":
+        """Boundaries from position ids restarting at 0 per document: one device-to-host sync."""
+        return cls.from_lengths(_lengths_from_position_ids(position_ids), position_ids.shape[-1])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(max(r) for r in self.lengths)
+
+    @property
+    def num_docs(self) -> int:
+        return sum(len(r) for r in self.lengths)
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 (num_docs + 1,) CPU offsets over the flattened (B*T) batch."""
+        flat = torch.tensor([l for row in self.lengths for l in row], dtype=torch.int32)
+        return F.pad(torch.cumsum(flat, 0, dtype=torch.int32), (1, 0))
+
+    def position_ids(self) -> torch.Tensor:
+        """(B, T) int64 positions restarting at 0 per document (host, vectorized)."""
+        cu = self.cu_seqlens().long()
+        lens = cu[1:] - cu[:-1]
+        flat = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+        return flat.view(self.batch_size, self.seq_len)
+
+    def check_position_ids(self, position_ids: torch.Tensor) -> None:
+        pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+        if pos.shape[-1] != self.seq_len or pos.shape[0] not in (1, self.batch_size):
+            raise ValueError(
+                f"packing: position_ids shape {tuple(position_ids.shape)} does not match "
+                f"{self.batch_size} rows of {self.seq_len} tokens"
+            )
+        expected = self.position_ids().to(pos.device)
+        if not torch.equal(pos.expand_as(expected).to(expected.dtype), expected):
+            raise ValueError("packing: position_ids disagree with the document lengths "
+                             "(they must restart at 0 at each document start and count up by 1)")
+
+    def __repr__(self) -> str:
+        return (f"PackedMetadata(rows={self.batch_size}, seq_len={self.seq_len}, "
+                f"docs={self.num_docs}, max_seqlen={self.max_seqlen})")
+
+
+def packed_kwargs(meta: PackedMetadata) -> dict[str, PackedMetadata]:
+    """The extra forward kwarg that hands a batch's packing to an enabled model."""
+    return {FORWARD_KWARG: meta}
+
+
+def _lengths_from_position_ids(position_ids: torch.Tensor) -> list[list[int]]:
+    """Per-row document lengths from positions restarting at 0: exactly one device-to-host
+    transfer (the start flags and the validity bit travel together)."""
+    pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+    starts = pos == 0
+    steps = pos[:, 1:] == pos[:, :-1] + 1
+    ok = starts[:, 0].all() & (starts[:, 1:] | steps).all()
+    host = torch.cat([starts.flatten(), ok.view(1)]).cpu()
+    COUNTERS["position_id_reads"] += 1
+    if pos.device.type != "cpu":
+        COUNTERS["host_syncs"] += 1
+    if not bool(host[-1]):
+        raise ValueError("packing: position_ids must restart at 0 at each document start and count "
+                         "up by 1 inside a document (got a row that does not)")
+    B, T = pos.shape
+    out = []
+    for row in host[:-1].view(B, T):
+        idx = torch.nonzero(row).flatten()
+        out.append(torch.diff(idx, append=torch.tensor([T])).tolist())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device cache
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """Device metadata of one batch plus the attention structures built from it."""
+
+    key: tuple
+    B: int
+    T: int
+    cu_seqlens: torch.Tensor  # int32 (num_docs+1,) on device, offsets over the flattened batch
+    max_seqlen: int  # host int
+    doc: torch.Tensor  # int32 (B, T): global document index of each token
+    start: torch.Tensor  # int64 (B, T): row-local index of the token's document start
+    structures: dict = field(default_factory=dict)
+    pos_ref: Any = None  # weakref to the position_ids the entry was keyed on
+    first_module: int | None = None  # id() of the first attention module that used the entry
+
+
+_CACHE: dict[torch.device, _Entry] = {}
+
+
+def release(device: torch.device | str | None = None) -> None:
+    """Drop the cached entry for ``device`` (all devices if None)."""
+    if device is None:
+        _CACHE.clear()
+    else:
+        _CACHE.pop(torch.device(device), None)
+
+
+def cached_entry(device: torch.device | str) -> _Entry | None:
+    """The entry cached for ``device`` (for tests and benchmarks)."""
+    return _CACHE.get(_canonical(torch.device(device)))
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """``cuda`` and ``cuda:0`` are one cache slot: key on the indexed form."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entry:
+    """Device metadata from the host lengths: one small host-to-device copy, no sync."""
+    COUNTERS["metadata"] += 1
+    B, T = meta.batch_size, meta.seq_len
+    cu_host = meta.cu_seqlens()
+    if device.type == "cuda":
+        cu_host = cu_host.pin_memory()
+    cu = cu_host.to(device, non_blocking=True)
+    # Document index per token: mark the starts, cumsum. Vectorized, no loop per document.
+    seg = torch.zeros(B * T, dtype=torch.int32, device=device)
+    # scatter_, not seg[idx] = 1: advanced-index assignment checks its indices with a sync
+    starts = cu[1:-1].long()
+    seg.scatter_(0, starts, torch.ones_like(starts, dtype=seg.dtype))
+    doc = torch.cumsum(seg, 0, dtype=torch.int32)
+    row0 = (torch.arange(B * T, device=device) // T) * T
+    start = cu[doc.long()].long() - row0
+    return _Entry(key, B, T, cu, meta.max_seqlen, doc.view(B, T), start.view(B, T))
+
+
+def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache: bool,
+               validate: bool) -> _Entry:
+    """The batch's entry: from the cache when the batch is the cached one, else built."""
+    if packing is not None:
+        if not isinstance(packing, PackedMetadata):
+            raise TypeError(f"packing= must be a PackedMetadata, got {type(packing).__name__}")
+        key = ("meta", packing.serial)
+        pos_ref = None
+    elif position_ids is not None:
+        key = ("pos", id(position_ids), position_ids._version)
+        pos_ref = weakref.ref(position_ids)
+    else:
+        raise ValueError("packed attention needs packing=PackedMetadata or position_ids")
+
+    if cache:
+        hit = _CACHE.get(device)
+        if hit is not None and hit.key == key and (pos_ref is None or hit.pos_ref() is position_ids):
+            COUNTERS["cache_hits"] += 1
+            return hit
+
+    if packing is None:
+        pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+        meta = PackedMetadata.from_lengths(_lengths_from_position_ids(pos), T)
+        if meta.batch_size == 1 and B > 1:  # (1, T) positions shared by every row
+            meta = PackedMetadata.from_lengths([meta.lengths[0]] * B, T)
+    else:
+        meta = packing
+        if validate and position_ids is not None:
+            meta.check_position_ids(position_ids)
+    if meta.batch_size != B or meta.seq_len != T:
+        raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
+                         f"the batch is {B}x{T}")
+    entry = build_entry(key, meta, device)
+    entry.pos_ref = pos_ref
+    if cache:
+        _CACHE[_canonical(device)] = entry  # a new batch replaces the old one on this device
+    return entry
+
+
+class _ReleaseOnBackward(torch.autograd.Function):
+    """Identity on the query of the batch's first attention call. Its backward runs after that
+    layer's attention backward, i.e. after the last use of the cached structures in the step,
+    and drops the entry so that no T×T mask stays resident."""
+
+    @staticmethod
+    def forward(ctx, x, entry_key, device):
+        ctx.entry_key, ctx.device = entry_key, device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hit = _CACHE.get(ctx.device)
+        if hit is not None and hit.key == ctx.entry_key:
+            del _CACHE[ctx.device]
+            COUNTERS["releases"] += 1
+        return grad, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Structures (one build per batch, per backend and window, when cached)
+# ---------------------------------------------------------------------------------------------
+
+
+def _structure(entry: _Entry, key: tuple, build, cache: bool):
+    if cache and key in entry.structures:
+        return entry.structures[key]
+    value = build()
+    if cache:
+        entry.structures[key] = value
+    return value
+
+
+def _allowed(entry: _Entry, window: int | None) -> torch.Tensor:
+    """(B, T, T) bool: same document, causal, and inside the sliding window. Broadcast, no loop."""
+    idx = torch.arange(entry.T, device=entry.doc.device)
+    ok = (entry.doc[:, :, None] == entry.doc[:, None, :]) & (idx[:, None] >= idx[None, :])
+    if window is not None:
+        ok &= (idx[:, None] - idx[None, :]) < window
+    return ok
+
+
+def build_sdpa_mask(entry: _Entry, window: int | None, dtype: torch.dtype, sink_cols: int) -> torch.Tensor:
+    """Additive (B, 1, T, T + sink_cols) mask in the attention dtype. Additive rather than bool
+    because SDPA converts a bool mask to a float one on every call; the last dim is allocated
+    padded to a multiple of 8 so the memory-efficient kernel gets an aligned stride (it would
+    otherwise copy the mask per call)."""
+    COUNTERS["sdpa_mask"] += 1
+    B, T = entry.B, entry.T
+    width = T + sink_cols
+    mask = torch.full((B, 1, T, -(-width // 8) * 8), float("-inf"), dtype=dtype, device=entry.doc.device)
+    mask[:, 0, :, :T].masked_fill_(_allowed(entry, window), 0.0)
+    if sink_cols:
+        mask[..., T:width] = 0.0
+    return mask[..., :width]
+
+
+def build_flex_block_mask(entry: _Entry, window: int | None):
+    """Document (+window) causal BlockMask built at block granularity: O((T/128)²), no T×T.
+
+    For query t the visible keys are one interval [lo(t), t], lo(t) = max(doc start, t-w+1),
+    and lo is non-decreasing, so a query block [qa, qb] sees the key interval [lo(qa), qb]; a key
+    block [ka, kb] is fully visible iff kb <= qa and ka >= lo(qb). Visible-but-not-full blocks are
+    partial and get the mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    COUNTERS["flex_block_mask"] += 1
+    T, dev = entry.T, entry.doc.device
+    bs = FLEX_BLOCK
+    nb = -(-T // bs)
+    idx = torch.arange(T, device=dev)
+    lo = entry.start if window is None else torch.maximum(entry.start, idx - window + 1)
+    qa = torch.arange(nb, device=dev) * bs
+    qb = torch.clamp(qa + bs, max=T) - 1
+    lo_a, lo_b = lo[:, qa], lo[:, qb]  # (B, nb)
+    j = torch.arange(nb, device=dev)
+    i = j.view(nb, 1)
+    visible = (j >= (lo_a // bs)[:, :, None]) & (j <= (qb // bs)[:, None])
+    full = (j >= ((lo_b + bs - 1) // bs)[:, :, None]) & (j <= i - 1)
+    partial = visible & ~full
+
+    def ordered(m):  # dense (B, nb, nb) bool -> (counts, indices) with the chosen blocks first
+        counts = m.sum(-1, dtype=torch.int32)[:, None]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return counts, order
+
+    doc = F.pad(entry.doc, (0, nb * bs - T), value=-1)
+    # a partial of a module-level function rather than a closure: a compiled layer that takes the
+    # mask as input guards on the function, and a new closure per batch would recompile it
+    mask_mod = functools.partial(_doc_mask_mod, doc, window)
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
+                                    mask_mod=mask_mod, seq_lengths=(T, T))
+
+
+def _doc_mask_mod(doc, window, b, h, q_idx, kv_idx):
+    keep = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+    if window is not None:
+        keep = keep & (q_idx - kv_idx < window)
+    return keep
+
+
+def build_varlen_args(entry: _Entry) -> tuple[torch.Tensor, int]:
+    """varlen takes the metadata as is: int32 cu_seqlens on device and a host max_seqlen."""
+    COUNTERS["varlen_args"] += 1
+    return entry.cu_seqlens, entry.max_seqlen
