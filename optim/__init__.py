@@ -12,6 +12,8 @@
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
   (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_train_router``); a dense model is left
   unchanged.
+- ``optim.loss``: lm_head + cross-entropy in token chunks with the gradient made in the forward,
+  so ``model(..., labels=...)`` never holds the full fp32 logits (``fused_loss``).
 - ``optim.regional``: each decoder layer through torch.compile, one graph shared by all layers
   (``compile_layers``); cuts the kernel launches of host-bound steps.
 - ``optim.graphs``: not a model switch but a training-loop tool: ``GraphedStep`` captures a whole
@@ -29,7 +31,7 @@ from optim.switches import Switch
 __all__ = ["Switch", "SWITCHES", "MODULES", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
-MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.regional")
+MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.loss", "optim.regional")
 
 
 def _modules():

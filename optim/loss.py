@@ -1,0 +1,206 @@
+"""The causal-LM loss without the full logits: lm_head and cross-entropy in token chunks, with the
+gradients computed chunk by chunk in the forward.
+
+Stock transformers computes ``logits = lm_head(hidden)`` for every token, upcasts them to fp32 and
+takes the cross-entropy: with a 152k-word vocabulary that is 4.6 GiB of fp32 logits at 8192 tokens,
+plus their gradient, and it sets the peak of a LoRA step on Qwen3 models. Here each chunk's logits
+exist only while that chunk is processed: its loss and the gradient with respect to the hidden
+states (and to the lm_head weight, when it trains) are computed at once, and only the hidden-state
+gradient (the size of the hidden states) is kept for the backward. The lm_head matmul runs twice
+per token (logits, then gradient), never three times as with checkpointed chunks.
+
+The value equals transformers' ``ForCausalLMLoss``: labels shifted by one (or ``shift_labels`` as
+given), ``-100`` ignored, the sum divided by ``num_items_in_batch`` when the trainer passes it
+(gradient accumulation) and by the number of counted tokens otherwise. No host sync: the count
+stays on the device, so a captured CUDA graph can replay it.
+
+Use::
+
+    import optim.loss
+    optim.loss.enable(model)                 # model(..., labels=...).loss now comes from here
+    loss = optim.loss.linear_cross_entropy(hidden, lm_head.weight, shifted_labels)  # or directly
+
+``enable`` patches the causal-LM instance's ``forward`` (peft-wrapped or not), so
+``model(**batch)``, ``transformers.Trainer`` and TRL get it with no code change. In training mode
+with labels it returns ``logits=None`` (as Liger-Kernel does); in eval mode, or without labels, the
+stock forward runs and returns logits. Models whose loss needs the logits (soft-capped logits,
+router auxiliary loss) keep the stock forward, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+
+from optim.switches import Switch
+
+log = logging.getLogger("optim.loss")
+
+IGNORE_INDEX = -100
+# fp32 logits of one chunk: a chunk has this many bytes of them (rounded down to a power of two
+# of tokens, at least 64), so the transient memory does not grow with the batch.
+CHUNK_LOGIT_BYTES = 256 * 2**20
+_ATTR = "_optim_loss_forward"
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch(
+            "fused_loss",
+            (True, False),
+            True,
+            "lm_head + cross-entropy in token chunks with the gradient computed in the forward: "
+            "the full fp32 logits never exist (training mode with labels; eval keeps the logits)",
+        ),
+    )
+}
+
+
+def chunk_tokens(vocab_size: int, budget_bytes: int = CHUNK_LOGIT_BYTES) -> int:
+    """Tokens per chunk: a power of two whose fp32 logits fit ``budget_bytes`` (at least 64)."""
+    n = max(64, budget_bytes // (4 * max(1, vocab_size)))
+    return 1 << (n.bit_length() - 1)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over counted tokens of CE(hidden @ weight.T, labels) / denom, gradients made in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, denom, chunk: int):
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.weight_dtype = weight.dtype
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        inv = 1.0 / denom.float()
+        for i in range(0, hidden.shape[0], chunk):
+            h, y = hidden[i:i + chunk], labels[i:i + chunk]
+            logits = (h @ weight.t()).float()  # stock's order: the matmul in the model dtype, then fp32
+            valid = y != IGNORE_INDEX
+            target = y.masked_fill(~valid, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            total = total + ((lse - picked) * valid).sum()
+            if want_h or want_w:
+                # d loss / d logits = (softmax − one-hot) / denom on counted rows, 0 elsewhere
+                g = logits.sub_(lse[:, None]).exp_()
+                g.scatter_add_(1, target[:, None], torch.full_like(picked[:, None], -1.0))
+                g = g.mul_((valid.float() * inv)[:, None]).to(hidden.dtype)
+                if want_h:
+                    grad_h[i:i + chunk] = g @ weight
+                if want_w:
+                    grad_w += (g.t() @ h).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        return total * inv
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_out.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         num_items_in_batch: torch.Tensor | int | None = None,
+                         chunk: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``labels`` (already aligned: ``labels[t]``
+    is the token position ``t`` predicts; ``-100`` ignored), divided by ``num_items_in_batch`` when
+    given, else by the counted tokens. ``hidden``: (..., H); ``labels``: the same leading shape."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1).to(h.device)
+    if y.shape[0] != h.shape[0]:
+        raise ValueError(f"linear_cross_entropy: {h.shape[0]} hidden rows but {y.shape[0]} labels")
+    if num_items_in_batch is None:
+        denom = (y != IGNORE_INDEX).sum().clamp(min=1)
+    else:
+        denom = torch.as_tensor(num_items_in_batch, device=h.device)
+    return _LinearCrossEntropy.apply(h, weight, y, denom, chunk or chunk_tokens(weight.shape[0]))
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' shift: position t predicts labels[t + 1]; the last position predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _causal_lm(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "lm_head") and hasattr(base, "model"):
+        return base
+    return None
+
+
+def _why_not(lm) -> str | None:
+    """Why this causal LM must keep the stock loss, or None."""
+    head = lm.lm_head
+    if type(head) is not torch.nn.Linear:
+        return f"its lm_head is a {type(head).__name__} (an adapter on lm_head needs the stock path)"
+    if head.bias is not None:
+        return "its lm_head has a bias"
+    cfg = lm.config
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(cfg, name, None):
+            return f"its config sets {name}"
+    return None
+
+
+def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                   inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    stock = getattr(self, _ATTR)
+    if (labels is None or not self.training or kwargs.get("output_router_logits")
+            or getattr(self.config, "output_router_logits", False)):
+        return stock(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                     use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shifted = kwargs.pop("shift_labels", None)
+    out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                     **kwargs)
+    hidden = out.last_hidden_state
+    loss = linear_cross_entropy(hidden, self.lm_head.weight,
+                                shifted if shifted is not None else shift_labels(labels),
+                                num_items_in_batch=num_items)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+                                  hidden_states=out.hidden_states, attentions=out.attentions)
+
+
+def enable(model, *, fused_loss: bool | None = None, **_ignored):
+    """Compute ``model(..., labels=...)``'s loss with ``linear_cross_entropy`` in training mode
+    (switch ``fused_loss``, also OPTIM_FUSED_LOSS). Idempotent; ``fused_loss=False`` restores the
+    stock forward. Returns the model."""
+    on = SWITCHES["fused_loss"].resolve(fused_loss)
+    lm = _causal_lm(model)
+    if lm is None:
+        if on:
+            log.info("optim.loss: %s is not a causal LM with .model and .lm_head; loss left alone",
+                     type(model).__name__)
+        return model
+    patched = _ATTR in lm.__dict__
+    if not on:
+        if patched:
+            del lm.forward
+            del lm.__dict__[_ATTR]
+        return model
+    if patched:
+        return model
+    why = _why_not(lm)
+    if why:
+        log.info("optim.loss: keeping the stock loss of %s: %s", type(lm).__name__, why)
+        return model
+    lm.__dict__[_ATTR] = lm.forward  # the bound stock forward
+    lm.forward = types.MethodType(_fused_forward, lm)
+    return model
+
+
+def describe(model) -> dict:
+    lm = _causal_lm(model)
+    on = lm is not None and _ATTR in lm.__dict__
+    return {"fused_loss": on, "chunk_tokens": chunk_tokens(lm.lm_head.weight.shape[0]) if on else None}

@@ -1,0 +1,120 @@
+"""optim.loss: the chunked linear + cross-entropy equals transformers' loss and gradients, through
+model(..., labels=...) once enabled, with and without num_items_in_batch and shift_labels."""
+
+import pytest
+import torch
+from _lora import randomize_lora_b
+
+import optim
+import optim.loss as L
+from harness.workload import models
+
+
+def _stock_ce(hidden, weight, labels, num_items=None):
+    logits = (hidden @ weight.t()).float()
+    s = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                          ignore_index=-100, reduction="sum")
+    return s / (num_items if num_items is not None else (labels != -100).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [64, 1000])
+def test_loss_and_both_gradients_match_the_full_logits(dtype, chunk):
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 301, 32, 517  # a last chunk shorter than the rest, a vocabulary not a power of two
+    hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) * 0.2).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::7] = -100
+    ref = _stock_ce(hidden, weight, labels)
+    ref.backward(torch.tensor(0.5))
+    ref_h, ref_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    got = L.linear_cross_entropy(hidden, weight, labels, chunk=chunk)
+    got.backward(torch.tensor(0.5))
+    tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, ref.float(), **tol)
+    torch.testing.assert_close(hidden.grad, ref_h, **tol)
+    torch.testing.assert_close(weight.grad, ref_w, **tol)
+    assert weight.grad.dtype == dtype
+
+
+def test_num_items_divides_and_all_ignored_is_zero():
+    hidden = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(11, 8)
+    labels = torch.randint(0, 11, (10,))
+    torch.testing.assert_close(L.linear_cross_entropy(hidden, weight, labels, num_items_in_batch=40),
+                               _stock_ce(hidden, weight, labels, 40))
+    none = L.linear_cross_entropy(hidden, weight, torch.full((10,), -100))
+    none.backward()
+    assert none.item() == 0.0 and hidden.grad.abs().sum() == 0
+    with pytest.raises(ValueError, match="10 hidden rows but 9 labels"):
+        L.linear_cross_entropy(hidden, weight, labels[:9])
+
+
+def test_chunk_size_keeps_the_logits_bounded():
+    assert L.chunk_tokens(151936) == 256  # 256 MiB of fp32 logits per chunk
+    assert L.chunk_tokens(32) == 1 << 21 and L.chunk_tokens(10**9) == 64
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "gpt-oss-20b-tiny"])
+def test_enabled_model_gives_stock_loss_and_grads_at_every_step(name):
+    from harness.run.experiment import DataSpec
+    from harness.workload.data import make_batch
+
+    spec = models.get(name)
+
+    def build():
+        m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+        return randomize_lora_b(m, seed=1)
+
+    stock, fused = build(), optim.enable(build(), only=("loss",))
+    assert optim.enabled(fused)["optim.loss"]["fused_loss"] is True
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (stock, fused)]
+    for step in range(3):  # the first step and later ones, weights moving
+        batch = make_batch(DataSpec(median_doc_len=20, seed=step), 64, 2, spec.vocab_size)
+        kw = dict(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, use_cache=False)
+        outs = []
+        for m, opt in zip((stock, fused), opts):
+            opt.zero_grad()
+            out = m(**kw, num_items_in_batch=torch.tensor(100)) if step == 2 else m(**kw)
+            out.loss.backward()
+            outs.append((out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+            opt.step()
+        (ref, ref_g), (got, got_g) = outs
+        assert got.logits is None and ref.logits is not None
+        torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+        assert set(got_g) == set(ref_g)
+        for n in ref_g:
+            torch.testing.assert_close(got_g[n], ref_g[n], rtol=1e-4, atol=1e-6, msg=f"step {step}: {n}")
+
+    fused.eval()  # eval keeps the logits (metrics need them)
+    with torch.no_grad():
+        out = fused(**kw)
+    assert out.logits is not None and out.loss is not None
+
+
+def test_shift_labels_and_disable():
+    spec = models.get("qwen3-0.6b-tiny")
+    model = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+    ids = torch.randint(0, spec.vocab_size, (1, 16))
+    labels = ids.clone()
+    stock = model(input_ids=ids, labels=labels, use_cache=False).loss
+    L.enable(model)
+    L.enable(model)  # idempotent
+    shifted = L.shift_labels(labels)
+    got = model(input_ids=ids, labels=labels, shift_labels=shifted, use_cache=False)
+    torch.testing.assert_close(got.loss, stock)
+    L.enable(model, fused_loss=False)
+    assert model(input_ids=ids, labels=labels, use_cache=False).logits is not None
+
+
+def test_an_adapter_on_lm_head_keeps_the_stock_loss(caplog):
+    import peft
+
+    spec = models.get("qwen3-0.6b-tiny")
+    base = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+    with caplog.at_level("INFO", logger="optim.loss"):
+        L.enable(model)
+    assert "keeping the stock loss" in caplog.text and not L.describe(model)["fused_loss"]
