@@ -128,7 +128,8 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _causal_lm(model):
+def causal_lm(model):
+    """The transformers *ForCausalLM inside a peft wrapper (or the model itself), or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "lm_head") and hasattr(base, "model"):
         return base
@@ -177,7 +178,7 @@ def enable(model, *, fused_loss: bool | None = None, **_ignored):
     (switch ``fused_loss``, also OPTIM_FUSED_LOSS). Idempotent; ``fused_loss=False`` restores the
     stock forward. Returns the model."""
     on = SWITCHES["fused_loss"].resolve(fused_loss)
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     if lm is None:
         if on:
             log.info("optim.loss: %s is not a causal LM with .model and .lm_head; loss left alone",
@@ -201,6 +202,6 @@ def enable(model, *, fused_loss: bool | None = None, **_ignored):
 
 
 def describe(model) -> dict:
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     on = lm is not None and _ATTR in lm.__dict__
     return {"fused_loss": on, "chunk_tokens": chunk_tokens(lm.lm_head.weight.shape[0]) if on else None}
