@@ -329,3 +329,30 @@ def test_overlap_from_trace_events():
     assert st["h2d_us"] == 140 and st["h2d_overlapped_us"] == 90
     assert st["overlap_pct"] == pytest.approx(100 * 90 / 140)
     assert st["h2d_pinned"] == 2 and st["h2d_pageable"] == 0 and st["h2d_on_side_stream"] == 2
+
+
+def test_trainer_gradient_checkpointing_keeps_the_offloader(tmp_path, caplog):
+    """Trainer(args.gradient_checkpointing=True) enables checkpointing again after the user's
+    optim.offload.enable: every layer must still go through the offloader, with one log line."""
+    from transformers import Trainer, TrainingArguments
+
+    spec = _spec("llama-3.2-1b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
+    oo.enable(m, offload="double", min_bytes=0)
+    off = oo.get(m)
+    data = [{"input_ids": _batch(1, 32, seed=i)[0].tolist(), "labels": _batch(1, 32, seed=i)[0].tolist()}
+            for i in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                             gradient_checkpointing=True, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    with caplog.at_level(logging.INFO, logger="optim.offload"):
+        Trainer(model=m, args=args, train_dataset=data).train()
+    layers = [mod for mod in m.modules() if getattr(mod, "gradient_checkpointing", False)]
+    assert layers and all(mod._gradient_checkpointing_func is off for mod in layers)
+    assert off.stats()["offloaded"] == spec.num_hidden_layers - 2  # the last step went through it
+    told = [r.getMessage() for r in caplog.records if "enabled again" in r.getMessage()]
+    assert len(told) == 1 and "keep optim.offload (double)" in told[0]
+    # a second enable replaces the offloader, and a re-enable then routes to the new one
+    oo.enable(m, offload="single", min_bytes=0)
+    m.base_model.model.gradient_checkpointing_enable()
+    assert all(mod._gradient_checkpointing_func is oo.get(m) for mod in layers) and oo.get(m) is not off

@@ -57,7 +57,7 @@ Only torch is imported here (transformers is used through the model object you p
 from __future__ import annotations
 
 from optim.offload.function import StepStats
-from optim.offload.offloader import DEFAULT_MIN_BYTES, MODES, SWITCHES, Offloader
+from optim.offload.offloader import DEFAULT_MIN_BYTES, MODES, SWITCHES, Offloader, log
 
 __all__ = ["DEFAULT_MIN_BYTES", "MODES", "SWITCHES", "Offloader", "StepStats", "checkpoint", "enable", "get"]
 
@@ -100,12 +100,47 @@ def enable(
         old.close()
     off = Offloader(mode, guard=guard, min_bytes=min_bytes, headroom_bytes=headroom_bytes,
                     profile=profile)
-    # gradient_checkpointing_enable also makes the embeddings' output require grad (peft needs
-    # it); then every GradientCheckpointingLayer gets our function, called as f(layer_call, *args).
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=off)
+    # Enabling checkpointing also makes the embeddings' output require grad (peft needs it); then
+    # every GradientCheckpointingLayer gets our function, called as f(layer_call, *args). A later
+    # enable (Trainer's gradient_checkpointing=True calls it again) keeps the offloader.
+    _keep_offloader(base)
+    object.__setattr__(base, _ATTR, off)
+    enable_checkpointing = getattr(base, "activation_checkpointing_enable", None)  # transformers >= 5.23
+    object.__setattr__(base, "_optim_offload_own_call", True)  # ours: nothing to tell
+    try:
+        if enable_checkpointing is not None:
+            enable_checkpointing(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    finally:
+        object.__setattr__(base, "_optim_offload_own_call", False)
     object.__setattr__(model, _ATTR, off)
     return model
+
+
+def _keep_offloader(base) -> None:
+    """Route every later ``_set_gradient_checkpointing(enable=True, ...)`` of ``base`` (what
+    ``gradient_checkpointing_enable`` and ``activation_checkpointing_enable`` call, with
+    transformers' own checkpoint function) through the model's offloader, so that
+    ``Trainer(args.gradient_checkpointing=True)`` does not silently undo ``optim.offload``."""
+    if "_set_gradient_checkpointing" in vars(base):
+        return  # already routed: the offloader it reads is replaced by a new enable
+    stock = base._set_gradient_checkpointing
+
+    def _set_gradient_checkpointing(enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+        if not enable:
+            return stock(enable=False)
+        off = getattr(base, _ATTR)
+        if gradient_checkpointing_func is not None and gradient_checkpointing_func is not off \
+                and not getattr(base, "_optim_offload_own_call", False) \
+                and not getattr(base, "_optim_offload_told", False):
+            log.info("optim.offload: checkpointing enabled again (Trainer's gradient_checkpointing=True?); "
+                     "the layers keep optim.offload (%s) instead of %r", off.requested_mode,
+                     getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func))
+            object.__setattr__(base, "_optim_offload_told", True)
+        return stock(enable=True, gradient_checkpointing_func=off, every_n_layers=every_n_layers)
+
+    object.__setattr__(base, "_set_gradient_checkpointing", _set_gradient_checkpointing)
 
 
 def get(model) -> Offloader | None:
