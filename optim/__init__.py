@@ -78,12 +78,15 @@ def enable(model, *, only=None, **settings):
         if outside:
             raise ValueError(f"switch(es) {outside} belong to modules outside only={tuple(names)}")
         mods = {k: v for k, v in mods.items() if k in names}
-    applied = {}
+    done = {}
     for name, mod in mods.items():
         own = {k: v for k, v in settings.items() if k in mod.SWITCHES}
         if only is None and name == "offload" and mod.SWITCHES["offload"].resolve(own.get("offload")) == "none":
             continue  # off by default: enabling "none" would still turn checkpointing on
         mod.enable(model, **own)
+        done[name] = (mod, own)
+    applied = {}
+    for name, (mod, own) in done.items():  # described once all are applied: regional changes packing's auto
         describe = getattr(mod, "describe", None)
         applied[f"optim.{name}"] = {**(describe(model) if describe else own), "resolved": resolved(mod, **own)}
     object.__setattr__(model, "_optim_enabled", applied)

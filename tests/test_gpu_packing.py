@@ -92,7 +92,8 @@ def test_every_backend_matches_documents_alone_bf16(name):
 def test_auto_picks_varlen_and_sync_free_with_metadata():
     model = _build("llama-3.2-1b-tiny")
     P.enable(model)  # auto
-    assert P.resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "varlen"
+    assert P.resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "varlen"  # eager layers
+    assert P.describe(model)["packing_backend_resolved"] == "varlen"
     ids = torch.randint(0, 512, (2, 200), device="cuda")
     meta = P.PackedMetadata.from_lengths(LENGTHS)
     pos = meta.position_ids().cuda()

@@ -284,6 +284,78 @@ def test_in_place_position_ids_edit_is_not_stale(built):
     P.release()
 
 
+@pytest.mark.parametrize("name", ["llama-3.2-1b-tiny", "gpt-oss-20b-tiny"])
+def test_flash_attn_kwargs_of_the_transformers_collator_are_the_metadata(built, name):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True) and TRL's padding-free batches
+    carry cu_seq_lens_q/k and max_length_q/k: the entry is built from them (never from
+    position_ids), and equals each document alone."""
+    from transformers import DataCollatorWithFlattening
+
+    model = built(name)
+    P.enable(model, packing_backend="sdpa")
+    torch.manual_seed(0)
+    docs = [torch.randint(0, 512, (n,)).tolist() for n in (37, 50, 13, 29)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)(
+        [{"input_ids": d} for d in docs])
+    assert isinstance(batch["max_length_q"], int) and batch["cu_seq_lens_q"].tolist() == [0, 37, 87, 100, 129]
+    ref_logits, ref_loss, ref_grads = _reference(model, batch["input_ids"], [[37, 50, 13, 29]])
+    model.zero_grad(set_to_none=True)
+    P.reset_counters()
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    _close(out.logits.detach(), ref_logits)
+    _check_grads(_lora_grads(model), ref_grads)
+    c = P.counters()
+    assert c["from_cu_seqlens"] == 1 and c["metadata"] == 1 and "position_id_reads" not in c, c
+
+    bad = dict(batch, cu_seq_lens_q=torch.tensor([0, 37, 90], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must rise from 0 to the batch's 1x129 = 129 tokens"):
+        model(**bad, use_cache=False)
+    with pytest.raises(ValueError, match="below the longest document"):
+        model(**dict(batch, max_length_q=20), use_cache=False)
+    P.release()
+
+
+def test_entry_from_cu_seqlens_equals_the_host_built_entry():
+    """Device-side metadata (cu_seqlens with a zero-length document, two rows) against the entry
+    built from the host lengths."""
+    from optim.packing.metadata import entry_from_cu_seqlens
+
+    meta = P.PackedMetadata.from_lengths([[3, 60, 1], [2, 62]])
+    host = P.build_entry(("h",), meta, torch.device("cpu"))
+    cu = torch.tensor([0, 3, 63, 63, 64, 66, 128], dtype=torch.int32)  # one empty document at 63
+    dev = entry_from_cu_seqlens(("d",), cu, 62, 2, 64, torch.device("cpu"))
+    assert torch.equal(dev.start, host.start)
+
+    def same_doc(e):  # document ids may differ by the empty one; who shares a document may not
+        return e.doc[:, :, None] == e.doc[:, None, :]
+
+    assert torch.equal(same_doc(dev), same_doc(host))
+
+
+def test_enable_says_which_attention_it_replaced_and_keeps_one_it_cannot_judge(caplog):
+    model = _build("llama-3.2-1b-tiny")
+    with caplog.at_level("WARNING", logger="optim.packing"):
+        P.enable(model)
+    assert model.config._attn_implementation == P.ATTN_NAME
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "attention 'sdpa' replaced by 'optim_packed'" in line and "packing_backend='off'" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="optim.packing"):
+        P.enable(model)  # again: nothing replaced, nothing said
+    assert not caplog.records
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("my_attention", AttentionInterface._global_mapping["sdpa"])
+    mine = _build("llama-3.2-1b-tiny")
+    mine.set_attn_implementation("my_attention")
+    with caplog.at_level("WARNING", logger="optim.packing"):
+        P.enable(mine)
+    assert mine.config._attn_implementation == "my_attention" and P.describe(mine) == {}
+    assert "kept your attention implementation 'my_attention'" in caplog.records[0].getMessage()
+
+
 def test_collator_and_trainer(tmp_path):
     from transformers import Trainer, TrainingArguments
 
@@ -323,6 +395,25 @@ def test_switches_and_auto_backend(monkeypatch):
     with pytest.raises(ValueError):
         P.SWITCHES["packing_backend"].resolve("xformers")
     assert P.resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
+
+
+def test_auto_follows_the_measured_table_and_regional_tells_packing_the_layers_are_compiled():
+    cuda = torch.device("cuda")
+    assert P.AUTO_ON_CUDA == {True: "flex", False: "varlen"}
+    assert P.resolve_backend("auto", cuda, torch.bfloat16, compiled=True) == "flex"
+    eager = P.resolve_backend("auto", cuda, torch.bfloat16)
+    assert eager == ("varlen" if P.varlen_available() else "flex")
+    assert P.resolve_backend("auto", cuda, torch.float32) == "flex"  # varlen is fp16/bf16 only
+    assert P.resolve_backend("varlen", cuda, torch.bfloat16, compiled=True) == "varlen"  # asked for
+    from optim import regional
+
+    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=2)
+    P.enable(model)
+    assert P.describe(model)["compiled_layers"] is False
+    regional.enable(model, compile_layers=True)
+    d = P.describe(model)
+    assert d["compiled_layers"] is True and d["packing_backend_resolved"] == "sdpa"  # on CPU
+    assert all(m._optim_packing.compiled for m in P._attention_modules(model))
 
 
 def test_import_does_not_pull_in_harness():

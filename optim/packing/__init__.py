@@ -46,7 +46,9 @@ layers (``module.sliding_window``/``config.layer_types``) get their own cached s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -54,6 +56,7 @@ import torch
 
 from optim.packing.backends import (
     _KERNELS,
+    AUTO_ON_CUDA,
     FusedFlexUnavailable,
     _flex_core,
     _flex_output,
@@ -87,7 +90,6 @@ from optim.packing.metadata import (
 )
 from optim.switches import Switch
 
-
 SWITCHES: dict[str, Switch] = {
     s.name: s
     for s in (
@@ -98,17 +100,16 @@ SWITCHES: dict[str, Switch] = {
             "build packed-sequence metadata and attention structures once per batch (off: in "
             "every layer call and every recompute, the behaviour the seeds measured against)",
         ),
-        # "auto" picks the fastest path that can run: on CUDA with fp16/bf16, FlashAttention-2
-        # varlen needs no mask at all (only cu_seqlens), skips all cross-document work and is the
-        # fastest kernel; flex is next (Triton kernel, skips masked blocks, needs a small BlockMask);
-        # SDPA with an explicit mask loses the flash kernel, so it is only the CPU choice (flex has
-        # no CPU backward and varlen no CPU kernel).
+        # "auto" picks the fastest path that can run, from the measured table in
+        # backends.AUTO_ON_CUDA: flex where optim.regional compiles the layers (traced into their
+        # graph), FlashAttention-2 varlen where they run eager; SDPA with an explicit mask loses
+        # the flash kernel, so it is only the CPU choice.
         Switch(
             "packing_backend",
             ("auto", *BACKENDS, "off"),
             "auto",
-            "packed attention kernel: auto = varlen on CUDA (fp16/bf16) when torch has it, "
-            "else flex on CUDA, sdpa on CPU; off = leave the model's attention alone (stock)",
+            "packed attention kernel: auto = on CUDA flex with compiled layers, else varlen "
+            "(fp16/bf16, when torch has it); sdpa on CPU; off = leave the model's attention alone (stock)",
         ),
     )
 }
@@ -119,9 +120,15 @@ class PackingSettings:
     cache: bool = True
     backend: str = "auto"
     validate: bool | None = None  # None: check position_ids vs metadata where free (CPU tensors)
+    compiled: bool = False  # optim.regional compiles the layers (prebuild_structures): auto picks for that
 
 
 _DEFAULT = PackingSettings()
+# transformers' own implementations, each slower on packed rows than optim's (a T×T mask or
+# boundaries re-read from position_ids in every layer); enable() replaces these and keeps any
+# other (a user's registered function, a kernels-hub kernel).
+STOCK_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+log = logging.getLogger("optim.packing")
 
 
 def _should_validate(settings: PackingSettings, position_ids) -> bool:
@@ -198,13 +205,14 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     device = query.device
     validate = _should_validate(settings, position_ids)
-    entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate)
+    entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate,
+                       kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
     if settings.cache and torch.is_grad_enabled() and query.requires_grad:
         if entry.first_module is None:
             entry.first_module = id(module)
         if entry.first_module == id(module):
             query = _ReleaseOnBackward.apply(query, entry.key, device)
-    backend = resolve_backend(settings.backend, device, query.dtype)
+    backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
     out = _KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
     return out, None
 
@@ -224,8 +232,8 @@ def register() -> None:
 
 def _structures_hook(settings: PackingSettings, windows: tuple):
     def hook(module, args, kwargs):
-        meta = kwargs.get(FORWARD_KWARG)
-        if meta is None or kwargs.get(STRUCTURES_KWARG) is not None:
+        meta, cu, max_len = kwargs.get(FORWARD_KWARG), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        if (meta is None and (cu is None or max_len is None)) or kwargs.get(STRUCTURES_KWARG) is not None:
             return None
         ref = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None),
                    args[0] if args else None)
@@ -233,10 +241,10 @@ def _structures_hook(settings: PackingSettings, windows: tuple):
         if ref is None or param is None:
             return None
         device, pos = ref.device, kwargs.get("position_ids")
-        if resolve_backend(settings.backend, device, param.dtype) != "flex":
+        if resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) != "flex":
             return None
-        entry = _entry_for(meta, pos, meta.batch_size, meta.seq_len, device, True,
-                           _should_validate(settings, pos))
+        B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
+        entry = _entry_for(meta, pos, B, T, device, True, _should_validate(settings, pos), cu, max_len)
         masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
                  for w in windows}
         return args, {**kwargs, STRUCTURES_KWARG: masks}
@@ -253,7 +261,11 @@ def prebuild_structures(model) -> int:
     cache on and the flex backend; other backends keep their graph break. Idempotent.
     """
     settings = getattr(model, "_optim_packing", None)
-    if settings is None or not settings.cache or settings.backend in ("off", "sdpa", "varlen"):
+    if settings is None:
+        return 0
+    settings = dataclasses.replace(settings, compiled=True)  # auto now picks for compiled layers
+    _set_settings(model, settings)
+    if not settings.cache or settings.backend in ("off", "sdpa", "varlen"):
         return 0
     windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
                            key=lambda w: -1 if w is None else w))
@@ -291,27 +303,53 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
     )
     if settings.backend == "off":
         return model
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if current not in (None, ATTN_NAME, *STOCK_ATTENTION):
+        log.warning("optim.packing: kept your attention implementation %r (not one optim can judge); "
+                    "packed attention is off for this model", current)
+        return model
     register()
+    if current != ATTN_NAME:
+        log.warning("optim.packing: attention %r replaced by %r (packed documents, backend %s); "
+                    "packing_backend='off' keeps yours", current, ATTN_NAME, settings.backend)
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
         setter(ATTN_NAME)
     else:
         model.config._attn_implementation = ATTN_NAME
+    if _set_settings(model, settings) == 0:
+        raise ValueError("packing.enable: found no attention modules (q_proj + layer_idx) in the model")
+    return model
+
+
+def _set_settings(model, settings: PackingSettings) -> int:
     n = 0
     for m in _attention_modules(model):
         m._optim_packing = settings
         m._optim_packing_window = _layer_window(m, None)
         n += 1
-    if n == 0:
-        raise ValueError("packing.enable: found no attention modules (q_proj + layer_idx) in the model")
     model._optim_packing = settings
-    return model
+    return n
+
+
+def describe(model) -> dict:
+    """The settings enable() recorded and the kernel ``auto`` runs on the model's device and
+    dtype (empty when packing is not applied)."""
+    s = getattr(model, "_optim_packing", None)
+    if s is None:
+        return {}
+    # the frozen base weights' dtype is the activations' (LoRA adapters may be fp32)
+    p = next((q for q in model.parameters() if not q.requires_grad), next(model.parameters(), None))
+    device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+    return {"packing_backend": s.backend, "packing_cache": s.cache, "compiled_layers": s.compiled,
+            "packing_backend_resolved": resolve_backend(s.backend, device, dtype, compiled=s.compiled)}
 
 
 __all__ = [
     "ATTN_NAME", "BACKENDS", "COUNTERS", "FLEX_BLOCK", "FORWARD_KWARG", "KERNEL_CALLS", "STRUCTURES_KWARG",
-    "SWITCHES", "FusedFlexUnavailable", "PackedMetadata", "PackingCollator", "PackingSettings",
-    "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "enable",
+    "AUTO_ON_CUDA", "SWITCHES", "FusedFlexUnavailable", "PackedMetadata", "PackingCollator", "PackingSettings",
+    "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "describe",
+    "enable",
     "fused_flex_failure", "kernels", "packed_attention_forward", "packed_kwargs", "prebuild_structures",
     "register", "release", "reset_counters", "resolve_backend", "varlen_available",
 ]

@@ -277,11 +277,31 @@ def _varlen(entry, q, k, v, scale, window, sinks, cache):
 _KERNELS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
 
 
-def resolve_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+# What ``packing_backend = "auto"`` picks on CUDA, by whether optim.regional compiles the decoder
+# layers; each choice with the result rows that back it (H100 80GB HBM3, bf16, LoRA r=16, packed
+# documents, step p50 in ms, one process per point; files under results/).
+AUTO_ON_CUDA = {
+    # Compiled layers: flex is traced into the layer's graph (its BlockMasks prebuilt outside), so
+    # one graph serves every layer and batch; varlen and sdpa stay eager behind a graph break.
+    #   packing/nvidia-h100-80gb-hbm3.jsonl, Qwen3-0.6B: packed-flex-compiled 220.1 vs
+    #   packed-varlen-compiled 285.6 at 8192 tokens, 210.9 vs 268.6 at 2048.
+    True: "flex",
+    # Eager layers: FlashAttention-2 varlen needs no mask, only cu_seqlens; never slower than flex.
+    #   packing/nvidia-h100-80gb-hbm3.jsonl: Llama-3.2-1B 2048 packed-varlen 177.2 vs packed-flex
+    #   240.9; Qwen3-0.6B 8192 398.4 vs 424.2; Qwen3-14B 8192 2385.9 vs 2373.8 (a tie).
+    False: "varlen",
+}
+
+
+def resolve_backend(choice: str, device: torch.device, dtype: torch.dtype, *, compiled: bool = False) -> str:
+    """The kernel a ``packing_backend`` choice runs: ``auto`` reads ``AUTO_ON_CUDA`` on CUDA (varlen
+    only in fp16/bf16 and where torch has the flash kernel, else flex), and is sdpa on CPU (flex has
+    no CPU backward, varlen no CPU kernel)."""
     if choice != "auto":
         return choice
     if device.type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16) and varlen_available():
-            return "varlen"
-        return "flex"
+        pick = AUTO_ON_CUDA[bool(compiled)]
+        if pick == "varlen" and not (dtype in (torch.float16, torch.bfloat16) and varlen_available()):
+            return "flex"
+        return pick
     return "sdpa"

@@ -229,19 +229,56 @@ def build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entr
     return _Entry(key, B, T, cu, meta.max_seqlen, doc.view(B, T), start.view(B, T))
 
 
+def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int, B: int, T: int,
+                          device: torch.device) -> _Entry:
+    """Device metadata from ``cu_seqlens`` offsets over the flattened (B*T) batch and a host
+    ``max_seqlen``, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` and TRL's
+    padding-free batches carry them (``cu_seq_lens_q``, ``max_length_q``): built on the device
+    with no host sync, so the batch's lengths never travel back. Checked where that is free
+    (offsets on the CPU)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"packing: cu_seq_lens must be 1-D offsets [0, ..., B*T], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device.type == "cpu":
+        lens = torch.diff(cu_seqlens.long())
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T or bool((lens < 0).any()):
+            raise ValueError(f"packing: cu_seq_lens {cu_seqlens.tolist()[:8]}... must rise from 0 to the "
+                             f"batch's {B}x{T} = {B * T} tokens")
+        if int(lens.max()) > int(max_seqlen):
+            raise ValueError(f"packing: max_length {max_seqlen} is below the longest document ({int(lens.max())})")
+    COUNTERS["metadata"] += 1
+    COUNTERS["from_cu_seqlens"] += 1
+    cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    n = B * T
+    starts = cu[1:-1].long()
+    seg = torch.zeros(n + 1, dtype=torch.int32, device=device)  # slot n takes starts at the very end
+    # scatter_add_: a zero-length document repeats an offset and still counts as one document
+    seg.scatter_add_(0, starts, torch.ones_like(starts, dtype=seg.dtype))
+    doc = torch.cumsum(seg[:n], 0, dtype=torch.int32)
+    row0 = (torch.arange(n, device=device) // T) * T
+    start = cu[doc.long()].long() - row0
+    return _Entry(key, B, T, cu, int(max_seqlen), doc.view(B, T), start.view(B, T))
+
+
 def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache: bool,
-               validate: bool) -> _Entry:
-    """The batch's entry: from the cache when the batch is the cached one, else built."""
+               validate: bool, cu_seqlens: torch.Tensor | None = None, max_seqlen=None) -> _Entry:
+    """The batch's entry: from the cache when the batch is the cached one, else built from (in
+    this order) ``packing``, ``cu_seqlens`` with ``max_seqlen``, or ``position_ids``."""
+    from_cu = packing is None and cu_seqlens is not None and max_seqlen is not None
     if packing is not None:
         if not isinstance(packing, PackedMetadata):
             raise TypeError(f"packing= must be a PackedMetadata, got {type(packing).__name__}")
         key = ("meta", packing.serial)
         pos_ref = None
+    elif from_cu:
+        key = ("cu", id(cu_seqlens), cu_seqlens._version)
+        pos_ref = weakref.ref(cu_seqlens)
+        position_ids = cu_seqlens  # the identity check below reads pos_ref against this tensor
     elif position_ids is not None:
         key = ("pos", id(position_ids), position_ids._version)
         pos_ref = weakref.ref(position_ids)
     else:
-        raise ValueError("packed attention needs packing=PackedMetadata or position_ids")
+        raise ValueError("packed attention needs packing=PackedMetadata, cu_seq_lens_q with "
+                         "max_length_q, or position_ids")
 
     if cache:
         hit = _CACHE.get(device)
@@ -249,6 +286,14 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
             COUNTERS["cache_hits"] += 1
             return hit
 
+    if from_cu:
+        if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device.type != "cpu":
+            COUNTERS["host_syncs"] += 1  # pass max_length_q as a host int, as the collators do
+        entry = entry_from_cu_seqlens(key, cu_seqlens, int(max_seqlen), B, T, device)
+        entry.pos_ref = pos_ref
+        if cache:
+            _CACHE[_canonical(device)] = entry
+        return entry
     if packing is None:
         pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
         meta = PackedMetadata.from_lengths(_lengths_from_position_ids(pos), T)
