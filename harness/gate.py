@@ -21,7 +21,7 @@ from pathlib import Path
 from harness import results as res
 from harness.row import IDENTITY, match_key
 
-STATUSES = ("ok", "oom", "error")
+STATUSES = ("ok", "oom", "error", "skipped")  # skipped: a peer that cannot run on that machine
 NOISE_MODES = ("auto", "off")
 
 
@@ -173,6 +173,10 @@ def judge(point: PointResult, max_slowdown: float, max_memory_growth: float, noi
     if base.status != "ok":
         point.verdict = f"fixed (was {base.status})" if cand.status == "ok" else f"{base.status} → {cand.status}"
         return point
+    if cand.status == "skipped":  # a peer missing on the candidate's machine is not our regression
+        point.outcome, point.verdict = "warn", "skipped in the candidate"
+        point.reasons.append(f"skipped in the candidate: {cand.message}")
+        return point
     if cand.status != "ok":
         point.outcome, point.verdict = "fail", f"ok → {cand.status}"
         detail = f": {cand.message}" if cand.message else ""
@@ -248,7 +252,7 @@ class GateResult:
         if faster:
             text += f", {faster} faster"
         if self.warned:
-            text += f"; warning: {len(self.warned)} missing on one side"
+            text += f"; warning: {len(self.warned)} missing or skipped on one side"
         return (text + f"; max slowdown {self.max_slowdown:.1%}, max memory growth "
                 f"{self.max_memory_growth:.1%}, noise {self.noise}")
 

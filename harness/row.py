@@ -18,6 +18,12 @@ from typing import Any
 IDENTITY = ("experiment", "model", "seq_len", "batch_size", "variant", "switches", "gpus",
             "warmup_steps", "measured_steps", "lora_rank", "lora_dtype", "dtype", "device", "data",
             "pin_cpu", "loss_mode", "cuda_graph")
+# In the identity only when set, so adding them left every earlier point's id as it was.
+OPTIONAL_IDENTITY = ("stack",)
+# What builds the model around the variant's switches (harness.run.peers): "" the harness's own
+# stock build with just the optim modules the variant configures; "user" optim.enable(model) with
+# its defaults, as a user calls it; "liger" Liger-Kernel's patches on the stock model.
+STACKS = ("user", "liger")
 ROLES = ("stock", "peer", "ours", "ours-default", "reference", "ablation")
 # stock: transformers + peft as shipped; peer: another tool users would pick instead (Liger-Kernel,
 # save_on_cpu); ours: an optim setting; ours-default: what optim.enable(model) gives with its
@@ -28,7 +34,9 @@ ROLES = ("stock", "peer", "ours", "ours-default", "reference", "ablation")
 def identity(fields: dict[str, Any], *, repeat: bool = False) -> dict[str, Any]:
     """The identity fields of a row or a point (``repeat`` included on request)."""
     keys = (*IDENTITY, "repeat") if repeat else IDENTITY
-    return {k: fields.get(k) for k in keys}
+    out = {k: fields.get(k) for k in keys}
+    out.update({k: fields[k] for k in OPTIONAL_IDENTITY if fields.get(k)})
+    return out
 
 
 def _digest(value: dict) -> str:
@@ -69,6 +77,7 @@ class Row:
     pin_cpu: bool
     loss_mode: str
     cuda_graph: bool
+    stack: str = ""
     family: str = ""
     num_layers: int | None = None
     baseline_variant: str = ""

@@ -26,6 +26,16 @@ def _version(mod: str) -> str | None:
         return None
 
 
+def _dist_version(dist: str) -> str | None:
+    """An installed distribution's version without importing it (Liger imports Triton)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def nvml_info(index: int = 0) -> dict:
     """PCIe link, clocks and power limit read from NVML; empty when there is no NVIDIA driver."""
     try:
@@ -131,6 +141,8 @@ def collect() -> dict:
         "transformers": _version("transformers"),
         "peft": _version("peft"),
         "triton": _version("triton"),
+        "liger_kernel": _dist_version("liger-kernel"),
+        "trl": _dist_version("trl"),
         "cuda": torch.version.cuda,
         **git_state(),
         "code_sha": code_sha(),

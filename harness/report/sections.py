@@ -102,7 +102,7 @@ def section_bandwidth(df_steps, df_bw, rows, out_dir) -> str:
 
 
 def section_failed(df_steps, df_bw, rows, out_dir) -> str:
-    failed = [r for r in rows if r.get("status") in ("oom", "error")]
+    failed = [r for r in rows if r.get("status") in ("oom", "error", "skipped")]
     if not failed:
         return "### Failed points\n\nNone."
     def key(r: dict) -> tuple:
@@ -233,7 +233,7 @@ SECTIONS: list[Section] = [
 def summary(experiment: str, rows: list[dict], df_steps: pd.DataFrame) -> str:
     steps = [r for r in rows if r.get("kind") == "step"]
     ok = [r for r in steps if r.get("status") == "ok"]
-    failed = [r for r in rows if r.get("status") in ("oom", "error")]
+    failed = [r for r in rows if r.get("status") in ("oom", "error", "skipped")]
     n_bw = sum(1 for r in rows if r.get("kind") == "bandwidth" and r.get("status") == "ok")
     models = _values(r.get("model") for r in steps)
     variants = _values(r.get("variant") for r in steps)

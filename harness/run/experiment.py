@@ -72,6 +72,7 @@ class SweepPoint:
     loss_mode: str = "full"
     lora_dtype: str = "fp32"
     cuda_graph: bool = False
+    stack: str = ""  # harness.row.STACKS, or "" for the harness's own build
     # run policy
     launcher: str = "process"
     timeout_s: float = 900.0
@@ -133,6 +134,7 @@ class Experiment:
     lora_dtype: str = "fp32"
     variant_lora_dtype: dict[str, str] = field(default_factory=dict)  # likewise for ``lora_dtype``
     variant_cuda_graph: dict[str, bool] = field(default_factory=dict)  # variants timed as graph replays
+    variant_stack: dict[str, str] = field(default_factory=dict)  # variants built as a user or a peer would
     roles: dict[str, str] = field(default_factory=dict)  # variant -> its role (harness.row.ROLES)
     report: dict[str, dict[str, Any]] = field(default_factory=dict)  # [report.<section>] tables
     sha256: str = ""  # of the experiment file's bytes
@@ -169,6 +171,7 @@ class Experiment:
                                 loss_mode=self.variant_loss.get(vname, self.loss),
                                 lora_dtype=self.variant_lora_dtype.get(vname, self.lora_dtype),
                                 cuda_graph=self.variant_cuda_graph.get(vname, False),
+                                stack=self.variant_stack.get(vname, ""),
                                 role=self.roles.get(vname, ""),
                                 experiment_sha256=self.sha256,
                             )
@@ -328,9 +331,10 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     variant_loss: dict[str, str] = {}
     variant_lora_dtype: dict[str, str] = {}
     variant_cuda_graph: dict[str, bool] = {}
+    variant_stack: dict[str, str] = {}
     roles: dict[str, str] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role"})
+        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role", "stack"})
         settings = dict(settings)
         if "role" in settings:  # what the variant stands for in a comparison; reports read it
             roles[vname] = _choice(path, f"variants.{vname}.role", settings.pop("role"), rowmod.ROLES)
@@ -339,6 +343,21 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
             variant_lora_dtype[vname] = _choice(path, f"variants.{vname}.lora_dtype",
                                                 settings.pop("lora_dtype"), LORA_DTYPES)
+        if "stack" in settings:  # built as a user (optim.enable) or a peer (Liger-Kernel) would
+            stack = variant_stack[vname] = _choice(path, f"variants.{vname}.stack", settings.pop("stack"), rowmod.STACKS)
+            ours = sorted(k for k in settings if k in OWNER)
+            if stack == "liger" and ours:
+                raise ExperimentError(path, f"variants.{vname}.stack",
+                                      f"'liger' is the peer run without optim; drop the optim switch(es) {ours}")
+            if variant_loss.get(vname) == "chunked":
+                raise ExperimentError(path, f"variants.{vname}.loss",
+                                      "a user or peer stack takes the model's own loss (model(..., labels=...)), "
+                                      "which optim.loss or Liger patches; drop loss = 'chunked'")
+            variant_loss[vname] = "full"  # whatever the experiment's default
+            if settings.get("cuda_graph"):
+                raise ExperimentError(path, f"variants.{vname}.stack",
+                                      "a user or peer stack runs the step eagerly, as their own loop does; "
+                                      "drop cuda_graph from this variant")
         if "cuda_graph" in settings:  # how the harness runs the step (optim.graphs), not a model switch
             graphed = settings.pop("cuda_graph")
             if not isinstance(graphed, bool):
@@ -374,7 +393,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
-        variant_cuda_graph=variant_cuda_graph, roles=roles, report=report,
+        variant_cuda_graph=variant_cuda_graph, variant_stack=variant_stack, roles=roles, report=report,
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from harness.measure import env as envmod
 from harness.measure import flops as flopsmod
 from harness.measure.timing import PhaseTimer, percentiles
+from harness.run import peers
 from harness.run.experiment import SweepPoint
 from harness.run.stacks import stacks_on_request
 from harness.workload import models as model_registry
@@ -55,6 +56,8 @@ def run_point(point: SweepPoint) -> dict:
         row.status, row.message = "ok", ""
     except torch.OutOfMemoryError as e:
         row.status, row.message = "oom", str(e).splitlines()[0][:500]
+    except peers.PeerUnavailable as e:
+        row.status, row.message = "skipped", str(e)[:500]
     except Exception as e:  # noqa: BLE001 - any failure of one point is a result, not a crash
         row.status, row.message = "error", f"{type(e).__name__}: {e}"[:500]
         row.measured["traceback"] = traceback.format_exc()[-4000:]
@@ -186,6 +189,7 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    before_lora = peers.liger_patch(device) if point.stack == "liger" else None
     on_phase("building the model")
     model = model_registry.build(
         spec,
@@ -199,9 +203,10 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
         lora_dtype=point.lora_dtype,
         # a captured step cannot read the RNG state; check_capturable refuses any dropout it would need
         checkpoint_preserve_rng=not point.cuda_graph,
+        before_lora=before_lora,
     )
     on_phase("enabling optim")
-    optim_applied = _enable_optim(model, sw)
+    optim_applied = _enable_optim(model, sw, point.stack)
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda", capturable=point.cuda_graph)
@@ -284,19 +289,15 @@ def _measure(point: SweepPoint, spec) -> dict:
     }
 
 
-def _enable_optim(model, switches: dict) -> dict:
-    """``optim.enable`` restricted to the modules the variant configures (stock variants configure
-    none), so a sweep measures exactly what that call gives. Returns ``optim.enabled(model)``: per
-    module applied, what it changed and the value each of its switches resolved to (the variant's
-    setting, else OPTIM_<NAME>, else the default)."""
-    import optim
+def _enable_optim(model, switches: dict, stack: str = "") -> dict:
+    """``optim.enable`` as the variant's stack says (``harness.run.peers``): restricted to the
+    modules the variant configures (stock variants configure none), or, for ``stack = "user"``,
+    the plain call with every default, so a sweep measures exactly what that call gives. Returns
+    ``optim.enabled(model)``: per module applied, what it changed and the value each of its
+    switches resolved to (the variant's setting, else OPTIM_<NAME>, else the default)."""
     from harness.switches import optim_settings
 
-    per_module = optim_settings(switches)
-    if not per_module:
-        return {}
-    optim.enable(model, only=tuple(per_module), **{k: v for s in per_module.values() for k, v in s.items()})
-    return optim.enabled(model)
+    return peers.enable(model, stack, optim_settings(switches))
 
 
 def _optim_stats(model, optim_applied: dict) -> dict:
@@ -354,7 +355,7 @@ def attention_kernels(model, optim_applied: dict) -> dict:
 
 def _packing_kwargs(batch, optim_applied: dict) -> dict:
     settings = optim_applied.get("optim.packing")
-    if not settings or settings.get("packing_backend") == "off":
+    if not settings or settings["resolved"]["packing_backend"] == "off":
         return {}
     from optim import packing
 

@@ -180,12 +180,14 @@ def build(
     seed: int = 0,
     lora_dtype: str = "fp32",
     checkpoint_preserve_rng: bool = True,
+    before_lora=None,
 ):
     """Build ``spec`` with random initialized weights directly on ``device``, optionally with LoRA.
 
     ``lora_dtype``: "fp32" is peft's default (adapter weights upcast to float32, and so their
     grads and AdamW states); "model" keeps them in ``dtype``. Returns the (peft-wrapped) model in
-    train mode.
+    train mode. ``before_lora(model)``, if given, is applied to the bare model before peft wraps
+    it, as a user applies Liger-Kernel's patches to the model they loaded.
     """
     from transformers import AutoModelForCausalLM
 
@@ -210,6 +212,8 @@ def build(
             model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_fn)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if before_lora is not None:
+        before_lora(model)
     if lora_rank:
         from peft import get_peft_model
 

@@ -1,0 +1,58 @@
+"""What a variant's model is built with, besides stock transformers + peft (its ``stack``).
+
+- ``""`` (no ``stack`` key): the harness's own build, then ``optim.enable(model, only=...)`` with
+  just the modules whose switches the variant sets; a variant that sets none is stock.
+- ``"user"``: ``optim.enable(model)`` with no ``only``, every default as a user gets it; switches
+  the variant sets are passed as that call's keywords.
+- ``"liger"``: Liger-Kernel's patches for the model's family, applied to the bare model before
+  peft wraps it (``_apply_liger_kernel_to_instance``, what ``Trainer(use_liger_kernel=True)``
+  calls). Liger is an optional peer (``pip install '.[peers]'``); where it is not installed or
+  cannot run, the point's row says ``skipped`` and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer a variant compares against cannot run here; its row is ``skipped``, not an error."""
+
+
+def liger_patch(device: torch.device) -> Callable:
+    """The function that applies Liger-Kernel to a bare transformers model, or PeerUnavailable."""
+    if device.type != "cuda":
+        raise PeerUnavailable(f"Liger-Kernel's Triton kernels need a CUDA GPU; this point runs on {device.type}")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as e:
+        raise PeerUnavailable(f"Liger-Kernel is not installed ({e}); install the peers extra: "
+                              "pip install '.[peers]'") from None
+
+    def patch(model) -> None:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise PeerUnavailable(f"Liger-Kernel has no patches for model type {model.config.model_type!r}")
+        _apply_liger_kernel_to_instance(model=model)
+
+    return patch
+
+
+def enable(model, stack: str, settings: dict[str, dict]) -> dict:
+    """Apply ``optim`` as the variant's stack says; ``settings`` is the variant's optim switches
+    per module (``harness.switches.optim_settings``). Returns ``optim.enabled(model)``."""
+    import optim
+
+    flat = {k: v for per_module in settings.values() for k, v in per_module.items()}
+    if stack == "user":
+        optim.enable(model, **flat)
+    elif stack == "liger":
+        return {}  # applied to the bare model in the build, before peft
+    elif settings:
+        optim.enable(model, only=tuple(settings), **flat)
+    else:
+        return {}
+    return optim.enabled(model)

@@ -1,0 +1,95 @@
+"""The variants a user and a peer would run (``stack = "user" | "liger"``): parsed, identified
+and run as they say, and a peer that cannot run here is a ``skipped`` row, not an error."""
+
+import pytest
+import torch
+
+from harness import gate
+from harness import results as res
+from harness.run import experiment, sweep
+from harness.run.experiment import ExperimentError
+
+BASE = """
+[experiment]
+name = "peers"
+models = ["qwen3-0.6b-tiny"]
+seq_lens = [64]
+device = "cpu"
+dtype = "fp32"
+lora_rank = 2
+timeout_s = 120
+bandwidth = false
+[data]
+median_doc_len = 16
+[variants.a]
+attn_implementation = "sdpa"
+[variants.b]
+attn_implementation = "sdpa"
+stack = "user"
+"""
+
+
+def test_stack_keeps_earlier_point_ids_and_is_in_the_new_ones(write_toml):
+    pts = {p.variant: p for p in experiment.load(write_toml(BASE)).points()}
+    plain = experiment.load(write_toml(BASE.replace('stack = "user"\n', ""))).points()
+    assert pts["a"].point_id == plain[0].point_id and pts["b"].point_id != plain[1].point_id
+    assert (pts["a"].stack, pts["b"].stack) == ("", "user")
+    liger = experiment.load(write_toml(BASE.replace('"user"', '"liger"'))).points()[1]
+    assert len({pts["b"].point_id, liger.point_id, plain[1].point_id}) == 3
+
+
+@pytest.mark.parametrize("edit, key, fragment", [
+    (('stack = "user"', 'stack = "unsloth"'), "variants.b.stack", "'unsloth' is not a valid choice"),
+    (('stack = "user"', 'stack = "liger"\npacking_backend = "flex"'), "variants.b.stack",
+     "drop the optim switch(es) ['packing_backend']"),
+    (('stack = "user"', 'stack = "user"\nloss = "chunked"'), "variants.b.loss", "drop loss = 'chunked'"),
+])
+def test_malformed_stack_fails_at_load(write_toml, edit, key, fragment):
+    text = BASE.replace(*edit)
+    with pytest.raises(ExperimentError) as e:
+        experiment.load(write_toml(text))
+    assert key in str(e.value) and fragment in str(e.value)
+
+
+def test_a_user_stack_takes_the_model_loss_whatever_the_experiment_default(write_toml):
+    text = BASE.replace("bandwidth = false", 'bandwidth = false\nloss = "chunked"')
+    pts = {p.variant: p for p in experiment.load(write_toml(text)).points()}
+    assert (pts["a"].loss_mode, pts["b"].loss_mode) == ("chunked", "full")
+
+
+def _run(tmp_path, write_toml, text):
+    exp = experiment.load(write_toml(text))
+    sweep.run(exp, tmp_path / "results", progress=False)
+    return {r["variant"]: r for r in res.read_rows(res.results_path(tmp_path / "results", "peers", "cpu"))}
+
+
+def test_user_stack_is_plain_optim_enable_and_liger_on_cpu_is_skipped(tmp_path, write_toml):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the liger point runs; tests/test_gpu_peers.py covers it")
+    text = BASE + '[variants.c]\nattn_implementation = "sdpa"\nstack = "liger"\n'
+    rows = _run(tmp_path, write_toml, text)
+    assert all(rows[v]["status"] == "ok" for v in "ab"), {v: r.get("message") for v, r in rows.items()}
+    assert rows["a"]["optim"] == {}
+    # exactly what optim.enable(model) applies with no arguments: every module, every default
+    import optim
+
+    applied = set(optim.MODULES) - {"optim.offload"}  # off by default: it trades time for memory
+    assert set(rows["b"]["optim"]) == applied
+    from optim.offload import SWITCHES as offload_switches
+
+    assert rows["b"]["switches_resolved"] == {k: sw.default for k, sw in optim.SWITCHES.items()
+                                              if k not in offload_switches}
+    assert rows["b"]["stack"] == "user"
+    # the peer cannot run on a CPU: a row that says so, retried on resume, never an error
+    assert rows["c"]["status"] == "skipped" and "need a CUDA GPU" in rows["c"]["message"]
+    assert "skipped" not in res.FINISHED
+
+
+def test_gate_warns_and_does_not_fail_when_a_peer_is_skipped_in_the_candidate():
+    ok = gate.Side("ok", "", 1, 100.0, 0.01, None, 1.0)
+    skipped = gate.Side("skipped", "Liger-Kernel is not installed", 1, None, None, None, None)
+    p = gate.judge(gate.PointResult("liger", {}, "gpu", ok, skipped), 0.05, 0.05, "auto")
+    assert (p.outcome, p.verdict) == ("warn", "skipped in the candidate")
+    assert "not installed" in p.reasons[0]
+    broken = gate.Side("error", "boom", 1, None, None, None, None)
+    assert gate.judge(gate.PointResult("x", {}, "gpu", ok, broken), 0.05, 0.05, "auto").outcome == "fail"
