@@ -153,7 +153,8 @@ def _why_not(lm) -> str | None:
 def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     stock = getattr(self, _ATTR)
-    if (labels is None or not self.training or kwargs.get("output_router_logits")
+    # a caller's own fused head (TRL's fused_lm_head=True) computes what it returns itself
+    if (labels is None or not self.training or kwargs.get("output_router_logits") or "fused_lm_head" in kwargs
             or getattr(self.config, "output_router_logits", False)):
         return stock(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,

@@ -121,7 +121,7 @@ def test_points_on_one_side_only_warn(tmp_path):
     assert result.exit_code == 0 and not result.failed
     assert {p.label.split()[-1]: p.verdict for p in result.warned} == {
         "flex": "missing in candidate", "eager": "missing in baseline"}
-    assert "warning: 2 missing on one side" in result.summary()
+    assert "warning: 2 missing or skipped on one side" in result.summary()
 
 
 def test_repeats_compare_the_median_of_per_run_p50(tmp_path):

@@ -1,0 +1,144 @@
+"""Shared by the Trainer/TRL tests (CPU) and their GPU runs: one training run through
+``transformers.Trainer`` or TRL's ``SFTTrainer``, stock or with ``optim.enable``, on generated
+documents, returning its per-step losses and step times.
+
+The order ``SFTTrainer(peft_config=...)`` needs: build the trainer (it wraps the model in peft),
+then ``optim.enable(trainer.model)``, then ``trainer.train()`` (which builds the optimizer)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from harness.workload import models
+
+
+def tokenizer(vocab_size: int):
+    """A word-level tokenizer over ``t0..t{V-1}`` (nothing downloaded); TRL wants one."""
+    from tokenizers import Tokenizer
+    from tokenizers import models as tm
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tm.WordLevel(words, unk_token="t0")),
+                                   pad_token="t0", eos_token="t1")
+
+
+def documents(n: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [{"input_ids": torch.randint(2, vocab_size, (k,), generator=g).tolist()} for k in lens]
+
+
+class StepTimer:
+    """A TrainerCallback timing each optimizer step with CUDA events (wall clock on CPU); read
+    once training ends, so timing adds no sync to the loop."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+        self.marks: list = []
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                timer.marks.append([timer._mark(), None])
+
+            def on_step_end(self, args, state, control, **kw):
+                timer.marks[-1][1] = timer._mark()
+
+        self.callback = _Callback()
+
+    @staticmethod
+    def _mark():
+        if torch.cuda.is_available():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self) -> list[float]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in self.marks]
+        return [(b - a) * 1e3 for a, b in self.marks]
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+
+
+def _summary(trainer, timer: StepTimer, warmup: int) -> dict:
+    ms = timer.ms()[warmup:]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {"losses": _losses(trainer), "step_ms": statistics.median(ms) if ms else None,
+            "step_ms_all": timer.ms(), "peak_gib": peak}
+
+
+def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: int, docs: list[dict],
+            device: str = "cpu", dtype=torch.float32, max_length: int | None = None, lora_rank: int = 4,
+            out_dir: str, warmup: int = 0, **settings) -> dict:
+    """TRL SFTTrainer on a bare model with ``peft_config``: ``mode`` "padding_free" (TRL's
+    flattened batches with cu_seq_lens) or "packing" (TRL's BFD packing, position_ids per row)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    import optim
+
+    spec = models.get(model_name)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    model = models.build(spec, device=device, dtype=dtype, lora_rank=None)
+    kw = dict(padding_free=True, max_length=None) if mode == "padding_free" else \
+        dict(packing=True, packing_strategy="bfd", max_length=max_length)
+    args = SFTConfig(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+                     learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
+                     logging_steps=1, bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
+                     dataloader_num_workers=0, **kw)
+    timer = StepTimer()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(docs),
+                         processing_class=tokenizer(spec.vocab_size), callbacks=[timer.callback],
+                         peft_config=LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear"))
+    if ours:
+        optim.enable(trainer.model, **settings)  # after SFTTrainer wraps it in peft, before train()
+    from optim import packing
+
+    packing.reset_counters()
+    trainer.train()
+    return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),
+            "enabled": optim.enabled(trainer.model)}
+
+
+def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, docs: list[dict], max_length: int,
+                device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
+                **settings) -> dict:
+    """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
+    ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
+    flattened row): the same documents per step, so the same loss."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    import optim
+    from optim import packing
+
+    spec = models.get(model_name)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False)
+    if ours:
+        optim.enable(model, **settings)
+        collator = packing.PackingCollator(max_length=max_length)
+    else:
+        collator = DataCollatorWithFlattening(return_position_ids=True)
+    args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+                             learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
+                             logging_steps=1, bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
+                             gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0)
+    timer = StepTimer()
+    trainer = Trainer(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=[timer.callback])
+    packing.reset_counters()
+    trainer.train()
+    return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),
+            "enabled": optim.enabled(model)}

@@ -1,0 +1,38 @@
+"""The peer and user variants on a real GPU: stock, Liger-Kernel and optim.enable(model) train the
+same weights on the same batches, so their loss curves agree within bf16 tolerance; each is a row
+of its own kind. Needs liger-kernel installed (the peers extra)."""
+
+import pytest
+import torch
+from _sweep import small_gpu_experiment
+
+from harness import results as res
+from harness.run import sweep
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+VARIANTS = {
+    "stock": {"attn_implementation": "flex_attention"},
+    "liger": {"attn_implementation": "flex_attention", "stack": "liger"},
+    "user": {"stack": "user"},
+}
+
+
+def test_stock_liger_and_user_train_alike(tmp_path):
+    pytest.importorskip("liger_kernel")
+    exp = small_gpu_experiment("gpu-peers", VARIANTS, seq_lens=[2048])
+    summary = sweep.run(exp, tmp_path, progress=False)
+    rows = {r["variant"]: r for r in res.read_rows(summary.results_path)}
+    assert summary.statuses == {"ok": 3}, {v: r.get("message") for v, r in rows.items()}
+    assert rows["liger"]["optim"] == {} and rows["liger"]["env"]["liger_kernel"]
+    assert rows["user"]["optim"]["optim.loss"]["fused_loss"] is True
+    assert rows["user"]["optim"]["optim.packing"]["packing_backend_resolved"] == "flex"  # compiled layers
+    stock = rows["stock"]["loss"]
+    for v in ("liger", "user"):
+        for i, (a, b) in enumerate(zip(rows[v]["loss"], stock)):
+            assert abs(a - b) <= 2e-2 * abs(b), (v, i, a, b)
+    # both fuse the loss: neither holds the fp32 logits that set stock's peak
+    assert rows["user"]["peak_allocated_gib"] < rows["stock"]["peak_allocated_gib"]
+    assert rows["liger"]["peak_allocated_gib"] < rows["stock"]["peak_allocated_gib"]
+    for v, r in rows.items():
+        print(f"{v}: {r['step_ms']['p50']:.1f} ms, peak {r['peak_allocated_gib']:.2f} GiB, loss {r['loss'][:3]}")
