@@ -102,6 +102,10 @@ def _num(x, spec: str) -> str:
     return format(round(v) if spec.endswith("d") else v, spec)
 
 
+def _times(x) -> str:
+    return f"{x:.2f}×" if _f(x) is not None else DASH
+
+
 def _pct(x) -> str:
     """x already in percent, signed: a gain or a cost."""
     return f"{x:+.1f}%" if _f(x) is not None else DASH
@@ -139,8 +143,8 @@ def _first(*values) -> float | None:
 def _loss_note(rows) -> str:
     modes = {r.get("loss_mode") for r in rows}
     if modes == {"chunked"}:
-        return (" The loss is computed in checkpointed 4096-token chunks (`harness.workload.loss`), so at most one "
-                "chunk's fp32 logits exist at a time and the peak shows what the layer inputs cost, not "
+        return (" The loss is `optim.loss`'s chunked linear + cross-entropy (`loss = \"chunked\"`), so at most "
+                "one chunk's fp32 logits exist at a time and the peak shows what the layer inputs cost, not "
                 "the logits of a 152k-word vocabulary.")
     if "chunked" in modes:
         return " Some points compute the loss in chunks (`loss_mode` = chunked), others with full logits."

@@ -15,6 +15,7 @@ from harness.report.fmt import (
     _stat,
     _sub,
     _table,
+    _times,
     _v,
 )
 from harness.report.moe import _gain, _kind, _p50_by
@@ -273,10 +274,6 @@ def packing_vs_stock_points(rows: list[dict], spec: dict) -> list[dict]:
 
 def _failure_text(r: dict) -> str:
     return f"{r.get('status')}: {r.get('message')}" if r.get("message") else str(r.get("status"))
-
-
-def _times(x) -> str:
-    return f"{x:.2f}×" if _f(x) is not None else DASH
 
 
 def _plain_packed(rows: list[dict], backend: str) -> list[dict]:

@@ -1,0 +1,133 @@
+"""The user's path beside the peers: per point, stock transformers + peft, Liger-Kernel and
+``optim.enable(model)`` as a user calls it, measured in one sweep, then every other variant of the
+file; and the targets of ``[report.user]``.
+
+``[report.user]`` names the three variants (``stock``, ``liger``, ``user``) and may list
+``targets``, each ``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_liger``,
+``max_peak_over_liger`` and ``min_hfu``.
+"""
+
+from __future__ import annotations
+
+from harness.report.fmt import DASH, _f, _ms, _natural, _spread, _stat, _table, _times
+from harness.report.runs import _gpu_steps, _run_note
+
+ROLES = ("stock", "liger", "user")
+
+
+def _best(rows: list[dict], variant: str) -> dict | None:
+    """The variant's row at a point: the ok repeat with the median step p50, else its failure."""
+    mine = [r for r in rows if r.get("variant") == variant]
+    ok = sorted((r for r in mine if r.get("status") == "ok" and _stat(r, "step_ms") is not None),
+                key=lambda r: _stat(r, "step_ms"))
+    if ok:
+        return ok[len(ok) // 2]
+    return mine[0] if mine else None
+
+
+def _peak(r: dict | None) -> float | None:
+    return _f((r or {}).get("peak_allocated_gib")) if (r or {}).get("status") == "ok" else None
+
+
+def user_points(rows: list[dict], spec: dict) -> list[dict]:
+    """Per (gpu, model, seq_len) with any of the three variants: their rows (median repeat), the
+    ratios a reader asks for, and the other variants' rows."""
+    names = {role: spec.get(role) for role in ROLES}
+    out = []
+    for slug, g in _gpu_steps(rows).items():
+        keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in names.values()}
+        for model, t in sorted(keys, key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
+            mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
+            got = {role: _best(mine, v) if v else None for role, v in names.items()}
+            ms = {role: _stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
+            others = sorted({r["variant"] for r in mine if r.get("variant") not in names.values()})
+            out.append({
+                "gpu": slug, "model": model, "seq_len": t, "rows": got, "ms": ms,
+                "peak": {role: _peak(r) for role, r in got.items()},
+                "hfu": _f((got["user"] or {}).get("hfu")),
+                "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
+                "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
+                "others": {v: _best(mine, v) for v in others},
+            })
+    return out
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return DASH
+    if r.get("status") == "skipped":
+        return f"skipped: {str(r.get('message') or '')[:80]}"
+    return _spread(r, "step_ms")
+
+
+def _gib(x) -> str:
+    return f"{x:.2f}" if x is not None else DASH
+
+
+def user_md(rows: list[dict], spec: dict) -> str:
+    """"### The user's path beside the peers": the three columns first, then the targets."""
+    pts = user_points(rows, spec)
+    if not pts:
+        return ""
+    names = {role: spec.get(role) or role for role in ROLES}
+    body = []
+    for p in pts:
+        body.append([p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
+                     " / ".join(_gib(p["peak"][role]) for role in ROLES),
+                     _times(p["over_stock"]) if p["over_stock"] else DASH,
+                     _times(p["over_liger"]) if p["over_liger"] else DASH,
+                     f"{100 * p['hfu']:.1f}%" if p["hfu"] is not None else DASH])
+    header = ["model", "tokens", f"stock (`{names['stock']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
+              f"optim.enable (`{names['user']}`) ms", "peak GiB stock / liger / user", "user vs stock",
+              "user vs liger", "user HFU"]
+    text = ["### The user's path beside the peers",
+            "Step time p50 [p20–p80] of forward + backward + AdamW, one fresh process per point, in one sweep: "
+            "stock transformers + peft, the same with Liger-Kernel's patches, and `optim.enable(model)` with "
+            "its defaults (the variant's `stack`). Peak is `torch.cuda.max_memory_allocated` over the measured "
+            "steps.",
+            _table(header, body)]
+    others = [[p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
+               _times(p["ms"]["user"] / _stat(r, "step_ms")) if p["ms"]["user"] and _peak(r) is not None else DASH]
+              for p in pts for v, r in p["others"].items()]
+    if others:
+        text += ["Every other variant of the file at those points (ablations of the defaults):",
+                 _table(["model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
+    for p in pts:
+        labelled = [(names[role], [r]) for role in ROLES if (r := p["rows"][role]) is not None]
+        if len(labelled) > 1:
+            text.append(f"{p['model']} at {p['seq_len']} tokens ({p['gpu']}): " + _run_note(labelled))
+    goals = user_targets(pts, spec.get("targets") or [])
+    if goals:
+        text += ["Targets:", _table(["target", "measured", "met?"], goals)]
+    return "\n\n".join(text)
+
+
+def user_targets(pts: list[dict], targets: list[dict]) -> list[list[str]]:
+    out = []
+    for t in targets:
+        model, seq_len = t.get("model"), t.get("seq_len")
+        hits = [p for p in pts if p["model"] == model and p["seq_len"] == seq_len] or [None]
+        for p in hits:
+            where = f"{model} at {seq_len} tokens" + (f" ({p['gpu']})" if p else "")
+            checks = []
+            if "max_user_ms" in t:
+                v = p and p["ms"]["user"]
+                checks.append((f"user ≤ {t['max_user_ms']:g} ms", f"{_ms(v)} ms" if v else "not measured",
+                               v <= t["max_user_ms"] if v else None))
+            if "min_speedup_over_liger" in t:
+                v = p and p["over_liger"]
+                checks.append((f"user ≥ {t['min_speedup_over_liger']:g}× faster than Liger",
+                               f"{_times(v)}" if v else "not measured", v >= t["min_speedup_over_liger"] if v else None))
+            if "max_peak_over_liger" in t:
+                u, lg = (p["peak"]["user"], p["peak"]["liger"]) if p else (None, None)
+                v = u / lg if u and lg else None
+                checks.append((f"user peak ≤ {t['max_peak_over_liger']:g}× Liger's",
+                               f"{v:.2f}× ({_gib(u)} vs {_gib(lg)} GiB)" if v else "not measured",
+                               v <= t["max_peak_over_liger"] if v else None))
+            if "min_hfu" in t:
+                v = p and p["hfu"]
+                checks.append((f"user HFU ≥ {100 * t['min_hfu']:.0f}%", f"{100 * v:.1f}%" if v else "not measured",
+                               v >= t["min_hfu"] if v else None))
+            out += [[f"{goal}, {where}", measured, DASH if ok is None else ("met" if ok else "not met")]
+                    for goal, measured, ok in checks]
+    return out
