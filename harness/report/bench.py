@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.report import moe, offload, packing, user
+from harness.report import moe, offload, packing
 from harness.report.fmt import _values
 from harness.results import BENCH_KINDS
 
@@ -85,7 +85,7 @@ def sweep_targets(spec: dict, rows: list[dict]) -> list[str]:
     steps = [r for r in rows if r.get("kind") == "step"]
     if not steps:
         return []
-    texts = [user.user_md(steps, spec["user"])] if "user" in spec else []
+    texts = []  # [report.user] leads its report (harness.report.build_report)
     if "moe" in spec:
         fit = spec["moe"].get("fit_model")
         texts += [moe.moe_e2e_targets_md(steps, spec["moe"]), moe.moe_fit_md(steps, fit) if fit else ""]

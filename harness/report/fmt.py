@@ -143,9 +143,10 @@ def _first(*values) -> float | None:
 def _loss_note(rows) -> str:
     modes = {r.get("loss_mode") for r in rows}
     if modes == {"chunked"}:
-        return (" The loss is `optim.loss`'s chunked linear + cross-entropy (`loss = \"chunked\"`), so at most "
-                "one chunk's fp32 logits exist at a time and the peak shows what the layer inputs cost, not "
-                "the logits of a 152k-word vocabulary.")
+        return (" The loss is chunked (`loss = \"chunked\"`: checkpointed 4096-token chunks in rows recorded "
+                "before commit d0b891b, `optim.loss`'s linear + cross-entropy since), so at most one chunk's fp32 "
+                "logits exist at a time and the peak shows what the layer inputs cost, not the logits of a "
+                "152k-word vocabulary.")
     if "chunked" in modes:
         return " Some points compute the loss in chunks (`loss_mode` = chunked), others with full logits."
     return ""

@@ -65,7 +65,7 @@ def _gib(x) -> str:
 
 
 def user_md(rows: list[dict], spec: dict) -> str:
-    """"### The user's path beside the peers": the three columns first, then the targets."""
+    """"## The user's path beside the peers": the three columns first, then the targets."""
     pts = user_points(rows, spec)
     if not pts:
         return ""
@@ -80,7 +80,7 @@ def user_md(rows: list[dict], spec: dict) -> str:
     header = ["model", "tokens", f"stock (`{names['stock']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
               f"optim.enable (`{names['user']}`) ms", "peak GiB stock / liger / user", "user vs stock",
               "user vs liger", "user HFU"]
-    text = ["### The user's path beside the peers",
+    text = ["## The user's path beside the peers",
             "Step time p50 [p20–p80] of forward + backward + AdamW, one fresh process per point, in one sweep: "
             "stock transformers + peft, the same with Liger-Kernel's patches, and `optim.enable(model)` with "
             "its defaults (the variant's `stack`). Peak is `torch.cuda.max_memory_allocated` over the measured "

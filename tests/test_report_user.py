@@ -1,0 +1,50 @@
+"""The user's path section: stock, Liger and optim.enable side by side, computed from rows, and
+the targets of [report.user] judged on those numbers (a skipped peer judges nothing)."""
+
+from harness.report.user import user_md, user_points
+
+SPEC = {"stock": "stock", "liger": "liger", "user": "user", "targets": [
+    {"model": "qwen3-8b", "seq_len": 8192, "min_speedup_over_liger": 1.3, "max_peak_over_liger": 1.0, "min_hfu": 0.45},
+    {"model": "gpt-oss-20b", "seq_len": 2048, "max_user_ms": 270},
+]}
+
+
+def _row(model, seq_len, variant, p50, peak=None, hfu=None, status="ok", message=""):
+    r = {"kind": "step", "gpu_slug": "h100", "model": model, "seq_len": seq_len, "variant": variant,
+         "status": status, "message": message, "recorded_at": "2026-11-23T07:00:00+00:00", "env": {"git_sha": "abc"}}
+    if status == "ok":
+        r.update(step_ms={"p20": p50 - 1, "p50": p50, "p80": p50 + 1}, peak_allocated_gib=peak, hfu=hfu)
+    return r
+
+
+ROWS = [
+    _row("qwen3-8b", 8192, "stock", 1564.9, 32.1, 0.25), _row("qwen3-8b", 8192, "liger", 1251.5, 20.55, 0.31),
+    _row("qwen3-8b", 8192, "user", 988.1, 20.87, 0.40), _row("qwen3-8b", 8192, "user-varlen", 1281.6, 20.87),
+    _row("gpt-oss-20b", 2048, "stock", 646.4, 52.6), _row("gpt-oss-20b", 2048, "user", 236.5, 50.46),
+    _row("gpt-oss-20b", 2048, "liger", None, status="skipped", message="Liger-Kernel is not installed"),
+]
+
+
+def test_points_compute_the_ratios_a_reader_asks_for():
+    pts = {p["model"]: p for p in user_points(ROWS, SPEC)}
+    q = pts["qwen3-8b"]
+    assert round(q["over_liger"], 3) == round(1251.5 / 988.1, 3) and round(q["over_stock"], 3) == round(1564.9 / 988.1, 3)
+    assert q["peak"] == {"stock": 32.1, "liger": 20.55, "user": 20.87} and list(q["others"]) == ["user-varlen"]
+    g = pts["gpt-oss-20b"]
+    assert g["over_liger"] is None and g["rows"]["liger"]["status"] == "skipped"
+
+
+def test_targets_are_judged_on_the_measured_values():
+    text = user_md(ROWS, SPEC)
+    assert text.startswith("## The user's path beside the peers")
+    lines = {l.split("|")[1].strip(): l for l in text.splitlines() if l.startswith("| user")}
+    assert "1.27×" in lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"]
+    assert lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"].rstrip(" |").endswith("not met")
+    assert lines["user peak ≤ 1× Liger's, qwen3-8b at 8192 tokens (h100)"].rstrip(" |").endswith("not met")
+    assert "40.0%" in lines["user HFU ≥ 45%, qwen3-8b at 8192 tokens (h100)"]
+    assert lines["user ≤ 270 ms, gpt-oss-20b at 2048 tokens (h100)"].rstrip(" |").endswith("| met")
+    assert "skipped: Liger-Kernel is not installed" in text
+
+
+def test_no_rows_of_the_three_variants_is_no_section():
+    assert user_md([_row("qwen3-8b", 8192, "other", 10.0, 1.0)], SPEC) == ""
