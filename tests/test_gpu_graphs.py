@@ -26,7 +26,13 @@ CASES = {
     "qwen3-moe-grouped_mm-split": ("qwen3-30b-a3b-tiny", "sdpa", {"moe_backend": "grouped_mm", "moe_lora": "split"}),
     # one document per row: eager transformers finds no packing, a capture builds the packed mask
     "qwen3-moe-flex-one-doc": ("qwen3-30b-a3b-tiny", "flex_attention", {"moe_backend": "grouped_mm", "moe_lora": "split"}),
+    # optim.packing with no host metadata: the capture reads the boundaries from the static
+    # position_ids on the device, so batches of other document lengths replay the same graph
+    "packed-flex-varying": ("qwen3-0.6b-tiny", "sdpa", {"packing_backend": "flex"}),
+    "packed-sdpa-varying": ("llama-3.2-1b-tiny", "sdpa", {"packing_backend": "sdpa"}),
+    "packed-flex-compiled-varying": ("gpt-oss-20b-tiny", "sdpa", {"packing_backend": "auto", "compile_layers": True}),
 }
+VARYING = {"packed-flex-varying", "packed-sdpa-varying", "packed-flex-compiled-varying"}
 ONE_DOC = {"qwen3-moe-flex-one-doc"}
 
 
@@ -40,9 +46,10 @@ def _build(name, attn, moe_settings, one_doc=False):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g).mul_(0.05).to(p))
     if moe_settings:
-        from optim import moe
+        import optim
+        from harness.switches import optim_settings
 
-        moe.enable(model, **moe_settings)
+        optim.enable(model, only=tuple(optim_settings(moe_settings)), **moe_settings)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, fused=True, capturable=True)
     data = DataSpec(distribution="fixed", median_doc_len=T, seed=3) if one_doc else DataSpec(seed=3)
@@ -72,7 +79,13 @@ def test_replayed_graph_trains_like_the_eager_steps(case):
     static = {k: getattr(batches[0], k).clone() for k in ("input_ids", "labels", "position_ids")}
     step = graphs.GraphedStep(lambda: causal_lm_loss(model, static["input_ids"], static["labels"], chunked=False,
                                                      position_ids=static["position_ids"]), opt)
+    from optim import packing
+
+    packing.reset_counters()
     step.capture()
+    if case in VARYING:
+        assert len({tuple(map(tuple, b.lengths)) for b in batches}) == len(batches)  # every batch its own
+        assert packing.counters().get("from_position_ids_on_device", 0) >= 1, packing.counters()
     losses = []
     for b in batches[1:]:
         for k, buf in static.items():

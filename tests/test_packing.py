@@ -567,3 +567,21 @@ def test_kernels_record_what_ran(built):
         with torch.no_grad():
             model(input_ids=ids, position_ids=meta.position_ids(), use_cache=False, **P.packed_kwargs(meta))
         assert P.kernels() == {kernel: model.config.num_hidden_layers}, backend
+
+
+def test_entry_from_position_ids_on_the_device_equals_the_host_built_entry():
+    """What a CUDA-graph capture builds from position_ids (no sync, fixed shapes) against the entry
+    built from the host lengths; varlen refuses it with the reason."""
+    from optim.packing.metadata import build_varlen_args, entry_from_position_ids
+
+    meta = P.PackedMetadata.from_lengths([[3, 60, 1], [2, 62]])
+    host = P.build_entry(("h",), meta, torch.device("cpu"))
+    dev = entry_from_position_ids(("d",), meta.position_ids(), 2, 64, torch.device("cpu"))
+    assert torch.equal(dev.start, host.start) and torch.equal(dev.doc, host.doc)
+    for window in (None, 16):
+        a, b = P.build_flex_block_mask(dev, window), P.build_flex_block_mask(host, window)
+        assert torch.equal(a.kv_num_blocks, b.kv_num_blocks) and torch.equal(a.full_kv_num_blocks, b.full_kv_num_blocks)
+    shared = entry_from_position_ids(("s",), meta.position_ids()[1:], 3, 64, torch.device("cpu"))  # (1, T) for all rows
+    assert torch.equal(shared.start[2], host.start[1])
+    with pytest.raises(ValueError, match="varlen kernel needs the batch's max_seqlen on the host"):
+        build_varlen_args(dev)

@@ -371,11 +371,11 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                 raise ExperimentError(path, f"variants.{vname}.cuda_graph",
                                       "cannot capture optim.offload's host copies on side streams; "
                                       "set offload = 'none' in this variant")
-            packs = any(OWNER.get(k) == "optim.packing" for k in settings) and settings.get("packing_backend") != "off"
-            if graphed and packs and data.distribution != "fixed":
+            if graphed and settings.get("packing_backend") == "varlen" and data.distribution != "fixed":
                 raise ExperimentError(path, f"variants.{vname}.cuda_graph",
-                                      "freezes optim.packing's per-batch document lengths at capture, so it "
-                                      "needs [data] distribution = 'fixed' (every batch the same lengths)")
+                                      "varlen needs each batch's max_seqlen on the host, which a replayed graph "
+                                      "cannot give when document lengths vary; use packing_backend 'flex' or "
+                                      "'sdpa', or [data] distribution = 'fixed'")
             variant_cuda_graph[vname] = graphed
         for key, value in settings.items():
             _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)

@@ -130,19 +130,18 @@ class Prepared:
 
     def capture(self, point: SweepPoint) -> "GraphedRun":
         """Capture this point's step as CUDA graphs (``optim.graphs``), fed from static copies of
-        the batches. Host metadata (optim.packing's lengths) is frozen at capture, so it must be
-        the same for every batch."""
+        the batches. Where every batch has the same document lengths, optim.packing's host
+        metadata is handed over and frozen at capture; where they differ, none is, and the capture
+        builds the boundaries from the static position_ids on the device, so each replay reads
+        its own batch's (flex and sdpa; varlen refuses)."""
         from optim import graphs
 
         graphs.check_capturable(self.model, self.optimizer)
-        if self.extra[0] and any(b.lengths != self.batches[0].lengths for b in self.batches):
-            raise graphs.CaptureError(
-                "cuda_graph freezes optim.packing's host metadata at capture, but the batches' document "
-                "lengths differ; use [data] distribution = 'fixed' or turn packing off in this variant")
         first = self.batches[0]
         static = {"input_ids": first.input_ids.clone(), "labels": first.labels.clone(),
                   "position_ids": first.position_ids.clone()}
-        extra = self.extra[0]
+        same = all(b.lengths == first.lengths for b in self.batches)
+        extra = self.extra[0] if same else {}
 
         def forward_loss():
             return causal_lm_loss(self.model, static["input_ids"], static["labels"],

@@ -178,8 +178,8 @@ class _Entry:
     key: tuple
     B: int
     T: int
-    cu_seqlens: torch.Tensor  # int32 (num_docs+1,) on device, offsets over the flattened batch
-    max_seqlen: int  # host int
+    cu_seqlens: torch.Tensor | None  # int32 (num_docs+1,) on device over the flattened batch; None:
+    max_seqlen: int | None  # host int   # built from position_ids inside a CUDA-graph capture
     doc: torch.Tensor  # int32 (B, T): global document index of each token
     start: torch.Tensor  # int64 (B, T): row-local index of the token's document start
     structures: dict = field(default_factory=dict)
@@ -259,11 +259,29 @@ def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int,
     return _Entry(key, B, T, cu, int(max_seqlen), doc.view(B, T), start.view(B, T))
 
 
+def entry_from_position_ids(key: tuple, position_ids: torch.Tensor, B: int, T: int, device: torch.device) -> _Entry:
+    """Device metadata from position ids restarting at 0 per document, computed on the device with
+    fixed shapes and no host sync: what a CUDA graph can capture, so one graph replays batches whose
+    document lengths differ (the caller refills the static position_ids). The positions are trusted
+    (checking them needs a sync), and there are no ``cu_seqlens``/``max_seqlen``: varlen needs them
+    on the host, so it cannot run from these."""
+    COUNTERS["metadata"] += 1
+    COUNTERS["from_position_ids_on_device"] += 1
+    pos = (position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)).to(device)
+    pos = pos.expand(B, T).long()
+    doc = torch.cumsum((pos == 0).flatten(), 0, dtype=torch.int32).view(B, T) - 1
+    start = torch.arange(T, device=device) - pos  # row-local index of the token's document start
+    return _Entry(key, B, T, None, None, doc, start)
+
+
 def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache: bool,
                validate: bool, cu_seqlens: torch.Tensor | None = None, max_seqlen=None) -> _Entry:
     """The batch's entry: from the cache when the batch is the cached one, else built from (in
     this order) ``packing``, ``cu_seqlens`` with ``max_seqlen``, or ``position_ids``."""
     from_cu = packing is None and cu_seqlens is not None and max_seqlen is not None
+    # Inside a CUDA-graph capture the boundaries come from position_ids on the device, never from an
+    # entry built before it (that would freeze one batch's lengths into the graph).
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if packing is not None:
         if not isinstance(packing, PackedMetadata):
             raise TypeError(f"packing= must be a PackedMetadata, got {type(packing).__name__}")
@@ -274,7 +292,7 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
         pos_ref = weakref.ref(cu_seqlens)
         position_ids = cu_seqlens  # the identity check below reads pos_ref against this tensor
     elif position_ids is not None:
-        key = ("pos", id(position_ids), position_ids._version)
+        key = ("pos-captured" if capturing else "pos", id(position_ids), position_ids._version)
         pos_ref = weakref.ref(position_ids)
     else:
         raise ValueError("packed attention needs packing=PackedMetadata, cu_seq_lens_q with "
@@ -290,6 +308,12 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
         if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device.type != "cpu":
             COUNTERS["host_syncs"] += 1  # pass max_length_q as a host int, as the collators do
         entry = entry_from_cu_seqlens(key, cu_seqlens, int(max_seqlen), B, T, device)
+        entry.pos_ref = pos_ref
+        if cache:
+            _CACHE[_canonical(device)] = entry
+        return entry
+    if packing is None and capturing:
+        entry = entry_from_position_ids(key, position_ids, B, T, device)  # no sync: capturable
         entry.pos_ref = pos_ref
         if cache:
             _CACHE[_canonical(device)] = entry
@@ -418,5 +442,9 @@ def _doc_mask_mod(doc, window, b, h, q_idx, kv_idx):
 
 def build_varlen_args(entry: _Entry) -> tuple[torch.Tensor, int]:
     """varlen takes the metadata as is: int32 cu_seqlens on device and a host max_seqlen."""
+    if entry.cu_seqlens is None:
+        raise ValueError("packing: the varlen kernel needs the batch's max_seqlen on the host, which "
+                         "position_ids read inside a CUDA-graph capture cannot give; capture with "
+                         "packing_backend='flex' or 'sdpa', or hand the model packing=PackedMetadata")
     COUNTERS["varlen_args"] += 1
     return entry.cu_seqlens, entry.max_seqlen
