@@ -70,14 +70,15 @@ def user_md(rows: list[dict], spec: dict) -> str:
     if not pts:
         return ""
     names = {role: spec.get(role) or role for role in ROLES}
+    many = len({p["gpu"] for p in pts}) > 1
     body = []
     for p in pts:
-        body.append([p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
+        body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
                      " / ".join(_gib(p["peak"][role]) for role in ROLES),
                      _times(p["over_stock"]) if p["over_stock"] else DASH,
                      _times(p["over_liger"]) if p["over_liger"] else DASH,
                      f"{100 * p['hfu']:.1f}%" if p["hfu"] is not None else DASH])
-    header = ["model", "tokens", f"stock (`{names['stock']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
+    header = [*(["GPU"] if many else []), "model", "tokens", f"stock (`{names['stock']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
               f"optim.enable (`{names['user']}`) ms", "peak GiB stock / liger / user", "user vs stock",
               "user vs liger", "user HFU"]
     text = ["## The user's path beside the peers",
@@ -86,12 +87,12 @@ def user_md(rows: list[dict], spec: dict) -> str:
             "its defaults (the variant's `stack`). Peak is `torch.cuda.max_memory_allocated` over the measured "
             "steps.",
             _table(header, body)]
-    others = [[p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
+    others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
                _times(p["ms"]["user"] / _stat(r, "step_ms")) if p["ms"]["user"] and _peak(r) is not None else DASH]
               for p in pts for v, r in p["others"].items()]
     if others:
         text += ["Every other variant of the file at those points (ablations of the defaults):",
-                 _table(["model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
+                 _table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
     for p in pts:
         labelled = [(names[role], [r]) for role in ROLES if (r := p["rows"][role]) is not None]
         if len(labelled) > 1:
