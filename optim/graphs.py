@@ -51,9 +51,10 @@ class CaptureError(RuntimeError):
     """The step could not be captured; the message says what in the step prevents it."""
 
 
-def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse, before any capture, a model or optimizer whose step a graph would replay wrongly."""
-    for group in optimizer.param_groups:
+def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse, before any capture, a model or optimizer whose step a graph would replay wrongly
+    (``optimizer`` None: its step is not captured)."""
+    for group in optimizer.param_groups if optimizer is not None else ():
         if "capturable" in group and not group["capturable"]:
             raise CaptureError(f"{type(optimizer).__name__} was built with capturable=False; its step count "
                                "would stay on the host and freeze at capture. Build it with capturable=True")

@@ -114,7 +114,7 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
 
 def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, docs: list[dict], max_length: int,
                 device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
-                **settings) -> dict:
+                graphed: bool = False, rows: int | None = None, accumulation: int = 1, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss."""
@@ -129,15 +129,21 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False)
     if ours:
         optim.enable(model, **settings)
-        collator = packing.PackingCollator(max_length=max_length)
+        collator = packing.PackingCollator(max_length=max_length, rows=rows)
     else:
         collator = DataCollatorWithFlattening(return_position_ids=True)
     args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
                              learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
                              logging_steps=1, bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
-                             gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0)
+                             gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0,
+                             # a captured step cannot read the RNG state; the eager twin runs the same
+                             gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
+                             gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear")
     timer = StepTimer()
-    trainer = Trainer(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=[timer.callback])
+    cls = Trainer
+    if graphed:
+        from optim.trainer import GraphedTrainer as cls
+    trainer = cls(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=[timer.callback])
     packing.reset_counters()
     trainer.train()
     return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),

@@ -19,11 +19,15 @@ class PackingCollator:
     first token set to -100, so no token learns to predict across a boundary. Returns
     ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per document) and
     ``packing`` (a :class:`PackedMetadata`), ready for ``model(**batch)`` and
-    ``transformers.Trainer`` (set ``remove_unused_columns=False``).
+    ``transformers.Trainer`` (set ``remove_unused_columns=False``). ``rows`` fixes the number of
+    rows of every batch (``optim.trainer.GraphedTrainer`` replays one shape).
     """
 
     def __init__(self, max_length: int | None = None, pad_token_id: int = 0,
-                 pad_to_multiple_of: int | None = None, label_pad_id: int = -100):
+                 pad_to_multiple_of: int | None = None, label_pad_id: int = -100, rows: int | None = None):
+        if rows is not None and (max_length is None or rows < 1):
+            raise ValueError("packing: rows= (a fixed batch shape) needs max_length and rows >= 1")
+        self.rows = rows  # every batch exactly this many rows (a replayed CUDA graph needs one shape)
         self.max_length = max_length
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -55,6 +59,12 @@ class PackingCollator:
             else:
                 rows.append([d])
                 fill.append(len(d[0]))
+        if self.rows is not None:
+            if len(rows) > self.rows:
+                raise ValueError(f"packing: these {len(docs)} examples need {len(rows)} rows of {self.max_length} "
+                                 f"tokens, more than rows={self.rows}; lower the batch size or raise rows")
+            rows += [[] for _ in range(self.rows - len(rows))]  # empty rows: one padding document each
+            fill += [0] * (self.rows - len(fill))
         T = self.max_length if self.max_length is not None else max(fill)
         if self.pad_to_multiple_of:
             T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of

@@ -1,0 +1,174 @@
+"""``GraphedTrainer``: ``transformers.Trainer`` with each micro-step's forward + loss + backward
+replayed as one CUDA graph.
+
+    import optim
+    from optim.trainer import GraphedTrainer
+
+    model = optim.enable(get_peft_model(model, lora_config))
+    args = TrainingArguments(..., bf16=True, gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+    trainer = GraphedTrainer(model=model, args=args, train_dataset=docs,
+                             data_collator=optim.packing.PackingCollator(max_length=8192, rows=1))
+    trainer.train()
+
+The first ``graph_warmup_steps`` micro-steps run eagerly (compilation, allocator warm-up); then the
+forward + loss + backward is captured once, on static copies of the batch, and every later
+micro-step copies its batch in and replays it. The optimizer, the LR scheduler, gradient clipping
+and gradient accumulation stay Trainer's own, eager: after each replay the step's gradients are
+added into ``param.grad`` (copied at the start of an accumulation cycle, when Trainer's
+``zero_grad`` left them ``None``). The loss's normalisation (``num_items_in_batch``) and the
+accumulation scale are device tensors refilled per micro-step, so they are not frozen.
+
+Packed batches replay one graph whatever their document lengths: the batch's ``packing`` host
+metadata is not handed to the model; the capture reads the boundaries from the static
+``position_ids`` on the device (``optim.packing``, flex or sdpa backend; varlen needs the lengths
+on the host and is refused).
+
+Supported: one CUDA device; bf16 or fp32 (not fp16's loss scaler); every batch the same tensor
+shapes (pad rows to a fixed length); no dropout; checkpointing without RNG-state preservation;
+``compute_loss`` without host syncs. Anything else raises ``CaptureError`` with the reason,
+before or at the capture; nothing is silently run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from optim.graphs import CaptureError, capture_paths, check_capturable
+
+# batch keys that are host-side descriptions of the batch, dropped so the capture reads the device
+_HOST_ONLY = ("packing",)
+
+
+class GraphedTrainer(Trainer):
+    """``transformers.Trainer`` whose micro-steps replay one captured CUDA graph (see the module)."""
+
+    def __init__(self, *args, graph_warmup_steps: int = 3, **kwargs):
+        super().__init__(*args, **kwargs)
+        if graph_warmup_steps < 1:
+            raise ValueError("graph_warmup_steps must be >= 1 (the capture needs the eager steps before it)")
+        self.graph_warmup_steps = graph_warmup_steps
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._eager_steps = 0
+        self._static: dict[str, torch.Tensor] = {}
+        self._check_args()
+
+    def _check_args(self) -> None:
+        a = self.args
+        if not torch.cuda.is_available():
+            raise CaptureError("GraphedTrainer replays CUDA graphs; no CUDA device is visible")
+        if a.fp16:
+            raise CaptureError("fp16 training scales the loss with a host-side GradScaler; use bf16=True")
+        if a.n_gpu > 1 or a.world_size > 1:
+            raise CaptureError("GraphedTrainer captures one device's step; it does not run data- or model-parallel")
+        if a.gradient_checkpointing and (a.gradient_checkpointing_kwargs or {}).get("preserve_rng_state", True):
+            raise CaptureError("checkpointing that preserves the RNG state reads it inside the step; pass "
+                               "gradient_checkpointing_kwargs={'use_reentrant': False, 'preserve_rng_state': False}")
+
+    # -----------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._graph is None and self._eager_steps < self.graph_warmup_steps:
+            self._eager_steps += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = {k: v for k, v in self._prepare_inputs(inputs).items() if k not in _HOST_ONLY}
+        if self._graph is None:
+            if any(p.grad is not None for p in self._trainable(model)):
+                # capture at the start of an accumulation cycle, so no partial sum is in flight
+                self._eager_steps += 1
+                return super().training_step(model, inputs, num_items_in_batch)
+            self._capture(model, inputs, num_items_in_batch)
+        self._fill(inputs, num_items_in_batch)
+        self._graph.replay()
+        self._accumulate(model)
+        return self._loss.detach().clone()
+
+    @staticmethod
+    def _trainable(model) -> list[torch.nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def _scale(self, num_items_in_batch) -> float:
+        """What Trainer divides the loss by before the backward (1 where the loss is already
+        normalised over the accumulated batch)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.2x
+        if scaled is None:
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or \
+                getattr(self, "compute_loss_func", None) is not None
+        steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        return 1.0 if scaled else 1.0 / steps
+
+    def _fill(self, inputs: dict, num_items_in_batch) -> None:
+        if set(inputs) != set(self._static_inputs):
+            raise CaptureError(f"the batch's keys {sorted(inputs)} differ from the captured {sorted(self._static_inputs)}")
+        for k, v in inputs.items():
+            buf = self._static_inputs[k]
+            if not isinstance(v, torch.Tensor) or v.shape != buf.shape or v.dtype != buf.dtype:
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise CaptureError(f"batch[{k!r}] is {got}, but the graph was captured for {tuple(buf.shape)} "
+                                   f"{buf.dtype}: pad every batch to one shape (PackingCollator pads rows to "
+                                   "max_length)")
+            buf.copy_(v, non_blocking=True)
+        if (num_items_in_batch is None) != (self._static_items is None):
+            raise CaptureError("num_items_in_batch was given at capture and not now, or the reverse")
+        if num_items_in_batch is not None:
+            self._static_items.fill_(num_items_in_batch) if not isinstance(num_items_in_batch, torch.Tensor) \
+                else self._static_items.copy_(num_items_in_batch.reshape(()).to(self._static_items.dtype))
+        self._static_scale.fill_(self._scale(num_items_in_batch))
+
+    def _capture(self, model, inputs: dict, num_items_in_batch) -> None:
+        check_capturable(model, None)
+        bad = {k: type(v).__name__ for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+        if bad:
+            raise CaptureError(f"batch entries {bad} are not tensors: a graph can only refill tensors")
+        device = next(iter(inputs.values())).device
+        self._static_inputs = {k: v.clone() for k, v in inputs.items()}
+        self._static_items = (None if num_items_in_batch is None else
+                              torch.zeros((), device=device, dtype=torch.float32))
+        self._static_scale = torch.ones((), device=device, dtype=torch.float32)
+        self._fill(inputs, num_items_in_batch)
+        params = self._trainable(model)
+
+        def forward_backward():
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, dict(self._static_inputs), num_items_in_batch=self._static_items)
+            loss = loss * self._static_scale
+            loss.backward()
+            return loss
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), capture_paths():
+            forward_backward()  # one eager pass on a side stream, as torch asks before a capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for p in params:
+            p.grad = None  # the graph allocates the gradients it replays into
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                loss = forward_backward()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise CaptureError(f"the training step could not be captured as a CUDA graph: {str(e).splitlines()[0]}. "
+                               "The usual cause is a host sync inside compute_loss or the model (.item(), "
+                               "nonzero, a data-dependent shape); see optim.graphs") from e
+        self._graph, self._loss = graph, loss
+        self._graph_grads = [p.grad for p in params]
+        self._accum = [torch.empty_like(g) if g is not None else None for g in self._graph_grads]
+        for p in params:
+            p.grad = None
+
+    def _accumulate(self, model) -> None:
+        for p, g, acc in zip(self._trainable(model), self._graph_grads, self._accum):
+            if g is None:
+                continue
+            if p.grad is None:  # a new accumulation cycle (Trainer's zero_grad set it to None)
+                acc.copy_(g)
+                p.grad = acc
+            else:
+                p.grad.add_(g)
