@@ -70,6 +70,28 @@ def check_capturable(model: nn.Module, optimizer: torch.optim.Optimizer | None) 
                            "stream. Set it to 0 to capture the step")
 
 
+def check_checkpointing(model: nn.Module) -> None:
+    """Refuse checkpointed layers a capture cannot take: torch's checkpoint preserving the RNG state
+    (it reads the state inside the step) and ``optim.offload`` (host copies on side streams)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for name, m in model.named_modules():
+        if not getattr(m, "gradient_checkpointing", False):
+            continue
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        if type(fn).__name__ == "Offloader":
+            raise CaptureError(f"{name or 'the model'} checkpoints through optim.offload, whose host copies run on "
+                               "side streams a graph cannot capture; leave optim.offload off (optim.enable does by default)")
+        inner = fn.func if isinstance(fn, functools.partial) else fn
+        kwargs = fn.keywords if isinstance(fn, functools.partial) else {}
+        if inner is checkpoint and kwargs.get("preserve_rng_state", True):
+            raise CaptureError(f"{name or 'the model'} checkpoints with preserve_rng_state=True, which reads the RNG "
+                               "state inside the step; enable checkpointing with gradient_checkpointing_kwargs="
+                               "{'use_reentrant': False, 'preserve_rng_state': False}")
+
+
 @contextlib.contextmanager
 def capture_paths():
     """Inside: transformers takes the code paths it takes while a CUDA stream captures."""

@@ -35,7 +35,12 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from optim.graphs import CaptureError, capture_paths, check_capturable
+from optim.graphs import (
+    CaptureError,
+    capture_paths,
+    check_capturable,
+    check_checkpointing,
+)
 
 # batch keys that are host-side descriptions of the batch, dropped so the capture reads the device
 _HOST_ONLY = ("packing",)
@@ -121,6 +126,7 @@ class GraphedTrainer(Trainer):
 
     def _capture(self, model, inputs: dict, num_items_in_batch) -> None:
         check_capturable(model, None)
+        check_checkpointing(model)
         bad = {k: type(v).__name__ for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
         if bad:
             raise CaptureError(f"batch entries {bad} are not tensors: a graph can only refill tensors")

@@ -29,3 +29,21 @@ def test_graphed_trainer_without_cuda_says_so(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
     with pytest.raises(CaptureError, match="no CUDA device is visible"):
         GraphedTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2]}])
+
+
+def test_checkpointing_a_capture_cannot_take_is_refused_with_the_fix():
+    from harness.workload import models
+    from optim import offload
+    from optim.graphs import check_checkpointing
+
+    spec = models.get("llama-3.2-1b-tiny")
+    rng = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2)  # torch's default: preserve the RNG
+    with pytest.raises(CaptureError, match="preserve_rng_state=True"):
+        check_checkpointing(rng)
+    check_checkpointing(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2,
+                                     checkpoint_preserve_rng=False))  # what a capture takes
+    check_checkpointing(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2,
+                                     gradient_checkpointing=False))
+    off = offload.enable(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2), offload="double")
+    with pytest.raises(CaptureError, match="leave optim.offload off"):
+        check_checkpointing(off)
