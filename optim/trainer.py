@@ -119,9 +119,10 @@ class GraphedTrainer(Trainer):
             buf.copy_(v, non_blocking=True)
         if (num_items_in_batch is None) != (self._static_items is None):
             raise CaptureError("num_items_in_batch was given at capture and not now, or the reverse")
-        if num_items_in_batch is not None:
-            self._static_items.fill_(num_items_in_batch) if not isinstance(num_items_in_batch, torch.Tensor) \
-                else self._static_items.copy_(num_items_in_batch.reshape(()).to(self._static_items.dtype))
+        if isinstance(num_items_in_batch, torch.Tensor):
+            self._static_items.copy_(num_items_in_batch.reshape(()), non_blocking=True)
+        elif num_items_in_batch is not None:
+            self._static_items.fill_(num_items_in_batch)
         self._static_scale.fill_(self._scale(num_items_in_batch))
 
     def _capture(self, model, inputs: dict, num_items_in_batch) -> None:

@@ -213,20 +213,26 @@ def _canonical(device: torch.device) -> torch.device:
 def build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entry:
     """Device metadata from the host lengths: one small host-to-device copy, no sync."""
     COUNTERS["metadata"] += 1
-    B, T = meta.batch_size, meta.seq_len
     cu_host = meta.cu_seqlens()
     if device.type == "cuda":
         cu_host = cu_host.pin_memory()
     cu = cu_host.to(device, non_blocking=True)
-    # Document index per token: mark the starts, cumsum. Vectorized, no loop per document.
-    seg = torch.zeros(B * T, dtype=torch.int32, device=device)
-    # scatter_, not seg[idx] = 1: advanced-index assignment checks its indices with a sync
+    return _entry_on_device(key, cu, meta.max_seqlen, meta.batch_size, meta.seq_len)
+
+
+def _entry_on_device(key: tuple, cu: torch.Tensor, max_seqlen: int, B: int, T: int) -> _Entry:
+    """The per-token document index and document start from int32 ``cu`` offsets already on the
+    device: mark the starts, cumsum. Vectorized, no loop per document, no sync."""
+    n, device = B * T, cu.device
     starts = cu[1:-1].long()
-    seg.scatter_(0, starts, torch.ones_like(starts, dtype=seg.dtype))
-    doc = torch.cumsum(seg, 0, dtype=torch.int32)
-    row0 = (torch.arange(B * T, device=device) // T) * T
+    seg = torch.zeros(n + 1, dtype=torch.int32, device=device)  # slot n takes starts at the very end
+    # scatter_add_, not seg[idx] = 1: advanced-index assignment checks its indices with a sync, and
+    # a zero-length document repeats an offset and must still count as one document
+    seg.scatter_add_(0, starts, torch.ones_like(starts, dtype=seg.dtype))
+    doc = torch.cumsum(seg[:n], 0, dtype=torch.int32)
+    row0 = (torch.arange(n, device=device) // T) * T
     start = cu[doc.long()].long() - row0
-    return _Entry(key, B, T, cu, meta.max_seqlen, doc.view(B, T), start.view(B, T))
+    return _Entry(key, B, T, cu, int(max_seqlen), doc.view(B, T), start.view(B, T))
 
 
 def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int, B: int, T: int,
@@ -248,15 +254,7 @@ def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int,
     COUNTERS["metadata"] += 1
     COUNTERS["from_cu_seqlens"] += 1
     cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
-    n = B * T
-    starts = cu[1:-1].long()
-    seg = torch.zeros(n + 1, dtype=torch.int32, device=device)  # slot n takes starts at the very end
-    # scatter_add_: a zero-length document repeats an offset and still counts as one document
-    seg.scatter_add_(0, starts, torch.ones_like(starts, dtype=seg.dtype))
-    doc = torch.cumsum(seg[:n], 0, dtype=torch.int32)
-    row0 = (torch.arange(n, device=device) // T) * T
-    start = cu[doc.long()].long() - row0
-    return _Entry(key, B, T, cu, int(max_seqlen), doc.view(B, T), start.view(B, T))
+    return _entry_on_device(key, cu, max_seqlen, B, T)
 
 
 def entry_from_position_ids(key: tuple, position_ids: torch.Tensor, B: int, T: int, device: torch.device) -> _Entry:
@@ -308,29 +306,22 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
         if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device.type != "cpu":
             COUNTERS["host_syncs"] += 1  # pass max_length_q as a host int, as the collators do
         entry = entry_from_cu_seqlens(key, cu_seqlens, int(max_seqlen), B, T, device)
-        entry.pos_ref = pos_ref
-        if cache:
-            _CACHE[_canonical(device)] = entry
-        return entry
-    if packing is None and capturing:
+    elif packing is None and capturing:
         entry = entry_from_position_ids(key, position_ids, B, T, device)  # no sync: capturable
-        entry.pos_ref = pos_ref
-        if cache:
-            _CACHE[_canonical(device)] = entry
-        return entry
-    if packing is None:
-        pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
-        meta = PackedMetadata.from_lengths(_lengths_from_position_ids(pos), T)
-        if meta.batch_size == 1 and B > 1:  # (1, T) positions shared by every row
-            meta = PackedMetadata.from_lengths([meta.lengths[0]] * B, T)
     else:
-        meta = packing
-        if validate and position_ids is not None:
-            meta.check_position_ids(position_ids)
-    if meta.batch_size != B or meta.seq_len != T:
-        raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
-                         f"the batch is {B}x{T}")
-    entry = build_entry(key, meta, device)
+        if packing is None:
+            pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
+            meta = PackedMetadata.from_lengths(_lengths_from_position_ids(pos), T)
+            if meta.batch_size == 1 and B > 1:  # (1, T) positions shared by every row
+                meta = PackedMetadata.from_lengths([meta.lengths[0]] * B, T)
+        else:
+            meta = packing
+            if validate and position_ids is not None:
+                meta.check_position_ids(position_ids)
+        if meta.batch_size != B or meta.seq_len != T:
+            raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
+                             f"the batch is {B}x{T}")
+        entry = build_entry(key, meta, device)
     entry.pos_ref = pos_ref
     if cache:
         _CACHE[_canonical(device)] = entry  # a new batch replaces the old one on this device
