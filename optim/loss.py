@@ -35,6 +35,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from optim._fallback import passes_through, recompile_limit
 from optim.switches import Switch
 
 log = logging.getLogger("optim.loss")
@@ -44,6 +45,7 @@ IGNORE_INDEX = -100
 # of tokens, at least 64), so the transient memory does not grow with the batch.
 CHUNK_LOGIT_BYTES = 256 * 2**20
 _ATTR = "_optim_loss_forward"
+_KERNEL = "_optim_loss_kernel"
 
 SWITCHES: dict[str, Switch] = {
     s.name: s
@@ -55,6 +57,15 @@ SWITCHES: dict[str, Switch] = {
             "lm_head + cross-entropy in token chunks with the gradient computed in the forward: "
             "the full fp32 logits never exist (training mode with labels; eval keeps the logits)",
         ),
+        Switch(
+            "loss_kernel",
+            ("auto", "compiled", "eager", "cce"),
+            "auto",
+            "how fused_loss computes a chunk: compiled (one torch.compile'd softmax-gradient kernel "
+            "writing into the chunk's logits, no fp32 copy), eager (the same math op by op), cce "
+            "(Apple's cut-cross-entropy, if installed: no logits at all). auto = compiled on CUDA, "
+            "eager elsewhere",
+        ),
     )
 }
 
@@ -65,34 +76,103 @@ def chunk_tokens(vocab_size: int, budget_bytes: int = CHUNK_LOGIT_BYTES) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _softmax_grad_eager_(logits: torch.Tensor, labels: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """One chunk, op by op: the summed cross-entropy of ``logits`` (model dtype) against ``labels``
+    (``-100`` ignored) is returned, and d(sum · inv)/d logits is written into ``logits``. One fp32
+    copy of the chunk's logits exists meanwhile (none when they are fp32 already)."""
+    x = logits.float()  # stock's order: the matmul in the model dtype, then fp32
+    valid = labels != IGNORE_INDEX
+    target = labels.masked_fill(~valid, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    loss = ((lse - picked) * valid).sum()
+    # d loss / d logits = (softmax − one-hot) · inv on counted rows, 0 elsewhere
+    g = x.sub_(lse[:, None]).exp_()
+    g.scatter_add_(1, target[:, None], torch.full_like(picked[:, None], -1.0))
+    g.mul_((valid.float() * inv)[:, None])
+    if g.data_ptr() != logits.data_ptr():
+        logits.copy_(g)
+    return loss
+
+
+def _softmax_grad_(logits: torch.Tensor, labels: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``_softmax_grad_eager_``'s math written pointwise (the one-hot as a comparison), so that
+    inductor makes it a reduction and one pointwise kernel storing into ``logits``: the chunk's
+    fp32 logits live only in registers."""
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    loss = ((lse - picked) * valid).sum()
+    hit = torch.arange(x.shape[1], device=x.device)[None, :] == target[:, None]
+    g = (torch.exp(x - lse[:, None]) - hit.to(x.dtype)) * (valid.to(x.dtype) * inv)[:, None]
+    logits.copy_(g)
+    return loss
+
+
+class _CompiledChunk:
+    """``_softmax_grad_`` compiled once per process; eager from the first compiler failure on."""
+
+    def __init__(self):
+        self.fn = None
+        self.failed: str | None = None
+
+    def __call__(self, logits, labels, inv):
+        if self.failed is None:
+            if self.fn is None:
+                self.fn = torch.compile(_softmax_grad_, dynamic=None)
+            try:
+                with recompile_limit():
+                    return self.fn(logits, labels, inv)
+            except Exception as e:  # a compiler failure must not stop training
+                if passes_through(e):
+                    raise
+                self.failed = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                log.warning("optim.loss: torch.compile of the loss chunk failed, running it eager from "
+                            "now on (%s)", self.failed)
+        return _softmax_grad_eager_(logits, labels, inv)
+
+
+_compiled_chunk = _CompiledChunk()
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``loss_kernel`` as it runs on ``device``: auto is compiled on CUDA, eager elsewhere; cce
+    needs the ``cut_cross_entropy`` package and CUDA and says so when missing."""
+    if kernel == "auto":
+        return "compiled" if device.type == "cuda" else "eager"
+    if kernel == "cce":
+        if device.type != "cuda":
+            raise ValueError("loss_kernel='cce': cut-cross-entropy runs on CUDA only")
+        try:
+            import cut_cross_entropy  # noqa: F401
+        except ImportError as e:
+            raise ImportError("loss_kernel='cce' needs the cut-cross-entropy package "
+                              "(pip install cut-cross-entropy)") from e
+    return kernel
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over counted tokens of CE(hidden @ weight.T, labels) / denom, gradients made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, denom, chunk: int):
+    def forward(ctx, hidden, weight, labels, denom, chunk: int, kernel: str):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
+        step = _compiled_chunk if kernel == "compiled" else _softmax_grad_eager_
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         inv = 1.0 / denom.float()
         for i in range(0, hidden.shape[0], chunk):
             h, y = hidden[i:i + chunk], labels[i:i + chunk]
-            logits = (h @ weight.t()).float()  # stock's order: the matmul in the model dtype, then fp32
-            valid = y != IGNORE_INDEX
-            target = y.masked_fill(~valid, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total = total + ((lse - picked) * valid).sum()
-            if want_h or want_w:
-                # d loss / d logits = (softmax − one-hot) / denom on counted rows, 0 elsewhere
-                g = logits.sub_(lse[:, None]).exp_()
-                g.scatter_add_(1, target[:, None], torch.full_like(picked[:, None], -1.0))
-                g = g.mul_((valid.float() * inv)[:, None]).to(hidden.dtype)
-                if want_h:
-                    grad_h[i:i + chunk] = g @ weight
-                if want_w:
-                    grad_w += (g.t() @ h).float()
+            logits = h @ weight.t()
+            total = total + step(logits, y, inv)  # logits now hold d loss / d logits
+            if want_h:
+                torch.mm(logits, weight, out=grad_h[i:i + chunk])
+            if want_w:
+                grad_w += (logits.t() @ h).float()
         ctx.save_for_backward(grad_h, grad_w)
         return total * inv
 
@@ -103,15 +183,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h * grad_out.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
+
+
+def _cce(hidden, weight, labels, denom):
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    # exact gradients (filter_eps=None): the default filter drops small softmax entries
+    return cce(hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum", filter_eps=None) / denom.float()
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          num_items_in_batch: torch.Tensor | int | None = None,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, kernel: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``labels`` (already aligned: ``labels[t]``
     is the token position ``t`` predicts; ``-100`` ignored), divided by ``num_items_in_batch`` when
-    given, else by the counted tokens. ``hidden``: (..., H); ``labels``: the same leading shape."""
+    given, else by the counted tokens. ``hidden``: (..., H); ``labels``: the same leading shape.
+    ``kernel``: see the ``loss_kernel`` switch (inside a CUDA-graph capture cce runs as compiled:
+    it syncs with the host)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).to(h.device)
     if y.shape[0] != h.shape[0]:
@@ -120,7 +209,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         denom = (y != IGNORE_INDEX).sum().clamp(min=1)
     else:
         denom = torch.as_tensor(num_items_in_batch, device=h.device)
-    return _LinearCrossEntropy.apply(h, weight, y, denom, chunk or chunk_tokens(weight.shape[0]))
+    kernel = resolve_kernel(SWITCHES["loss_kernel"].parse(kernel), h.device)
+    if kernel == "cce" and torch.cuda.is_current_stream_capturing():
+        kernel = "compiled"
+    if kernel == "cce":
+        return _cce(h, weight, y, denom)
+    return _LinearCrossEntropy.apply(h, weight, y, denom, chunk or chunk_tokens(weight.shape[0]), kernel)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -167,18 +261,20 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
     hidden = out.last_hidden_state
     loss = linear_cross_entropy(hidden, self.lm_head.weight,
                                 shifted if shifted is not None else shift_labels(labels),
-                                num_items_in_batch=num_items)
+                                num_items_in_batch=num_items, kernel=self.__dict__[_KERNEL])
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
                                   hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-def enable(model, *, fused_loss: bool | None = None, **_ignored):
+def enable(model, *, fused_loss: bool | None = None, loss_kernel: str | None = None, **_ignored):
     """Compute ``model(..., labels=...)``'s loss with ``linear_cross_entropy`` in training mode
-    (switch ``fused_loss``, also OPTIM_FUSED_LOSS). Idempotent; ``fused_loss=False`` restores the
-    stock forward. Returns the model."""
+    (switch ``fused_loss``, also OPTIM_FUSED_LOSS; its chunk kernel: ``loss_kernel``, also
+    OPTIM_LOSS_KERNEL). Idempotent; ``fused_loss=False`` restores the stock forward. Returns the
+    model."""
     on = SWITCHES["fused_loss"].resolve(fused_loss)
+    kernel = SWITCHES["loss_kernel"].resolve(loss_kernel)
     lm = causal_lm(model)
     if lm is None:
         if on:
@@ -191,11 +287,13 @@ def enable(model, *, fused_loss: bool | None = None, **_ignored):
             del lm.forward
             del lm.__dict__[_ATTR]
         return model
-    if patched:
-        return model
-    why = _why_not(lm)
+    why = None if patched else _why_not(lm)
     if why:
         log.info("optim.loss: keeping the stock loss of %s: %s", type(lm).__name__, why)
+        return model
+    # a later call may change the kernel; a missing cut-cross-entropy fails here, not in a step
+    lm.__dict__[_KERNEL] = resolve_kernel(kernel, lm.lm_head.weight.device)
+    if patched:
         return model
     lm.__dict__[_ATTR] = lm.forward  # the bound stock forward
     lm.forward = types.MethodType(_fused_forward, lm)
@@ -205,4 +303,5 @@ def enable(model, *, fused_loss: bool | None = None, **_ignored):
 def describe(model) -> dict:
     lm = causal_lm(model)
     on = lm is not None and _ATTR in lm.__dict__
-    return {"fused_loss": on, "chunk_tokens": chunk_tokens(lm.lm_head.weight.shape[0]) if on else None}
+    return {"fused_loss": on, "chunk_tokens": chunk_tokens(lm.lm_head.weight.shape[0]) if on else None,
+            "loss_kernel": lm.__dict__.get(_KERNEL) if on else None}

@@ -17,9 +17,10 @@ def _stock_ce(hidden, weight, labels, num_items=None):
     return s / (num_items if num_items is not None else (labels != -100).sum())
 
 
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [64, 1000])
-def test_loss_and_both_gradients_match_the_full_logits(dtype, chunk):
+def test_loss_and_both_gradients_match_the_full_logits(dtype, chunk, kernel):
     g = torch.Generator().manual_seed(0)
     N, H, V = 301, 32, 517  # a last chunk shorter than the rest, a vocabulary not a power of two
     hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_(True)
@@ -30,13 +31,47 @@ def test_loss_and_both_gradients_match_the_full_logits(dtype, chunk):
     ref.backward(torch.tensor(0.5))
     ref_h, ref_w = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    got = L.linear_cross_entropy(hidden, weight, labels, chunk=chunk)
+    got = L.linear_cross_entropy(hidden, weight, labels, chunk=chunk, kernel=kernel)
     got.backward(torch.tensor(0.5))
+    assert L._compiled_chunk.failed is None
     tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, ref.float(), **tol)
     torch.testing.assert_close(hidden.grad, ref_h, **tol)
     torch.testing.assert_close(weight.grad, ref_w, **tol)
     assert weight.grad.dtype == dtype
+
+
+def test_a_compiler_failure_runs_the_chunk_eager_with_one_warning(monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("inductor could not build this")
+
+    chunk = L._CompiledChunk()
+    chunk.fn = broken
+    monkeypatch.setattr(L, "_compiled_chunk", chunk)
+    hidden = torch.randn(50, 8, requires_grad=True)
+    weight = torch.randn(13, 8)
+    labels = torch.randint(0, 13, (50,))
+    with caplog.at_level("WARNING", logger="optim.loss"):
+        got = L.linear_cross_entropy(hidden, weight, labels, chunk=16, kernel="compiled")
+    torch.testing.assert_close(got, _stock_ce(hidden, weight, labels))
+    assert chunk.failed.startswith("RuntimeError: inductor could not build this")
+    assert len([r for r in caplog.records if "failed" in r.message]) == 1
+
+
+def test_loss_kernel_is_checked_and_described():
+    with pytest.raises(ValueError, match="loss_kernel='fast' is not valid"):
+        L.linear_cross_entropy(torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), kernel="fast")
+    with pytest.raises(ValueError, match="cut-cross-entropy runs on CUDA only"):
+        L.linear_cross_entropy(torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=torch.long), kernel="cce")
+    assert L.resolve_kernel("auto", torch.device("cpu")) == "eager"
+    assert L.resolve_kernel("auto", torch.device("cuda")) == "compiled"
+    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4)
+    L.enable(model)
+    assert L.describe(model)["loss_kernel"] == "eager"
+    L.enable(model, loss_kernel="compiled")  # a later call changes the kernel of the patched model
+    assert L.describe(model)["loss_kernel"] == "compiled"
+    with pytest.raises(ValueError, match="CUDA only"):
+        L.enable(model, loss_kernel="cce")
 
 
 def test_num_items_divides_and_all_ignored_is_zero():
