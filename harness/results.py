@@ -54,6 +54,7 @@ BENCH_KINDS = frozenset({
     "offload", "offload_summary",  # harness.bench.offload
     "moe_routing", "moe_experts", "moe_syncs", "moe_split_crossover", "moe_query_model",  # harness.bench.moe
     "packing_m", "packing_counts",  # harness.bench.packing
+    "loss_kernel",  # harness.bench.loss
 })
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",

@@ -50,3 +50,20 @@ def test_bench_main_stores_rows_with_its_command(tmp_path):
     assert rows[0]["command"] == ("python -m harness.bench.packing --results " + str(tmp_path)
                                   + " --lengths 64 --backends sdpa --repeats 2 --m-only")
     assert json.dumps(rows)  # plain JSON
+
+
+def test_loss_bench_rows_and_their_report_table(tmp_path):
+    from harness.bench import loss as bench_loss
+    from harness.report import build_report
+
+    code = bench_loss.main(["--results", str(tmp_path), "--shapes", "tiny", "--modes", "frozen",
+                            "--kernels", "stock", "optim-eager", "cce", "--warmup", "0", "--repeats", "2"])
+    assert code == 0
+    rows = {r["backend"]: r for r in res.read_rows(tmp_path / "loss" / "cpu.jsonl")}
+    assert rows["stock"]["status"] == rows["optim-eager"]["status"] == "ok"
+    # the chunked loss is as exact as stock against fp32: same-size errors, not just "small"
+    assert rows["optim-eager"]["grad_h_err"] < 2 * rows["stock"]["grad_h_err"] + 1e-6
+    assert rows["cce"]["status"] == "unavailable" and "cut-cross-entropy" in rows["cce"]["error"]
+    text = build_report(tmp_path, "loss", tmp_path / "reports").read_text()
+    assert "#### Linear + cross-entropy kernels" in text
+    assert "| optim-eager |" in text and "unavailable: cut-cross-entropy" in text

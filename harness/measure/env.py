@@ -143,6 +143,7 @@ def collect() -> dict:
         "triton": _version("triton"),
         "liger_kernel": _dist_version("liger-kernel"),
         "trl": _dist_version("trl"),
+        "cut_cross_entropy": _dist_version("cut-cross-entropy"),
         "cuda": torch.version.cuda,
         **git_state(),
         "code_sha": code_sha(),
