@@ -70,6 +70,7 @@ def cmd_sweep(args) -> int:
             exp = dataclasses.replace(exp, launcher=args.launcher)
         if args.timeout is not None:  # not part of a point's identity either
             exp = dataclasses.replace(exp, timeout_s=args.timeout)
+        experiment.check_requires(exp)
     except experiment.ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -223,3 +223,24 @@ def test_report_tables_name_variants_of_the_file(tmp_path):
         ex.parse(tomllib.loads(text.replace("[report.packing]", "[report.pakcing]")))
     with pytest.raises(ex.ExperimentError, match=r"\[report.packing.speedupp\] unknown key"):
         ex.parse(tomllib.loads(text.replace("\nspeedup = ", "\nspeedupp = ")))
+
+
+def test_requires_names_the_package_the_environment_lacks_and_nothing_runs(write_toml, tmp_path, capsys):
+    from harness import cli
+
+    ok = experiment.load(write_toml(VALID.replace('batch_size = 2', 'batch_size = 2\nrequires = { torch = ">=2.0" }')))
+    assert ok.requires == {"torch": ">=2.0"}
+    experiment.check_requires(ok)  # installed, in range: nothing raised
+    assert [p.point_id for p in ok.points()] == [p.point_id for p in experiment.load(write_toml(VALID)).points()]
+    newer = experiment.load(write_toml(VALID.replace('batch_size = 2', 'batch_size = 2\nrequires = { transformers = ">=99" }')))
+    with pytest.raises(ExperimentError, match=r"experiment.requires.transformers.*needs transformers>=99, this environment has \d"):
+        experiment.check_requires(newer)
+    absent = experiment.load(write_toml(VALID.replace('batch_size = 2', 'batch_size = 2\nrequires = { no-such-pkg = "==1" }')))
+    with pytest.raises(ExperimentError, match="this environment has none installed"):
+        experiment.check_requires(absent)
+    with pytest.raises(ExperimentError, match="experiment.requires.peft.*not a version specifier"):
+        experiment.load(write_toml(VALID.replace('batch_size = 2', 'batch_size = 2\nrequires = { peft = "newest" }')))
+    path = write_toml(VALID.replace('batch_size = 2', 'batch_size = 2\nrequires = { transformers = ">=99" }'), "newer.toml")
+    assert cli.main(["sweep", str(path), "--results", str(tmp_path / "res"), "--no-report"]) == 2
+    assert "needs transformers>=99" in capsys.readouterr().err
+    assert not (tmp_path / "res").exists()  # refused before anything was written

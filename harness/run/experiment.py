@@ -139,6 +139,8 @@ class Experiment:
     report: dict[str, dict[str, Any]] = field(default_factory=dict)  # [report.<section>] tables
     sha256: str = ""  # of the experiment file's bytes
     text: str = ""  # the experiment file as read
+    # package -> version specifier the sweep needs installed (what the rows claim to measure)
+    requires: dict[str, str] = field(default_factory=dict)
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -199,7 +201,7 @@ REPORT_TARGET_KEYS = {
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
-    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype",
+    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype", "requires",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
 
@@ -303,6 +305,8 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     if not isinstance(bandwidth, bool):
         raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
 
+    requires = _requires(path, exp.get("requires", {}))
+
     # Impossible shapes: caught here rather than as a crash inside a point.
     for m in canon:
         spec = model_registry.get(m)
@@ -396,7 +400,42 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
         variant_cuda_graph=variant_cuda_graph, variant_stack=variant_stack, roles=roles, report=report,
+        requires=requires,
     )
+
+
+def _requires(path, raw: Any) -> dict[str, str]:
+    """``requires = { transformers = ">=5.23" }``: each value a PEP 440 version specifier."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    if not isinstance(raw, dict):
+        raise ExperimentError(path, "experiment.requires", "must be a table of package = \"version specifier\"")
+    for pkg, spec in raw.items():
+        try:
+            if not isinstance(spec, str):
+                raise InvalidSpecifier(repr(spec))
+            SpecifierSet(spec)
+        except InvalidSpecifier:
+            raise ExperimentError(path, f"experiment.requires.{pkg}",
+                                  f"{spec!r} is not a version specifier (such as \">=5.23\")") from None
+    return dict(raw)
+
+
+def check_requires(exp: Experiment) -> None:
+    """Raise ExperimentError naming the first package of ``exp.requires`` that this environment
+    lacks or has at another version: the rows would not measure what the file says."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    for pkg, spec in exp.requires.items():
+        try:
+            have = version(pkg)
+        except PackageNotFoundError:
+            have = None
+        if have is None or have not in SpecifierSet(spec, prereleases=True):
+            raise ExperimentError(exp.path, f"experiment.requires.{pkg}",
+                                  f"needs {pkg}{spec}, this environment has {have or 'none installed'}")
 
 
 def _report(path, raw: Any, variants: dict) -> dict[str, dict[str, Any]]:
