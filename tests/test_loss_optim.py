@@ -74,6 +74,16 @@ def test_loss_kernel_is_checked_and_described():
         L.enable(model, loss_kernel="cce")
 
 
+def test_a_second_backward_is_refused_with_the_reason():
+    hidden = torch.randn(10, 8, requires_grad=True)
+    loss = L.linear_cross_entropy(hidden, torch.randn(11, 8), torch.randint(0, 11, (10,)))
+    (loss * 2).backward(retain_graph=True)
+    first = hidden.grad.clone()
+    with pytest.raises(RuntimeError, match="second backward through the fused loss"):
+        loss.backward()
+    torch.testing.assert_close(first, hidden.grad)  # the first one stands
+
+
 def test_num_items_divides_and_all_ignored_is_zero():
     hidden = torch.randn(10, 8, requires_grad=True)
     weight = torch.randn(11, 8)
