@@ -55,6 +55,7 @@ BENCH_KINDS = frozenset({
     "moe_routing", "moe_experts", "moe_syncs", "moe_split_crossover", "moe_query_model",  # harness.bench.moe
     "packing_m", "packing_counts",  # harness.bench.packing
     "loss_kernel",  # harness.bench.loss
+    "trainer",  # harness.bench.trainer
 })
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",

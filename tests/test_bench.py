@@ -67,3 +67,21 @@ def test_loss_bench_rows_and_their_report_table(tmp_path):
     text = build_report(tmp_path, "loss", tmp_path / "reports").read_text()
     assert "#### Linear + cross-entropy kernels" in text
     assert "| optim-eager |" in text and "unavailable: cut-cross-entropy" in text
+
+
+@pytest.mark.slow
+def test_trainer_bench_rows_and_their_report_table(tmp_path):
+    from harness.bench import trainer as bench_trainer
+    from harness.report import build_report
+
+    code = bench_trainer.main(["--results", str(tmp_path), "--experiment", "t", "--model", "qwen3-0.6b-tiny",
+                               "--runs", "stock", "ours", "--max-length", "64", "--doc-len", "32",
+                               "--lora-rank", "4", "--steps", "3", "--warmup", "1", "--attn-implementation", "sdpa"])
+    assert code == 0
+    rows = {r["mode"]: r for r in res.read_rows(tmp_path / "t" / "cpu.jsonl")}
+    assert set(rows) == {"stock", "ours"} and len(rows["ours"]["losses"]) == 3
+    # the same documents per step: ours follows stock's loss curve (fp32 on CPU)
+    assert rows["ours"]["max_rel_loss_diff_vs_stock"] < 1e-4
+    assert rows["ours"]["optim"]["optim.loss"]["fused_loss"] is True
+    text = build_report(tmp_path, "t", tmp_path / "reports").read_text()
+    assert "#### transformers.Trainer" in text and "| Trainer after optim.enable(model) |" in text

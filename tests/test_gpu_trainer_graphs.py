@@ -5,7 +5,7 @@ another shape is refused with the reason."""
 
 import pytest
 import torch
-from _trainers import documents, trainer_run
+from harness.workload.trainers import documents, trainer_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 STEPS = 20

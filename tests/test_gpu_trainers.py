@@ -4,7 +4,7 @@ tolerance, and each run's median step time printed (the figure a user sees; not 
 
 import pytest
 import torch
-from _trainers import documents, sft_run, trainer_run
+from harness.workload.trainers import documents, sft_run, trainer_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 MODEL = "qwen3-0.6b"

@@ -3,7 +3,7 @@ stock run step by step, and the packing metadata taken from what each collator h
 
 import pytest
 import torch
-from _trainers import documents, sft_run, trainer_run
+from harness.workload.trainers import documents, sft_run, trainer_run
 
 pytestmark = pytest.mark.slow
 MODEL = "qwen3-0.6b-tiny"

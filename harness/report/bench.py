@@ -2,14 +2,14 @@
 
 ``python -m harness.bench.offload|moe|packing`` append rows to ``results/<experiment>/<gpu>.jsonl``
 beside the sweep's, told apart by ``kind`` (``offload``/``offload_summary``, ``moe_*``,
-``packing_m``/``packing_counts``, ``loss_kernel``). Each row carries the command that wrote it and its env.
+``packing_m``/``packing_counts``, ``loss_kernel``, ``trainer``). Each row carries the command that wrote it and its env.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.report import loss, moe, offload, packing
+from harness.report import loss, moe, offload, packing, user
 from harness.report.fmt import _values
 from harness.results import BENCH_KINDS
 
@@ -67,7 +67,7 @@ def sections(rows: list[dict], experiment: str, spec: dict | None = None) -> lis
         points = offload.offload_points(g.rows)
         body = [text for text in (offload.offload_tables(points, g.rows) if points else "",
                                   moe.moe_tables(g.rows), packing.packing_tables(g.rows, spec.get("packing") or {}),
-                                  loss.loss_tables(g.rows)) if text]
+                                  loss.loss_tables(g.rows), user.trainer_tables(g.rows)) if text]
         side += [f"### {_device(g)}", _provenance(g, experiment), *(body or ["No rows this report knows how to read."])]
         goals = [text for text in (offload.offload_targets_md(points, spec["offload"]) if "offload" in spec else "",
                                    moe.moe_targets_md(g.rows, spec["moe"]) if "moe" in spec else "") if text]

@@ -132,3 +132,35 @@ def user_targets(pts: list[dict], targets: list[dict]) -> list[list[str]]:
             out += [[f"{goal}, {where}", measured, DASH if ok is None else ("met" if ok else "not met")]
                     for goal, measured, ok in checks]
     return out
+
+
+def trainer_tables(rows: list[dict]) -> str:
+    """``harness.bench.trainer``'s rows: stock Trainer, Trainer after ``optim.enable`` and
+    GraphedTrainer per model, with the loss curves' largest difference from stock ("" without)."""
+    found = [r for r in rows if r.get("kind") == "trainer"]
+    if not found:
+        return ""
+    order = {"stock": 0, "ours": 1, "graphed": 2}
+    labels = {"stock": "stock Trainer + peft", "ours": "Trainer after optim.enable(model)",
+              "graphed": "optim.trainer.GraphedTrainer"}
+    parts = ["#### transformers.Trainer",
+             ("Optimizer-step time of `transformers.Trainer` on the same documents and seed "
+              "(`python -m harness.bench.trainer`): median [p20–p80] after warm-up, CUDA events in a "
+              "Trainer callback; loss diff = the largest relative difference of a step's loss from "
+              "the stock run's.")]
+    by_model: dict[tuple, list[dict]] = {}
+    for r in found:
+        by_model.setdefault((r.get("model"), r.get("tokens"), r.get("lora_rank")), []).append(r)
+    for (model, tokens, rank), group in sorted(by_model.items(), key=lambda kv: str(kv[0])):
+        stock = next((_f(r.get("ms")) for r in group if r.get("mode") == "stock"), None)
+        body = []
+        for r in sorted(group, key=lambda r: order.get(r.get("mode"), 9)):
+            ms = _f(r.get("ms"))
+            diff = _f(r.get("max_rel_loss_diff_vs_stock"))
+            body.append([labels.get(r.get("mode"), r.get("mode")),
+                         f"{_ms(ms)} [{_ms(r.get('ms_p20'))}–{_ms(r.get('ms_p80'))}]",
+                         _times(stock / ms) if stock and ms else DASH, _gib(r.get("peak_gib")),
+                         DASH if diff is None else f"{diff:.1e}", f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
+        parts.append(f"**{model}**: {tokens} tokens per step, LoRA r={rank}")
+        parts.append(_table(["run", "ms/step", "× stock", "peak GiB", "loss diff", "steps"], body))
+    return "\n\n".join(parts)

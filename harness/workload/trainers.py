@@ -1,6 +1,7 @@
-"""Shared by the Trainer/TRL tests (CPU) and their GPU runs: one training run through
-``transformers.Trainer`` or TRL's ``SFTTrainer``, stock or with ``optim.enable``, on generated
-documents, returning its per-step losses and step times.
+"""One training run through ``transformers.Trainer`` or TRL's ``SFTTrainer``, stock or with
+``optim.enable`` (or ``optim.trainer.GraphedTrainer``), on generated documents, returning its
+per-step losses and step times. ``harness.bench.trainer`` runs them side by side and stores rows;
+the Trainer/TRL tests run them on CPU and GPU.
 
 The order ``SFTTrainer(peft_config=...)`` needs: build the trainer (it wraps the model in peft),
 then ``optim.enable(trainer.model)``, then ``trainer.train()`` (which builds the optimizer)."""
@@ -114,7 +115,8 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
 
 def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, docs: list[dict], max_length: int,
                 device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
-                graphed: bool = False, rows: int | None = None, accumulation: int = 1, **settings) -> dict:
+                graphed: bool = False, rows: int | None = None, accumulation: int = 1,
+                attn_implementation: str = "sdpa", experts_implementation: str | None = None, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss."""
@@ -126,7 +128,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     spec = models.get(model_name)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False)
+    model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
+                         attn_implementation=attn_implementation, experts_implementation=experts_implementation)
     if ours:
         optim.enable(model, **settings)
         collator = packing.PackingCollator(max_length=max_length, rows=rows)

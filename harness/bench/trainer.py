@@ -1,0 +1,107 @@
+"""``transformers.Trainer`` side by side, in one process (issue 18): stock Trainer + peft, the same
+Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
+``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
+CUDA graph), on the same generated documents with the same seed.
+
+Each run gives one ``trainer`` row: the median optimizer-step time after warm-up with p20/p80
+(CUDA events in a Trainer callback), the peak memory, the per-step losses, and the largest
+relative difference of its losses from the stock run's (the runs see the same documents per step,
+so their loss curves agree within bf16 tolerance).
+
+    python -m harness.bench.trainer --model gpt-oss-20b --max-length 2048 --doc-len 1024 \\
+        --lora-rank 64 --steps 30 --warmup 10 --experiment user-moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+
+import torch
+
+from harness.bench import add_store_arguments, store
+from harness.measure.timing import percentiles
+from harness.workload import models
+from harness.workload.trainers import trainer_run
+
+RUNS = ["stock", "ours", "graphed"]
+
+
+def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict]:
+    """``n`` documents of ``doc_len`` tokens, labels = inputs (the Trainer shifts them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(2, vocab_size, (doc_len,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
+        warmup: int, device: str, attn_implementation: str, experts_implementation: str | None) -> list[dict]:
+    spec = models.get(model)
+    per_step = max(1, max_length // doc_len)  # documents per optimizer step: one packed row
+    docs = documents(steps * per_step, spec.vocab_size, doc_len)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows, results = [], {}
+    for name in runs:
+        with tempfile.TemporaryDirectory() as out_dir:
+            kw = dict(steps=steps, batch_size=per_step, docs=docs, max_length=max_length, device=device,
+                      dtype=dtype, lora_rank=lora_rank, out_dir=out_dir, warmup=warmup)
+            if name == "stock":
+                r = trainer_run(model, ours=False, attn_implementation=attn_implementation,
+                                experts_implementation=experts_implementation, **kw)
+            else:  # as a user: optim.enable with its defaults on the model as loaded (stock attention)
+                r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed",
+                                attn_implementation=attn_implementation,
+                                experts_implementation=experts_implementation, **kw)
+        results[name] = r
+        p = percentiles(r["step_ms_all"][warmup:])
+        ref = results.get("stock")
+        diff = None
+        if ref is not None and len(ref["losses"]) == len(r["losses"]):
+            diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])), default=None)
+        rows.append({"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
+                     "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
+                     "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
+                     "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
+                     "max_rel_loss_diff_vs_stock": diff,
+                     "optim": r.get("enabled") if name != "stock" else None})
+        print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
+              f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}", flush=True)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.trainer", description=__doc__.split("\n\n")[0])
+    add_store_arguments(ap, "user-moe")
+    ap.add_argument("--model", default="gpt-oss-20b")
+    ap.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
+    ap.add_argument("--max-length", type=int, default=2048, help="tokens per optimizer step (one packed row)")
+    ap.add_argument("--doc-len", type=int, default=1024)
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--attn-implementation", default="flex_attention",
+                    help="the stock attention the model is loaded with (all three runs)")
+    ap.add_argument("--experts-implementation", default="grouped_mm")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "graphed" in args.runs and device != "cuda":
+        ap.error("the graphed run needs CUDA")
+    rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
+               steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
+               experts_implementation=args.experts_implementation)
+    from harness.measure import env as envmod
+
+    path = store(args, rows, envmod.collect(), "harness.bench.trainer", argv)
+    print(f"\nstored {len(rows)} rows in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
