@@ -38,7 +38,7 @@ def test_targets_are_judged_on_the_measured_values():
     text = user_md(ROWS, SPEC)
     assert text.startswith("## The user's path beside the peers")
     lines = {l.split("|")[1].strip(): l for l in text.splitlines() if l.startswith("| user")}
-    assert "1.27×" in lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"]
+    assert "1.267×" in lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"]
     assert lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"].rstrip(" |").endswith("not met")
     assert lines["user peak ≤ 1× Liger's, qwen3-8b at 8192 tokens (h100)"].rstrip(" |").endswith("not met")
     assert "40.0%" in lines["user HFU ≥ 45%, qwen3-8b at 8192 tokens (h100)"]
@@ -48,3 +48,22 @@ def test_targets_are_judged_on_the_measured_values():
 
 def test_no_rows_of_the_three_variants_is_no_section():
     assert user_md([_row("qwen3-8b", 8192, "other", 10.0, 1.0)], SPEC) == ""
+
+
+def test_a_ratio_just_under_its_target_does_not_print_as_the_target():
+    rows = [_row("qwen3-8b", 8192, "stock", 1577.4, 32.1), _row("qwen3-8b", 8192, "liger", 1259.6, 20.55),
+            _row("qwen3-8b", 8192, "user", 972.1, 20.87)]
+    line = next(l for l in user_md(rows, SPEC).splitlines() if l.startswith("| user ≥ 1.3× faster"))
+    assert "| 1.296× | not met |" in line
+
+
+def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
+    spec = {**SPEC, "targets": [{"model": "gpt-oss-20b", "seq_len": 2048, "max_graphed_trainer_ms": 200}]}
+    bench = [{"kind": "trainer", "gpu_slug": "h100", "model": "gpt-oss-20b", "tokens": 2048, "mode": mode,
+              "status": "ok", "ms": ms} for mode, ms in (("ours", 339.3), ("graphed", 235.1))]
+
+    def line(text):
+        return next(l for l in text.splitlines() if l.startswith("| GraphedTrainer ≤ 200 ms"))
+
+    assert line(user_md(ROWS, spec, trainer_rows=bench)).rstrip(" |").endswith("| 235.1 ms (`harness.bench.trainer`) | not met")
+    assert "not measured" in line(user_md(ROWS, spec))  # no bench rows: judged on nothing
