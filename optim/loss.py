@@ -38,6 +38,7 @@ router auxiliary loss) keep the stock forward, with one log line saying why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 
@@ -132,8 +133,7 @@ class _CompiledChunk:
             if self.fn is None:
                 self.fn = torch.compile(_softmax_grad_, dynamic=None)
             try:
-                with recompile_limit():
-                    return self.fn(logits, labels, inv)
+                return self.fn(logits, labels, inv)
             except Exception as e:  # a compiler failure must not stop training
                 if passes_through(e):
                     raise
@@ -173,6 +173,21 @@ def _accumulate(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         acc += (g.t() @ h).float()
 
 
+def _chunks(step, hidden, weight, labels, inv, chunk, total, grad_h, grad_w):
+    """The forward's loop: per chunk the logits, its loss and gradient (``step``), and its share
+    of the hidden-state and weight gradients. Returns the summed loss."""
+    for i in range(0, hidden.shape[0], chunk):
+        h, y = hidden[i:i + chunk], labels[i:i + chunk]
+        logits = h @ weight.t()
+        total = total + step(logits, y, inv)  # logits now hold d loss / d logits
+        if grad_h is not None:
+            torch.mm(logits, weight, out=grad_h[i:i + chunk])
+        if grad_w is not None:
+            _accumulate(grad_w, logits, h)
+        del logits  # before the next chunk's are allocated: one chunk's logits at a time
+    return total
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum over counted tokens of CE(hidden @ weight.T, labels) / denom, gradients made in the forward."""
 
@@ -181,23 +196,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.weight_dtype = weight.dtype
         # with a trained lm_head every chunk adds into the fp32 weight gradient: 4x fewer, larger
-        # chunks read and write it 4x less often (the logits held are bf16: the same bytes as the
-        # fp32 budget at twice the tokens)
+        # chunks read and write it 4x less often (their bf16 logits hold twice the bytes of the
+        # fp32 budget)
         chunk = chunk or chunk_tokens(weight.shape[0]) * (4 if want_w else 1)
         step = _compiled_chunk if kernel == "compiled" else _softmax_grad_eager_
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         inv = 1.0 / denom.float()
-        for i in range(0, hidden.shape[0], chunk):
-            h, y = hidden[i:i + chunk], labels[i:i + chunk]
-            logits = h @ weight.t()
-            total = total + step(logits, y, inv)  # logits now hold d loss / d logits
-            if want_h:
-                torch.mm(logits, weight, out=grad_h[i:i + chunk])
-            if want_w:
-                _accumulate(grad_w, logits, h)
-            del logits  # before the next chunk's are allocated: one chunk's logits at a time
+        # the compiled chunk kernel keeps an entry per shape seen (full chunks, each tail length
+        # until dynamo makes the length dynamic): optim's own limit, set once per call
+        with recompile_limit() if kernel == "compiled" else contextlib.nullcontext():
+            total = _chunks(step, hidden, weight, labels, inv, chunk, total, grad_h, grad_w)
         ctx.grad_h, ctx.grad_w = grad_h, grad_w  # not saved tensors: backward scales them in place
         return total * inv
 

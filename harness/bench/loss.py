@@ -54,27 +54,30 @@ def _stock(h, w, y, denom):
     return F.cross_entropy(logits, y, ignore_index=L.IGNORE_INDEX, reduction="sum") / denom
 
 
-def _liger(h, w, y, denom):
+def _peer(module: str, package: str, h):
+    """The peer's module, or Unavailable saying why it cannot run here."""
+    import importlib
+
     try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        mod = importlib.import_module(module)
     except ImportError as e:
-        raise Unavailable("liger-kernel is not installed (the peers extra)") from e
+        raise Unavailable(f"{package} is not installed (the peers extra)") from e
     if h.device.type != "cuda":
-        raise Unavailable("Liger-Kernel's Triton kernels run on CUDA only")
-    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, y) / denom
+        raise Unavailable(f"{package}'s Triton kernels run on CUDA only")
+    return mod
+
+
+def _liger(h, w, y, denom):
+    mod = _peer("liger_kernel.transformers", "liger-kernel", h)
+    return mod.LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, y) / denom
 
 
 def _cce(filtered: bool):
     def run(h, w, y, denom):
-        try:
-            from cut_cross_entropy import linear_cross_entropy
-        except ImportError as e:
-            raise Unavailable("cut-cross-entropy is not installed") from e
-        if h.device.type != "cuda":
-            raise Unavailable("cut-cross-entropy's Triton kernels run on CUDA only")
+        mod = _peer("cut_cross_entropy", "cut-cross-entropy", h)
         # filtered: its default, which skips softmax entries below bf16 resolution in the gradient
         eps = "high" if filtered else None
-        return linear_cross_entropy(h, w, y, ignore_index=L.IGNORE_INDEX, reduction="sum", filter_eps=eps) / denom
+        return mod.linear_cross_entropy(h, w, y, ignore_index=L.IGNORE_INDEX, reduction="sum", filter_eps=eps) / denom
     return run
 
 
