@@ -1,4 +1,4 @@
-"""Sessions: tests (CPU suite), sweep (the main job), report, gpu_tests.
+"""Sessions: tests (CPU suite), sweep (the main job), report, gate (GPU regression gate), gpu_tests.
 
 On a CPU machine each session makes its own venv with the CPU wheel of torch, so nothing pulls
 the CUDA packages. On a GPU machine that cannot download (a GPU machine with no network), reuse the
@@ -60,6 +60,19 @@ def report(session: nox.Session) -> None:
     """Rebuild reports/ from results/ (reads nothing else)."""
     py = _setup(session)
     session.run(py, "-m", "harness", "report", *session.posargs)
+
+
+@nox.session
+def gate(session: nox.Session) -> None:
+    """The GPU regression gate: ``nox -s gate -- --base origin/main --head HEAD``.
+
+    Checks both revisions out into worktrees and sweeps experiments/gate.toml with each, rounds
+    interleaved, on this machine's GPU; writes gate-out/summary.md, benchmark.json and gate.json.
+    Exit 1 on a regression or a failed switch guard, 2 on unusable input.
+    """
+    py = _setup(session)
+    args = session.posargs or ["--base", "origin/main", "--head", "HEAD"]
+    session.run(py, "-m", "harness", "gate", *args)
 
 
 @nox.session

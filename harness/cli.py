@@ -1,4 +1,4 @@
-"""``python -m harness`` / ``packbench``: sweep, report, gate, profile, bandwidth, env."""
+"""``python -m harness`` / ``packbench``: sweep, report, gate, parity, profile, bandwidth, env."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ examples:
   python -m harness sweep                          # embedded default: smoke-gpu on a GPU, smoke-cpu otherwise
   python -m harness sweep experiments/smoke-gpu.toml --overwrite
   python -m harness report                         # rebuild every report from results/
+  python -m harness gate --base origin/main --head HEAD   # both revisions here, interleaved rounds
   python -m harness gate --baseline results/smoke-gpu/nvidia-h100-80gb-hbm3.jsonl --candidate pr-results/smoke-gpu/
+  python -m harness parity experiments/gate.toml   # each switch guard's loss and gradients, on vs off
   python -m harness bandwidth                      # host-to-device GB/s, pinned vs pageable
   python -m harness profile experiments/moe.toml --model gpt-oss-20b --seq-len 2048 --variant grouped_mm-split
   python -m harness env                            # what gets recorded with every run
@@ -116,23 +118,29 @@ def cmd_report(args) -> int:
 
 
 GATE_DESCRIPTION = """\
-Compare the results of a candidate run (say, a pull request's sweep) with a baseline run of the
-same experiment on the same GPU type, and exit 1 if anything got worse. Both sides are results
-files (results/<experiment>/<gpu>.jsonl) or directories holding them.
+A regression gate for CI, in one of two modes.
 
-Points are matched on what they measure (experiment, model, seq_len, batch size, variant and its
-switches, ...), not on their repeat; the repeats of a point count as the median of their step-time
-p50s. A point fails when:
-  - its step time p50 is slower than the baseline's by more than --max-slowdown; with --noise auto
-    the allowed slowdown is widened to the spread already seen at that point (p80/p20 of the
-    steps within a run, or max/min across repeats, on either side), and the table says which
-    bound applied;
-  - its peak allocated GPU memory grew by more than --max-memory-growth;
-  - it was ok in the baseline and is oom or error in the candidate.
-A point present on one side only is a warning and does not fail the gate.
+Revisions (--base REV --head REV): check both revisions out into worktrees and sweep the gate
+suite (default: head's experiments/gate.toml) with each one's own code on this machine, in
+interleaved rounds (base, head, base, head, ...; one fresh sweep per round, raw step samples kept).
+Each point's per-round step-time medians and peak memories are compared with a Mann-Whitney U
+test; a point fails when its change is significant (p < alpha) and larger than --max-slowdown
+(step time) or --max-memory MiB (peak memory), or when it ran ok in base and not in head. Each
+switch guard in the suite ([[gate.guards]]) fails when the switch's speedup in head falls below
+its floor, or when its on/off loss and gradients differ beyond bf16 tolerance on a fixed batch.
+Writes summary.md (a pull-request comment), benchmark.json (github-action-benchmark's
+customSmallerIsBetter) and gate.json to --out.
 
-exit codes: 0 pass (warnings allowed), 1 regression, 2 unusable input (missing or corrupt file,
-no rows, nothing to match, or different GPUs without --allow-different-gpu).
+Files (--baseline FILE --candidate FILE): compare a candidate run's results with a committed
+baseline's. Points are matched on what they measure; the repeats of a point count as the median
+of their step-time p50s. A point fails when its p50 is slower by more than --max-slowdown (with
+--noise auto, widened to the spread already seen at that point), its peak memory grew by more
+than --max-memory-growth, or it was ok in the baseline and is oom or error in the candidate.
+A point on one side only is a warning.
+
+exit codes: 0 pass (warnings allowed), 1 regression or failed guard, 2 unusable input (a missing
+or corrupt file, a revision that names no commit, a suite that does not load or that a side
+cannot run, nothing to match, or different GPUs without --allow-different-gpu).
 """
 
 
@@ -143,6 +151,26 @@ def _seconds(text: str) -> float:
         value = -1.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _at_least_two(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rounds, 2 or more, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 0.5:
+        raise argparse.ArgumentTypeError(f"expected a significance level between 0 and 0.5, got {text!r}")
     return value
 
 
@@ -158,13 +186,22 @@ def _fraction(text: str) -> float:
 def cmd_gate(args) -> int:
     from harness import gate
 
+    revisions = args.base is not None or args.head is not None
+    files = args.baseline is not None or args.candidate is not None
+    if revisions == files or (revisions and None in (args.base, args.head)) or (files and None in (args.baseline, args.candidate)):
+        print("error: give either --base REV --head REV (measure two revisions here) or --baseline FILE "
+              "--candidate FILE (compare two results files)", file=sys.stderr)
+        return 2
+    if revisions:
+        return _gate_revisions(args)
+
     def write_json(payload: dict) -> None:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
     try:
-        result = gate.run(args.baseline, args.candidate, max_slowdown=args.max_slowdown,
+        result = gate.run(args.baseline, args.candidate, max_slowdown=0.05 if args.max_slowdown is None else args.max_slowdown,
                           max_memory_growth=args.max_memory_growth, noise=args.noise,
                           allow_different_gpu=args.allow_different_gpu)
     except gate.GateError as e:
@@ -179,6 +216,25 @@ def cmd_gate(args) -> int:
     print(result.summary())
     write_json(result.to_dict())
     return result.exit_code
+
+
+def _gate_revisions(args) -> int:
+    from harness.gate import GateError, outputs, revisions
+
+    out = Path(args.out)
+    try:
+        report = revisions.run(args.base, args.head, out=out, repo=args.repo, suite=args.suite,
+                               rounds_n=args.rounds, alpha=args.alpha, max_slowdown=args.max_slowdown,
+                               max_memory_mib=args.max_memory, round_timeout_s=args.round_timeout,
+                               command=args.command)
+    except GateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gate.json").write_text(json.dumps({"outcome": "error", "exit_code": 2, "error": str(e)}, indent=2) + "\n")
+        (out / "summary.md").write_text(f"## Performance gate: ERROR\n\nThe gate could not judge this change:\n\n```\n{e}\n```\n")
+        return 2
+    print(outputs.markdown(report))
+    return report.exit_code
 
 
 def cmd_bandwidth(args) -> int:
@@ -238,15 +294,34 @@ def build_parser() -> argparse.ArgumentParser:
         "gate", help="CI regression check: compare a candidate's results with a baseline's; exit 1 if slower, bigger or newly failing",
         description=GATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--baseline", required=True, type=Path, help="results file or directory of the reference run (e.g. a committed results file)")
-    p.add_argument("--candidate", required=True, type=Path, help="results file or directory of the run under test (e.g. results/<experiment>/)")
-    p.add_argument("--max-slowdown", default="5%", type=_fraction, metavar="PCT", help="allowed step-time slowdown, e.g. 5%% or 0.05 (default: 5%%)")
-    p.add_argument("--max-memory-growth", default="5%", type=_fraction, metavar="PCT", help="allowed peak-memory growth (default: 5%%)")
-    p.add_argument("--noise", choices=("auto", "off"), default="auto",
-                   help="auto: widen the allowed slowdown at a point to the step-time spread measured there; off: threshold only (default: auto)")
-    p.add_argument("--allow-different-gpu", action="store_true", help="compare even though the two sides ran on different GPU types")
-    p.add_argument("--json", metavar="FILE", help="also write the verdict and every point to this JSON file (a CI artifact)")
+    rev = p.add_argument_group("revisions: measure two git revisions on this machine")
+    rev.add_argument("--base", metavar="REV", help="the revision to compare against (e.g. origin/main)")
+    rev.add_argument("--head", metavar="REV", help="the revision under test (e.g. HEAD)")
+    rev.add_argument("--suite", type=Path, help="gate suite file (default: experiments/gate.toml in head's checkout)")
+    rev.add_argument("--rounds", type=_at_least_two, help="rounds per side (default: the suite's [gate] rounds)")
+    rev.add_argument("--alpha", type=_probability, help="significance level (default: the suite's, 0.01)")
+    rev.add_argument("--max-memory", type=float, metavar="MIB", help="allowed peak-memory growth in MiB (default: the suite's, 64)")
+    rev.add_argument("--out", default="gate-out", help="where rounds, summary.md, benchmark.json and gate.json go; "
+                     "a gate run again with the same --out and revisions resumes (default: gate-out/)")
+    rev.add_argument("--repo", type=Path, default=REPO_ROOT, help="the git repository holding both revisions (default: this checkout)")
+    rev.add_argument("--round-timeout", type=_seconds, metavar="S", help="stop the gate (exit 2) if one round runs longer")
+    p.add_argument("--max-slowdown", type=_fraction, metavar="PCT", help="allowed step-time slowdown, e.g. 5%% or 0.05 "
+                   "(default: 5%%, or the suite's)")
+    files = p.add_argument_group("files: compare two results files")
+    files.add_argument("--baseline", type=Path, help="results file or directory of the reference run (e.g. a committed results file)")
+    files.add_argument("--candidate", type=Path, help="results file or directory of the run under test (e.g. results/<experiment>/)")
+    files.add_argument("--max-memory-growth", default="5%", type=_fraction, metavar="PCT", help="allowed peak-memory growth (default: 5%%)")
+    files.add_argument("--noise", choices=("auto", "off"), default="auto",
+                       help="auto: widen the allowed slowdown at a point to the step-time spread measured there; off: threshold only (default: auto)")
+    files.add_argument("--allow-different-gpu", action="store_true", help="compare even though the two sides ran on different GPU types")
+    files.add_argument("--json", metavar="FILE", help="also write the verdict and every point to this JSON file (a CI artifact)")
     p.set_defaults(func=cmd_gate)
+
+    p = sub.add_parser("parity", help="each switch guard of a gate suite: loss and gradients, on vs off, on one fixed batch")
+    from harness.run import parity
+
+    parity.add_arguments(p)
+    p.set_defaults(func=parity.main)
 
     p = sub.add_parser("bandwidth", help="host-to-device copy GB/s, pinned vs pageable, 1 MiB-1 GiB (GPU)")
     p.add_argument("--repeats", type=int, default=10)

@@ -244,3 +244,56 @@ def test_requires_names_the_package_the_environment_lacks_and_nothing_runs(write
     assert cli.main(["sweep", str(path), "--results", str(tmp_path / "res"), "--no-report"]) == 2
     assert "needs transformers>=99" in capsys.readouterr().err
     assert not (tmp_path / "res").exists()  # refused before anything was written
+
+
+GATE = VALID.replace('gradient_checkpointing = false\n', 'gradient_checkpointing = false\nmodels = ["llama-3.2-1b-tiny"]\n') + """
+[variants.cache]
+packing_backend = "sdpa"
+packing_cache = true
+[variants.nocache]
+packing_backend = "sdpa"
+packing_cache = false
+[gate]
+rounds = 6
+max_slowdown = "3%"
+[[gate.guards]]
+switch = "packing_cache"
+model = "qwen3-0.6b-tiny"
+seq_len = 64
+on = "cache"
+off = "nocache"
+min_speedup = 1.1
+"""
+
+
+def test_variant_models_and_gate_suite(write_toml):
+    exp = experiment.load(write_toml(GATE))
+    b = [p for p in exp.points() if p.variant == "b"]
+    assert {p.model for p in b} == {"llama-3.2-1b-tiny"} and len(exp.points()) == 3 * 4 + 2
+    assert exp.gate.rounds == 6 and exp.gate.max_slowdown == 0.03 and exp.gate.alpha == 0.01
+    (g,) = exp.gate.guards
+    assert (g.switch, g.on, g.off, g.min_speedup, g.parity) == ("packing_cache", "cache", "nocache", 1.1, True)
+    assert experiment.load(write_toml(VALID)).gate is None
+
+
+@pytest.mark.parametrize("edit, key, fragment", [
+    (('models = ["llama-3.2-1b-tiny"]', 'models = ["qwen3-8b"]'), "variants.b.models[0]", "not one of [experiment] models"),
+    (('switch = "packing_cache"', 'switch = "packing_cash"'), "gate.guards[0].switch", "not a valid choice"),
+    (('off = "nocache"', 'off = "cache"'), "gate.guards[0].switch", "set packing_cache alike"),
+    (('on = "cache"', 'on = "zzz"'), "gate.guards[0].on", "not a valid choice"),
+    (('on = "cache"', 'on = "b"'), "gate.guards[0].on", "does not run on qwen3-0.6b-tiny"),
+    (('seq_len = 64\non', 'seq_len = 99\non'), "gate.guards[0].seq_len", "not a valid choice"),
+    (("min_speedup = 1.1", "min_speedup = 0"), "gate.guards[0].min_speedup", "above 0"),
+    (("min_speedup = 1.1", ""), "gate.guards[0].min_speedup", "missing required key"),
+    (("rounds = 6", "rounds = 1"), "gate.rounds", ">= 2"),
+    (("rounds = 6", "alpha = 0.7"), "gate.alpha", "below 0.5"),
+    (('max_slowdown = "3%"', "max_slowdown = 5"), "gate.max_slowdown", "ambiguous"),
+    (("rounds = 6", "wobble = 1"), "gate.wobble", "unknown key"),
+    (('switch = "packing_cache"', 'switch = "optim.enable"'), "gate.guards[0].switch", "stack = 'user'"),
+])
+def test_malformed_gate_suite(write_toml, edit, key, fragment):
+    text = GATE.replace(*edit)
+    assert text != GATE
+    with pytest.raises(ExperimentError) as err:
+        experiment.load(write_toml(text))
+    assert err.value.key == key and fragment in str(err.value), str(err.value)

@@ -141,6 +141,8 @@ class Experiment:
     text: str = ""  # the experiment file as read
     # package -> version specifier the sweep needs installed (what the rows claim to measure)
     requires: dict[str, str] = field(default_factory=dict)
+    variant_models: dict[str, list[str]] = field(default_factory=dict)  # variants run on some models only
+    gate: GateSpec | None = None  # [gate]: this file is a regression-gate suite (harness.gate)
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -150,6 +152,8 @@ class Experiment:
             for model in self.models:
                 for seq_len in self.seq_lens:
                     for vname, settings in self.variants.items():
+                        if model not in self.variant_models.get(vname, [model]):
+                            continue
                         out.append(
                             SweepPoint(
                                 experiment=self.name,
@@ -181,7 +185,39 @@ class Experiment:
         return out
 
 
-_TOP_KEYS = {"experiment", "data", "variants", "report"}
+@dataclass(frozen=True)
+class Guard:
+    """A switch's own on/off pair in a gate suite: the gate fails when the measured speedup of
+    ``on`` over ``off`` falls below ``min_speedup``, or when their loss and gradients on one fixed
+    batch differ by more than the tolerances (relative; bf16 rounding stays well inside them)."""
+
+    switch: str  # a switch name, or "optim.enable" for the user path against stock
+    model: str
+    seq_len: int
+    on: str
+    off: str
+    min_speedup: float
+    parity: bool = True
+    loss_tol: float = 2e-2
+    grad_tol: float = 5e-2
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """``[gate]``: how ``python -m harness gate --base --head`` runs and judges this suite."""
+
+    rounds: int = 5  # per side, interleaved base, head, base, head, ...
+    alpha: float = 0.01  # a change counts only when significant at this level (Mann-Whitney U)
+    max_slowdown: float = 0.05  # ... and larger than this fraction of step time
+    max_memory_mib: float = 64.0  # ... or this much peak allocated memory
+    guards: tuple[Guard, ...] = ()
+
+
+ENABLE_GUARD = "optim.enable"  # a guard's switch name for the user path (stack "user") vs stock
+_GATE_KEYS = {"rounds", "alpha", "max_slowdown", "max_memory_mib", "guards"}
+_GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity", "loss_tol", "grad_tol"}
+
+_TOP_KEYS = {"experiment", "data", "variants", "report", "gate"}
 
 # What a report section may read from ``[report.<section>]``: the keys naming a variant of this
 # file (checked here, so renaming a variant fails at load instead of emptying a section), and the
@@ -338,10 +374,14 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     variant_lora_dtype: dict[str, str] = {}
     variant_cuda_graph: dict[str, bool] = {}
     variant_stack: dict[str, str] = {}
+    variant_models: dict[str, list[str]] = {}
     roles: dict[str, str] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings, set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role", "stack"})
+        _check_keys(path, f"variants.{vname}", settings,
+                    set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role", "stack", "models"})
         settings = dict(settings)
+        if "models" in settings:  # this variant runs on these of the file's models only
+            variant_models[vname] = _variant_models(path, vname, settings.pop("models"), canon)
         if "role" in settings:  # what the variant stands for in a comparison; reports read it
             roles[vname] = _choice(path, f"variants.{vname}.role", settings.pop("role"), rowmod.ROLES)
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
@@ -391,6 +431,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     baseline = exp.get("baseline", next(iter(variants)))
     _choice(path, "experiment.baseline", baseline, list(variants))
     report = _report(path, raw.get("report", {}), variants)
+    gate = _gate(path, raw["gate"], canon, seq_lens, variants, variant_models, variant_stack) if "gate" in raw else None
 
     return Experiment(
         name=name, path=str(path), description=str(exp.get("description", "")), models=canon,
@@ -400,8 +441,90 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
         variant_cuda_graph=variant_cuda_graph, variant_stack=variant_stack, roles=roles, report=report,
-        requires=requires,
+        requires=requires, variant_models=variant_models, gate=gate,
     )
+
+
+def _positive_number(path, key: str, value: Any, *, below: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (below and value >= below):
+        bound = f" and below {below:g}" if below else ""
+        raise ExperimentError(path, key, f"must be a number above 0{bound}, got {value!r}")
+    return float(value)
+
+
+def _gate(path, raw: Any, models: list[str], seq_lens: list[int], variants: dict, variant_models: dict,
+          variant_stack: dict) -> GateSpec:
+    """``[gate]`` and its ``[[gate.guards]]``, each guard's pair checked against the variants."""
+    from harness.gate.files import parse_fraction
+
+    _check_keys(path, "gate", raw, _GATE_KEYS)
+    try:
+        max_slowdown = parse_fraction(raw.get("max_slowdown", "5%"))
+    except ValueError as e:
+        raise ExperimentError(path, "gate.max_slowdown", str(e)) from None
+    max_memory = raw.get("max_memory_mib", 64)
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or max_memory < 0:
+        raise ExperimentError(path, "gate.max_memory_mib", f"must be a number of MiB >= 0, got {max_memory!r}")
+    guards_raw = raw.get("guards", [])
+    if not isinstance(guards_raw, list):
+        raise ExperimentError(path, "gate.guards", "must be an array of tables ([[gate.guards]])")
+    guards = []
+    for i, g in enumerate(guards_raw):
+        where = f"gate.guards[{i}]"
+        _check_keys(path, where, g, _GUARD_KEYS)
+        for key in ("switch", "model", "seq_len", "on", "off", "min_speedup"):
+            if key not in g:
+                raise ExperimentError(path, f"{where}.{key}", "missing required key")
+        try:
+            model = model_registry.get(g["model"]).name
+        except KeyError:
+            model = None
+        _choice(path, f"{where}.model", model if model in models else g["model"], models)
+        _choice(path, f"{where}.seq_len", g["seq_len"], seq_lens)
+        for side in ("on", "off"):
+            v = _choice(path, f"{where}.{side}", g[side], list(variants))
+            if model not in variant_models.get(v, [model]):
+                raise ExperimentError(path, f"{where}.{side}", f"variant {v!r} does not run on {model} (its models)")
+        switch, on, off = g["switch"], g["on"], g["off"]
+        if switch == ENABLE_GUARD:
+            if variant_stack.get(on) != "user" or variant_stack.get(off, "") or any(k in OWNER for k in variants[off]):
+                raise ExperimentError(path, f"{where}.switch", f"{ENABLE_GUARD!r} guards optim.enable against "
+                                      "stock: 'on' needs stack = 'user', 'off' no stack and no optim switch")
+        else:
+            _choice(path, f"{where}.switch", switch, [*SWITCHES, ENABLE_GUARD])
+            if resolve(variants[on]).get(switch) == resolve(variants[off]).get(switch):
+                raise ExperimentError(path, f"{where}.switch", f"variants {on!r} and {off!r} set {switch} alike, "
+                                      "so this pair measures something else")
+        parity = g.get("parity", True)
+        if not isinstance(parity, bool):
+            raise ExperimentError(path, f"{where}.parity", f"must be true or false, got {parity!r}")
+        guards.append(Guard(
+            switch=switch, model=model, seq_len=g["seq_len"], on=on, off=off,
+            min_speedup=_positive_number(path, f"{where}.min_speedup", g["min_speedup"]), parity=parity,
+            loss_tol=_positive_number(path, f"{where}.loss_tol", g.get("loss_tol", Guard.loss_tol), below=1),
+            grad_tol=_positive_number(path, f"{where}.grad_tol", g.get("grad_tol", Guard.grad_tol), below=1),
+        ))
+    return GateSpec(
+        rounds=_int(path, "gate.rounds", raw.get("rounds", GateSpec.rounds), 2),
+        alpha=_positive_number(path, "gate.alpha", raw.get("alpha", GateSpec.alpha), below=0.5),
+        max_slowdown=max_slowdown, max_memory_mib=float(max_memory), guards=tuple(guards),
+    )
+
+
+def _variant_models(path, vname: str, raw: Any, models: list[str]) -> list[str]:
+    key = f"variants.{vname}.models"
+    if not isinstance(raw, list) or not raw:
+        raise ExperimentError(path, key, f"must be a non-empty list of this file's models, got {raw!r}", models)
+    out = []
+    for i, m in enumerate(raw):
+        try:
+            name = model_registry.get(m).name
+        except KeyError:
+            name = None
+        if name not in models:
+            raise ExperimentError(path, f"{key}[{i}]", f"{m!r} is not one of [experiment] models", models)
+        out.append(name)
+    return out
 
 
 def _requires(path, raw: Any) -> dict[str, str]:

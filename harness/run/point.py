@@ -114,10 +114,8 @@ class Prepared:
         phase = phase or (lambda name: contextlib.nullcontext())
         if timer is not None:
             timer.start_step()
-        batch = self.batches[i]
         with phase("forward"):
-            loss = causal_lm_loss(self.model, batch.input_ids, batch.labels, chunked=point.loss_mode == "chunked",
-                                  position_ids=batch.position_ids, **self.extra[i])
+            loss = self.forward(point, i)
         mark()
         with phase("backward"):
             loss.backward()
@@ -127,6 +125,12 @@ class Prepared:
             self.optimizer.zero_grad(set_to_none=True)
         mark()
         return loss.detach()
+
+    def forward(self, point: SweepPoint, i: int) -> torch.Tensor:
+        """The training loss of batch ``i``, as the point's step computes it."""
+        batch = self.batches[i]
+        return causal_lm_loss(self.model, batch.input_ids, batch.labels, chunked=point.loss_mode == "chunked",
+                              position_ids=batch.position_ids, **self.extra[i])
 
     def capture(self, point: SweepPoint) -> "GraphedRun":
         """Capture this point's step as CUDA graphs (``optim.graphs``), fed from static copies of
@@ -175,9 +179,10 @@ class GraphedRun:
         return loss.clone()
 
 
-def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None) -> Prepared:
+def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None, after_build=None) -> Prepared:
     """Build the point's model (optim switches applied), its AdamW and ``n_batches`` batches;
-    ``on_phase(name)`` is told what it starts (a sweep point reports it as progress)."""
+    ``on_phase(name)`` is told what it starts (a sweep point reports it as progress);
+    ``after_build(model)``, if given, edits the built model before the optim switches apply."""
     pinned_core = _pin_cpu() if point.pin_cpu else None
     device = resolve_device(point.device)
     dtype = DTYPES[point.dtype]
@@ -204,6 +209,8 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
         checkpoint_preserve_rng=not point.cuda_graph,
         before_lora=before_lora,
     )
+    if after_build is not None:
+        after_build(model)
     on_phase("enabling optim")
     optim_applied = _enable_optim(model, sw, point.stack)
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)

@@ -1,4 +1,4 @@
-"""Registry of real model shapes (public configs) and their tiny CPU twins.
+"""Registry of real model shapes (public configs), their tiny CPU twins and few-layer cuts.
 
 Nothing is downloaded: models are built from configs with random, properly initialized weights,
 directly on the target device (bf16 on GPU). LoRA comes from peft.
@@ -6,6 +6,7 @@ directly on the target device (bf16 on GPU). LoRA comes from peft.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,10 +132,21 @@ _REAL = [
                          layer_types=["sliding_attention", "full_attention"] * 18, **_GPT_OSS)),
 ]
 
+def _layers(spec: ModelSpec, n: int) -> ModelSpec:
+    """The real model's layer shapes (hidden size, experts, vocabulary) with ``n`` decoder layers:
+    what one layer costs, at a fraction of the build and compile time (gate suites)."""
+    extra = dict(spec.extra)
+    if "layer_types" in extra:
+        extra["layer_types"] = extra["layer_types"][:n]
+    return dataclasses.replace(spec, name=f"{spec.name}-{n}l", num_hidden_layers=n, extra=extra)
+
+
 REGISTRY: dict[str, ModelSpec] = {}
 for _s in _REAL:
     REGISTRY[_s.name] = _s
     REGISTRY[f"{_s.name}-tiny"] = _tiny(_s)
+for _s, _n in ((REGISTRY["gpt-oss-20b"], 2),):
+    REGISTRY[f"{_s.name}-{_n}l"] = _layers(_s, _n)
 
 
 def names() -> list[str]:
@@ -222,4 +234,18 @@ def build(
         model = get_peft_model(model, lora_config(spec, lora_rank),
                                autocast_adapter_dtype=lora_dtype == "fp32")
     model.train()
+    return model
+
+
+def randomize_lora_b(model: torch.nn.Module, seed: int = 1, std: float = 0.05) -> torch.nn.Module:
+    """Draw every lora_B from N(0, std), torch's global generator seeded with ``seed``.
+
+    peft starts lora_B at zero, which leaves every lora_A gradient zero and the adapters out of
+    the forward, so a wrong LoRA path would look right to a numerics check.
+    """
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, std)
     return model

@@ -1,0 +1,250 @@
+"""``python -m harness gate --base REV --head REV`` orchestration, on a temporary git repository
+whose ``harness`` is a stand-in: each revision's ``python -m harness sweep`` writes rows whose step
+times and memory its own ``speed.json`` sets, so each outcome is known in advance. The real sweep
+and parity in worktrees run in test_gate_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.gate import rounds
+
+FAKE_MAIN = r'''
+import json, os, pathlib, random, subprocess, sys
+args = sys.argv[1:]
+cfg = json.loads(pathlib.Path("speed.json").read_text())
+sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+out_arg = args[args.index("--results" if args[0] == "sweep" else "--json") + 1]
+if os.environ.get("FAKE_ORDER_LOG"):
+    with open(os.environ["FAKE_ORDER_LOG"], "a") as f:
+        f.write(f"{args[0]} {sha}\n")
+if cfg.get("fail"):
+    print("the suite does not load here", file=sys.stderr)
+    sys.exit(3)
+if args[0] == "sweep":
+    rng = random.Random(out_arg)
+    rows = []
+    for variant, ms in cfg["points"].items():
+        rows.append({"kind": "step", "status": cfg.get("status", {}).get(variant, "ok"), "message": "",
+                     "experiment": "gate", "model": "qwen3-0.6b-tiny", "seq_len": 32, "variant": variant,
+                     "step_ms": {"p50": ms * (1 + rng.uniform(-0.004, 0.004)), "samples": [ms] * 10},
+                     "peak_allocated_gib": cfg.get("peak_gib", {}).get(variant, 1.0),
+                     "env": {"git_sha": os.environ.get("FAKE_SHA", sha)}, "device_name": "Fake GPU"})
+    path = pathlib.Path(out_arg) / "gate" / "fake-gpu.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+else:
+    ok = cfg.get("parity_ok", True)
+    row = {"switch": "packing_cache", "model": "qwen3-0.6b-tiny", "seq_len": 32, "on": "fast", "off": "slow",
+           "ok": ok, "loss_rel": 1e-4 if ok else 0.3, "grad_rel": 1e-3 if ok else 0.5,
+           "message": "" if ok else "loss 2.0 -> 2.6"}
+    pathlib.Path(out_arg).write_text(json.dumps({"guards": [row]}))
+    sys.exit(0 if ok else 1)
+'''
+
+SUITE = """
+[experiment]
+name = "gate"
+models = ["qwen3-0.6b-tiny"]
+seq_lens = [32]
+device = "cpu"
+bandwidth = false
+[variants.fast]
+packing_backend = "sdpa"
+packing_cache = true
+[variants.slow]
+packing_backend = "sdpa"
+packing_cache = false
+[gate]
+rounds = 5
+[[gate.guards]]
+switch = "packing_cache"
+model = "qwen3-0.6b-tiny"
+seq_len = 32
+on = "fast"
+off = "slow"
+min_speedup = 1.5
+"""
+
+BASE = {"points": {"fast": 50.0, "slow": 100.0}}
+
+
+class Repo(type(Path())):
+    """The repository's path, with ``commit(cfg)``."""
+
+    def __new__(cls, path: Path, commit):
+        self = super().__new__(cls, path)
+        self.commit = commit
+        return self
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A git repository with a stand-in harness, its base revision tagged ``base``; ``commit(cfg)``
+    commits a head whose sweep reports ``cfg`` and tags it ``head``."""
+    r = tmp_path / "repo"
+    (r / "harness").mkdir(parents=True)
+    (r / "experiments").mkdir()
+    (r / "harness" / "__init__.py").write_text("")
+    (r / "harness" / "__main__.py").write_text(FAKE_MAIN)
+    (r / "experiments" / "gate.toml").write_text(SUITE)
+    (r / "speed.json").write_text(json.dumps(BASE))
+    _git(r, "init", "-q")
+    _git(r, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    _git(r, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    _git(r, "tag", "base")
+
+    def commit(cfg: dict) -> str:
+        (r / "speed.json").write_text(json.dumps(cfg))
+        _git(r, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "head")
+        _git(r, "tag", "-f", "head")
+        return _git(r, "rev-parse", "HEAD")
+
+    return Repo(r, commit)
+
+
+def _gate(repo: Path, out: Path, *extra: str, head: str = "head") -> int:
+    return main(["gate", "--base", "base", "--head", head, "--repo", str(repo), "--out", str(out), *extra])
+
+
+def test_schedule_interleaves_base_and_head():
+    assert rounds.schedule(3) == [(1, "base"), (1, "head"), (2, "base"), (2, "head"), (3, "base"), (3, "head")]
+
+
+def test_a_slower_head_fails_rounds_interleaved_and_worktrees_removed(repo, tmp_path, monkeypatch, capsys):
+    head = repo.commit({"points": {"fast": 60.0, "slow": 120.0}})  # +20 % everywhere
+    base = _git(repo, "rev-parse", "base")
+    order = tmp_path / "order.log"
+    monkeypatch.setenv("FAKE_ORDER_LOG", str(order))
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 1
+    ran = order.read_text().split("\n")[:-1]
+    assert ran == [f"sweep {base}", f"sweep {head}"] * 5 + [f"parity {head}"]
+    assert _git(repo, "worktree", "list").count("\n") == 0  # only the repository's own
+
+    verdict = json.loads((out / "gate.json").read_text())
+    assert verdict["outcome"] == "fail" and verdict["exit_code"] == 1
+    points = {p["variant"]: p for p in verdict["points"]}
+    assert points["fast"]["verdict"] == "SLOWER" and points["fast"]["time"]["low"] > 1.15
+    assert len(points["fast"]["base"]["step_ms"]) == 5  # one value per round
+    assert len(list((out / "rounds").glob("*/gate/fake-gpu.jsonl"))) == 10  # every round's rows kept
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("## Performance gate: FAIL") and "**FAIL SLOWER**" in summary
+    assert "| `packing_cache` |" in summary and capsys.readouterr().out.startswith("## Performance gate: FAIL")
+
+    bench = json.loads((out / "benchmark.json").read_text())  # customSmallerIsBetter
+    assert all(set(e) >= {"name", "unit", "value"} and isinstance(e["value"], float) for e in bench)
+    names = {e["name"]: e for e in bench}
+    assert names["qwen3-0.6b-tiny T=32 fast step time"]["unit"] == "ms"
+    assert names["qwen3-0.6b-tiny T=32 fast peak memory"]["unit"] == "MiB"
+    assert names["guard packing_cache: fast/slow step time"]["value"] == pytest.approx(0.5, abs=0.01)
+
+    # run again into the same directory: every round is read back, none is run
+    order.write_text("")
+    assert _gate(repo, out) == 1
+    assert order.read_text() == ""
+
+
+def test_same_revision_twice_passes_with_every_interval_holding_one(repo, tmp_path):
+    out = tmp_path / "out"
+    assert _gate(repo, out, head="base") == 0
+    verdict = json.loads((out / "gate.json").read_text())
+    for p in verdict["points"]:
+        assert p["time"]["low"] <= 1.0 <= p["time"]["high"] and p["outcome"] == "pass", p
+    (guard,) = verdict["guards"]
+    assert guard["ok"] and guard["head"]["estimate"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_a_three_percent_slowdown_is_significant_but_below_the_threshold(repo, tmp_path):
+    repo.commit({"points": {"fast": 51.5, "slow": 103.0}})
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 0
+    points = {p["variant"]: p for p in json.loads((out / "gate.json").read_text())["points"]}
+    assert points["fast"]["time"]["p"] < 0.01 and 1.02 < points["fast"]["time"]["estimate"] < 1.04
+    assert points["fast"]["verdict"].startswith("changed +") and points["fast"]["outcome"] == "pass"
+
+
+def test_256_mib_more_fails_the_memory_check(repo, tmp_path):
+    repo.commit({"points": BASE["points"], "peak_gib": {"fast": 1.25}})
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 1
+    points = {p["variant"]: p for p in json.loads((out / "gate.json").read_text())["points"]}
+    assert points["fast"]["verdict"] == "MEMORY" and points["fast"]["memory"]["estimate"] == 256
+    assert points["slow"]["outcome"] == "pass"
+
+
+def test_a_switch_that_stops_working_fails_its_guard_by_name(repo, tmp_path):
+    repo.commit({"points": {"fast": 100.0, "slow": 100.0}})  # the cache became a no-op
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 1
+    summary = (out / "summary.md").read_text()
+    assert re.search(r"guard `packing_cache` \(qwen3-0.6b-tiny T=32\): speedup (0\.99|1\.00)\dx below its floor 1.5x", summary)
+    # the fast point also got slower, but the guard line is what names the switch
+    assert "**FAIL SLOWER**" in summary
+
+
+def test_a_parity_failure_fails_its_guard(repo, tmp_path):
+    repo.commit({**BASE, "parity_ok": False})
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 1
+    (guard,) = json.loads((out / "gate.json").read_text())["guards"]
+    assert not guard["ok"] and guard["reasons"] == ["parity failed: loss 2.0 -> 2.6"]
+
+
+def test_ok_in_base_and_error_in_head_fails(repo, tmp_path):
+    repo.commit({**BASE, "status": {"slow": "oom"}})
+    assert _gate(repo, tmp_path / "out") == 1
+    points = {p["variant"]: p for p in json.loads((tmp_path / "out" / "gate.json").read_text())["points"]}
+    assert points["slow"]["verdict"] == "ok -> oom"
+
+
+def test_unusable_input_exits_2_with_one_message(repo, tmp_path, capsys):
+    assert _gate(repo, tmp_path / "a", head="no-such-rev") == 2
+    assert "'no-such-rev' names no commit" in capsys.readouterr().err
+    assert json.loads((tmp_path / "a" / "gate.json").read_text())["outcome"] == "error"
+
+    repo.commit({**BASE, "fail": True})  # head's checkout cannot run the suite
+    assert _gate(repo, tmp_path / "b") == 2
+    err = capsys.readouterr().err
+    assert "round 1 (head," in err and "the suite does not load here" in err
+    assert _git(repo, "worktree", "list").count("\n") == 0
+
+    assert main(["gate", "--base", "base", "--repo", str(repo)]) == 2  # half of a mode
+    assert main(["gate", "--base", "base", "--head", "head", "--baseline", "x", "--candidate", "y"]) == 2
+    suite = tmp_path / "not-a-suite.toml"
+    suite.write_text(SUITE.split("[gate]")[0])
+    assert _gate(repo, tmp_path / "c", "--suite", str(suite)) == 2
+    assert "not a gate suite" in capsys.readouterr().err
+
+
+def test_rows_measured_elsewhere_are_refused(repo, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_SHA", "0" * 40)  # as if an installed copy of harness ran, not the checkout
+    assert _gate(repo, tmp_path / "out", head="base") == 2
+    assert "is `harness` imported from elsewhere" in capsys.readouterr().err
+
+
+def test_another_gates_directory_is_not_mixed_in(repo, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _gate(repo, out, "--rounds", "2", head="base") == 0
+    repo.commit({**BASE, "changed": True})
+    assert _gate(repo, out, "--rounds", "2") == 2
+    assert "holds the rounds of another gate" in capsys.readouterr().err
+
+
+def test_underpowered_rounds_are_said(repo, tmp_path):
+    out = tmp_path / "out"
+    assert _gate(repo, out, "--rounds", "3", head="base") == 0
+    summary = (out / "summary.md").read_text()
+    assert "with 3 rounds per side no p-value can fall below 0.01" in summary
+    assert json.loads((out / "gate.json").read_text())["underpowered"] is True
+
