@@ -45,9 +45,27 @@ def default_experiment() -> Path:
     return EXPERIMENTS / name
 
 
+def _start_fork_server_early(path: Path) -> None:
+    """A file that asks for the preloaded launcher gets its fork server started before this
+    process imports torch: both import at once instead of one after the other (seconds per
+    sweep, which a gate pays every round). Any problem with the file is reported later, by load."""
+    import tomllib
+
+    try:
+        launcher = tomllib.loads(path.read_text()).get("experiment", {}).get("launcher")
+    except (OSError, ValueError, AttributeError):
+        return
+    if launcher == "preloaded":
+        from harness.run import server
+
+        server.start()
+
+
 def cmd_sweep(args) -> int:
     import signal
 
+    if args.experiment and args.launcher in (None, "preloaded"):
+        _start_fork_server_early(Path(args.experiment))
     from harness.run import experiment, sweep
     from harness.run.stacks import stacks_every
 
@@ -55,12 +73,12 @@ def cmd_sweep(args) -> int:
     # exit that unwinds, so the launcher kills the point in flight (its own session) on the way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
+    path = Path(args.experiment) if args.experiment else default_experiment()
     try:  # every point would fail on it: say so once, before the first
         stacks_every()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    path = Path(args.experiment) if args.experiment else default_experiment()
     try:
         exp = experiment.load(path)
     except experiment.ExperimentError as e:

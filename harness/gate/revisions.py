@@ -129,19 +129,25 @@ def run(base: str, head: str, *, out: Path, repo: Path, suite: Path | None = Non
         shown_suite = str(suite) if suite is not None else str(DEFAULT_SUITE)
         order = rounds.schedule(spec.rounds)
         log(f"gate: base {base} ({shas['base'][:10]}) vs head {head} ({shas['head'][:10]}), suite {shown_suite}, "
-            f"{spec.rounds} rounds each, {len(exp.points())} points per round; out {out}")
+            f"{spec.rounds} rounds each; judged: {', '.join(spec.variants_for('base', 1, list(exp.variants)))}; "
+            f"out {out}")
         done: dict[str, list[dict]] = {"base": [], "head": []}
         walls = []
         t0 = time.monotonic()
         for i, (number, side) in enumerate(order, 1):
-            r = rounds.run_round(number, side, shas[side], trees[side], copy, out, timeout_s=round_timeout_s)
+            variants = spec.variants_for(side, number, list(exp.variants))
+            r = rounds.run_round(number, side, shas[side], trees[side], copy, out, variants=variants,
+                                 timeout_s=round_timeout_s)
             done[side].extend(r.rows)
             walls.append((number, side, r.wall_s))
             log(f"round {i}/{len(order)}: {side} {shas[side][:10]} in {r.wall_s:.1f} s "
                 f"(elapsed {(time.monotonic() - t0) / 60:.1f} min)")
         parity = (_parity(trees["head"], copy, out, shas["head"], log)
                   if any(g.parity for g in spec.guards) else [])
-    points, guards = verdict.judge(done["base"], done["head"], spec, parity)
+    judged = set(spec.variants_for("base", 1, list(exp.variants)))
+    points, guards = verdict.judge([r for r in done["base"] if r["variant"] in judged],
+                                   [r for r in done["head"] if r["variant"] in judged], spec, parity,
+                                   guard_rows=done["head"], base_guard_rows=done["base"])
     devices = sorted({r.get("device_name") or "unknown" for r in done["base"] + done["head"]})
     report = RevisionsReport(base, head, shas["base"], shas["head"], shown_suite, str(out), spec, devices,
                              points, guards, walls, command)

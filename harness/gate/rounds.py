@@ -53,9 +53,9 @@ def _env(tree: Path) -> dict:
 
 
 def run_round(number: int, side: str, sha: str, tree: Path, suite: Path, out: Path,
-              timeout_s: float | None = None) -> Round:
-    """Sweep ``suite`` once in ``tree`` (a checkout of ``sha``), or read the round back if a
-    previous run of this gate finished it."""
+              variants: list[str] | None = None, timeout_s: float | None = None) -> Round:
+    """Sweep ``suite`` (``variants`` of it, default all) once in ``tree`` (a checkout of ``sha``),
+    or read the round back if a previous run of this gate finished it."""
     where = round_dir(out, number, side)
     done = where / "done.json"
     if done.exists():
@@ -64,7 +64,7 @@ def run_round(number: int, side: str, sha: str, tree: Path, suite: Path, out: Pa
             return Round(number, side, sha, where, info.get("wall_s", 0.0), _rows(where, number, side, sha))
     where.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "harness", "sweep", str(suite), "--results", str(where),
-           "--no-report", "--quiet", "--overwrite"]
+           "--no-report", "--quiet", "--overwrite", *(["--variants", *variants] if variants else [])]
     t0 = time.monotonic()
     with open(where / "sweep.log", "w") as log:
         try:

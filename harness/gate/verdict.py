@@ -168,9 +168,14 @@ def label(row: dict) -> str:
     return f"{row['model']} T={row['seq_len']} {row['variant']}"
 
 
-def judge(base_rows: list[dict], head_rows: list[dict], spec: GateSpec,
-          parity_rows: list[dict]) -> tuple[list[PointVerdict], list[GuardVerdict]]:
+def judge(base_rows: list[dict], head_rows: list[dict], spec: GateSpec, parity_rows: list[dict], *,
+          guard_rows: list[dict] | None = None, base_guard_rows: list[dict] | None = None,
+          ) -> tuple[list[PointVerdict], list[GuardVerdict]]:
+    """Points from the judged rows; guards from ``guard_rows`` (head's rows of every variant;
+    default ``head_rows``) and, where base ran them too, ``base_guard_rows``."""
     base_points, head_points = side_points(base_rows), side_points(head_rows)
+    head_all = side_points(guard_rows) if guard_rows is not None else head_points
+    base_all = side_points(base_guard_rows) if base_guard_rows is not None else base_points
     points = []
     for key in [*base_points, *(k for k in head_points if k not in base_points)]:
         row = (base_points.get(key) or head_points[key])[0]
@@ -180,7 +185,7 @@ def judge(base_rows: list[dict], head_rows: list[dict], spec: GateSpec,
             base=base_points[key][1] if key in base_points else None,
             head=head_points[key][1] if key in head_points else None), spec))
     by_guard = {(r["switch"], r["model"], r["seq_len"], r["on"], r["off"]): r for r in parity_rows}
-    guards = [judge_guard(g, base_points, head_points, by_guard.get((g.switch, g.model, g.seq_len, g.on, g.off)), spec)
+    guards = [judge_guard(g, base_all, head_all, by_guard.get((g.switch, g.model, g.seq_len, g.on, g.off)), spec)
               for g in spec.guards]
     return points, guards
 

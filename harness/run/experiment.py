@@ -211,10 +211,21 @@ class GateSpec:
     max_slowdown: float = 0.05  # ... and larger than this fraction of step time
     max_memory_mib: float = 64.0  # ... or this much peak allocated memory
     guards: tuple[Guard, ...] = ()
+    # The variants judged base against head, swept in every round of both sides (default: all).
+    # The others exist for the guards alone: swept in head's first ``guard_rounds`` rounds only.
+    judge: tuple[str, ...] = ()
+    guard_rounds: int = 0  # 0: every round
+
+    def variants_for(self, side: str, number: int, variants: list[str]) -> list[str]:
+        """The variants a round sweeps: the judged ones, and on head's guard rounds every one."""
+        judged = [v for v in variants if not self.judge or v in self.judge]
+        if side == "head" and number <= (self.guard_rounds or self.rounds):
+            return list(variants)
+        return judged
 
 
 ENABLE_GUARD = "optim.enable"  # a guard's switch name for the user path (stack "user") vs stock
-_GATE_KEYS = {"rounds", "alpha", "max_slowdown", "max_memory_mib", "guards"}
+_GATE_KEYS = {"rounds", "alpha", "max_slowdown", "max_memory_mib", "guards", "judge", "guard_rounds"}
 _GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity", "loss_tol", "grad_tol"}
 
 _TOP_KEYS = {"experiment", "data", "variants", "report", "gate"}
@@ -504,8 +515,17 @@ def _gate(path, raw: Any, models: list[str], seq_lens: list[int], variants: dict
             loss_tol=_positive_number(path, f"{where}.loss_tol", g.get("loss_tol", Guard.loss_tol), below=1),
             grad_tol=_positive_number(path, f"{where}.grad_tol", g.get("grad_tol", Guard.grad_tol), below=1),
         ))
+    judge = raw.get("judge", [])
+    if not isinstance(judge, list):
+        raise ExperimentError(path, "gate.judge", "must be a list of variant names", list(variants))
+    for i, v in enumerate(judge):
+        _choice(path, f"gate.judge[{i}]", v, list(variants))
+    rounds = _int(path, "gate.rounds", raw.get("rounds", GateSpec.rounds), 2)
+    guard_rounds = _int(path, "gate.guard_rounds", raw.get("guard_rounds", rounds), 1)
+    if guard_rounds > rounds:
+        raise ExperimentError(path, "gate.guard_rounds", f"must be at most rounds ({rounds}), got {guard_rounds}")
     return GateSpec(
-        rounds=_int(path, "gate.rounds", raw.get("rounds", GateSpec.rounds), 2),
+        rounds=rounds, judge=tuple(judge), guard_rounds=guard_rounds,
         alpha=_positive_number(path, "gate.alpha", raw.get("alpha", GateSpec.alpha), below=0.5),
         max_slowdown=max_slowdown, max_memory_mib=float(max_memory), guards=tuple(guards),
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness.measure.env import REPO_ROOT
-from harness.run import policy
+from harness.run import policy, server
 from harness.run.experiment import SweepPoint
 from harness.run.point import PROGRESS_PREFIX
 
@@ -163,32 +163,6 @@ class Child:
 # Preloaded: the same isolation without paying the imports per point
 # ---------------------------------------------------------------------------------------------
 
-# Imported once by a fork server; every point is a fresh fork of it. None of these touches CUDA
-# at import, so each point still creates its own CUDA context, and the allocator reads
-# PYTORCH_CUDA_ALLOC_CONF in the point.
-PRELOAD = ["harness.run.server", "torch", "transformers", "peft", "harness.run.point"]
-_context = None
-
-
-def _forkserver():
-    global _context
-    if _context is None:
-        import multiprocessing
-        from multiprocessing import forkserver
-
-        from harness.run import server as _server
-
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        os.environ[_server.ENV] = "1"  # the server reads it at its start (see harness.run.server)
-        try:
-            forkserver.ensure_running()
-        finally:
-            os.environ.pop(_server.ENV, None)
-        _context = ctx
-    return _context
-
-
 def _preloaded_main(spec_path: str, out_path: str, env: dict, conn) -> None:
     """The point process of ``PreloadedLauncher``: own session, output into the sweep's pipe,
     the sweep's environment of now (the fork server's is that of its start)."""
@@ -231,7 +205,7 @@ class PreloadedLauncher(Launcher):
     name = "preloaded"
 
     def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> Child:
-        ctx = _forkserver()
+        ctx = server.start()
         r, w = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_preloaded_main, args=(spec_path, out_path, env, w), daemon=False)
         proc.start()

@@ -19,8 +19,10 @@ import math
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from harness.run.experiment import Experiment, ExperimentError, Guard
+if TYPE_CHECKING:  # the CLI builds its parser from this module: keep torch out of its import
+    from harness.run.experiment import Experiment, Guard
 
 
 def _side(point, spec) -> tuple[float, dict]:
@@ -90,8 +92,8 @@ def main(args) -> int:
     try:
         exp = experiment.load(args.suite)
         if exp.gate is None or not exp.gate.guards:
-            raise ExperimentError(args.suite, "gate.guards", "this file has no [[gate.guards]] to check")
-    except ExperimentError as e:
+            raise experiment.ExperimentError(args.suite, "gate.guards", "this file has no [[gate.guards]] to check")
+    except experiment.ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []

@@ -27,13 +27,12 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from harness.measure.trace import trace_events, union
-from harness.run import experiment as expmod
-from harness.run.experiment import SweepPoint
-from harness.workload import models as model_registry
+
+if TYPE_CHECKING:  # the CLI builds its parser from this module: torch is imported where used
+    from harness.run.experiment import SweepPoint
 
 PHASES = ("forward", "backward", "optimizer")
 # The runtime calls that make the host wait for the device.
@@ -91,9 +90,11 @@ def analyze(events: list[dict]) -> dict:
 
 def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: int = 1,
                   trace: bool = False) -> dict:
+    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from harness.run.point import attention_kernels, prepare
+    from harness.workload import models as model_registry
 
     spec = model_registry.get(point.model)
     run = prepare(point, spec, warmup + steps)
@@ -164,6 +165,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from harness.run import experiment as expmod
+
     try:
         exp = expmod.subset(expmod.load(args.experiment), models=[args.model], seq_lens=[args.seq_len],
                             variants=[args.variant])

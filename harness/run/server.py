@@ -13,6 +13,32 @@ import os
 import signal
 
 ENV = "PACKBENCH_FORK_SERVER"
+# Imported once by the fork server; every point is a fresh fork of it. None of these touches CUDA
+# at import, so each point still creates its own CUDA context, and the allocator reads
+# PYTORCH_CUDA_ALLOC_CONF in the point.
+PRELOAD = ["harness.run.server", "torch", "transformers", "peft", "harness.run.point"]
+_context = None
+
+
+def start():
+    """Start the fork server (once per process) and return its multiprocessing context. Cheap to
+    call early: the server imports ``PRELOAD`` in its own process, alongside whatever this one
+    imports meanwhile; the first fork waits for it."""
+    global _context
+    if _context is None:
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        os.environ[ENV] = "1"  # the server reads it at its start (above)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop(ENV, None)
+        _context = ctx
+    return _context
+
 
 if os.environ.get(ENV) == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
