@@ -290,6 +290,8 @@ def test_variant_models_and_gate_suite(write_toml):
     (('max_slowdown = "3%"', "max_slowdown = 5"), "gate.max_slowdown", "ambiguous"),
     (("rounds = 6", "wobble = 1"), "gate.wobble", "unknown key"),
     (('switch = "packing_cache"', 'switch = "optim.enable"'), "gate.guards[0].switch", "stack = 'user'"),
+    (("rounds = 6", 'rounds = 6\njudge = ["zz"]'), "gate.judge[0]", "not a valid choice"),
+    (("rounds = 6", "rounds = 6\nguard_rounds = 7"), "gate.guard_rounds", "at most rounds (6)"),
 ])
 def test_malformed_gate_suite(write_toml, edit, key, fragment):
     text = GATE.replace(*edit)

@@ -30,7 +30,10 @@ if cfg.get("fail"):
 if args[0] == "sweep":
     rng = random.Random(out_arg)
     rows = []
+    wanted = args[args.index("--variants") + 1:] if "--variants" in args else list(cfg["points"])
     for variant, ms in cfg["points"].items():
+        if variant not in wanted:
+            continue
         rows.append({"kind": "step", "status": cfg.get("status", {}).get(variant, "ok"), "message": "",
                      "experiment": "gate", "model": "qwen3-0.6b-tiny", "seq_len": 32, "variant": variant,
                      "step_ms": {"p50": ms * (1 + rng.uniform(-0.004, 0.004)), "samples": [ms] * 10},
@@ -248,3 +251,19 @@ def test_underpowered_rounds_are_said(repo, tmp_path):
     assert "with 3 rounds per side no p-value can fall below 0.01" in summary
     assert json.loads((out / "gate.json").read_text())["underpowered"] is True
 
+
+
+def test_judged_variants_every_round_and_the_guards_others_in_heads_first_rounds(repo, tmp_path):
+    suite = tmp_path / "suite.toml"
+    suite.write_text(SUITE.replace("rounds = 5", 'rounds = 5\njudge = ["fast"]\nguard_rounds = 2'))
+    out = tmp_path / "out"
+    assert _gate(repo, out, "--suite", str(suite), head="base") == 0
+    ran = {d.name: {json.loads(line)["variant"] for line in (d / "gate" / "fake-gpu.jsonl").read_text().splitlines()}
+           for d in (out / "rounds").iterdir()}
+    assert ran["01-head"] == ran["02-head"] == {"fast", "slow"}
+    assert all(ran[f"{n:02d}-base"] == {"fast"} for n in range(1, 6))
+    assert all(ran[f"{n:02d}-head"] == {"fast"} for n in range(3, 6))
+    verdict = json.loads((out / "gate.json").read_text())
+    assert [p["variant"] for p in verdict["points"]] == ["fast"]  # "slow" exists for its guard only
+    (guard,) = verdict["guards"]
+    assert guard["ok"] and guard["head"]["estimate"] == pytest.approx(2.0, rel=0.02) and guard["base"] is None
