@@ -12,7 +12,7 @@ ratio of off/on) is below the floor recorded in the suite, or when its parity ch
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from harness.gate import stats
 from harness.row import match_key
@@ -189,6 +189,3 @@ def judge(base_rows: list[dict], head_rows: list[dict], spec: GateSpec, parity_r
               for g in spec.guards]
     return points, guards
 
-
-def to_dict(obj) -> dict:
-    return asdict(obj)
