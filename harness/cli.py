@@ -162,34 +162,24 @@ cannot run, nothing to match, or different GPUs without --allow-different-gpu).
 """
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+def _checked(cast, ok, expected: str):
+    """An argparse type: ``cast(text)``, refused with one message unless ``ok(value)``."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _at_least_two(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected a whole number of rounds, 2 or more, got {text!r}")
-    return value
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 0.5:
-        raise argparse.ArgumentTypeError(f"expected a significance level between 0 and 0.5, got {text!r}")
-    return value
+_seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
+_at_least_two = _checked(int, lambda v: v >= 2, "a whole number of rounds, 2 or more")
+_probability = _checked(float, lambda v: 0 < v < 0.5, "a significance level between 0 and 0.5")
+_mib = _checked(float, lambda v: v >= 0, "a number of MiB, 0 or more")
 
 
 def _fraction(text: str) -> float:
@@ -318,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     rev.add_argument("--suite", type=Path, help="gate suite file (default: experiments/gate.toml in head's checkout)")
     rev.add_argument("--rounds", type=_at_least_two, help="rounds per side (default: the suite's [gate] rounds)")
     rev.add_argument("--alpha", type=_probability, help="significance level (default: the suite's, 0.01)")
-    rev.add_argument("--max-memory", type=float, metavar="MIB", help="allowed peak-memory growth in MiB (default: the suite's, 64)")
+    rev.add_argument("--max-memory", type=_mib, metavar="MIB", help="allowed peak-memory growth in MiB (default: the suite's, 64)")
     rev.add_argument("--out", default="gate-out", help="where rounds, summary.md, benchmark.json and gate.json go; "
                      "a gate run again with the same --out and revisions resumes (default: gate-out/)")
     rev.add_argument("--repo", type=Path, default=REPO_ROOT, help="the git repository holding both revisions (default: this checkout)")
