@@ -95,6 +95,31 @@ def test_overwrite_reruns_and_replaces(tmp_path, write_toml):
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_rows_say_where_a_points_time_went(tmp_path, write_toml, launcher):
+    """``launched_s``: the sweep's age when it launched the point (its start-up, then the points
+    before); ``setup_s``: the point's phases, ``wait`` first (imports, or the fork server's)."""
+    exp = experiment.load(write_toml(_with(launcher, EXP.split("[variants.boom]")[0]) + """
+[variants.c]
+attn_implementation = "sdpa"
+gradient_checkpointing = false
+"""))
+    t0 = time.perf_counter()
+    sweep.run(exp, tmp_path / "results", progress=False)
+    took = time.perf_counter() - t0
+    first, second = _rows(tmp_path)
+    assert 0 < first["launched_s"] < second["launched_s"]
+    assert second["launched_s"] - first["launched_s"] >= first["wall_s"]  # the first ran in between
+    for row in (first, second):
+        phases = row["setup_s"]
+        assert set(phases) == {"wait", "build", "enable", "warmup", "measured"}
+        assert all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) - phases["wait"] <= row["wall_s"] + 0.05
+        assert phases["measured"] > 0 and phases["wait"] < took
+    if launcher == "process":  # each point imports torch itself; a fork of the server has it
+        assert first["setup_s"]["wait"] > 0.5 and second["setup_s"]["wait"] > 0.5
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_timeout_kills_point(tmp_path, write_toml, monkeypatch, launcher):
     text = _with(launcher, EXP.replace("timeout_s = 120", "timeout_s = 2").split("[variants.boom]")[0])
     exp = experiment.load(write_toml(text))

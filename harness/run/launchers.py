@@ -14,13 +14,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 from harness.measure.env import REPO_ROOT
 from harness.run import policy, server
 from harness.run.experiment import SweepPoint
-from harness.run.point import PROGRESS_PREFIX
+from harness.run.point import PROGRESS_PREFIX, SPAWNED_AT_ENV
 
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
@@ -45,6 +46,7 @@ class Launcher:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+            env[SPAWNED_AT_ENV] = repr(time.time())  # the point's row says how long it waited to start
             child = self.spawn(spec_path, out_path, point, env)
             returncode, timed_out = self._supervise(child, log_path, point.timeout_s, on_progress)
             # a point past its limit is an error even if it finished while its stacks were taken

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -45,14 +46,40 @@ def _progress(**fields) -> None:
     print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
-def run_point(point: SweepPoint) -> dict:
+SPAWNED_AT_ENV = "PACKBENCH_SPAWNED_AT"  # the launcher's time.time() when it started the point
+
+
+class Timeline:
+    """Where a point's wall time goes before its measured steps: ``mark(name)`` ends the phase
+    in progress and starts ``name``; ``seconds()`` gives each phase's length, ``wait`` first
+    (from the launcher starting the process to this point's code: imports, or the fork
+    server's preload for the first point of a preloaded sweep)."""
+
+    def __init__(self, spawned_at: float | None = None):
+        self.t0 = time.perf_counter()
+        self.wait = max(0.0, time.time() - spawned_at) if spawned_at else None
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def seconds(self) -> dict:
+        out = {} if self.wait is None else {"wait": round(self.wait, 3)}
+        ends = [t for _, t in self.marks[1:]] + [time.perf_counter()]
+        for (name, start), end in zip(self.marks, ends):
+            out[name] = round(out.get(name, 0.0) + end - start, 3)
+        return out
+
+
+def run_point(point: SweepPoint, timeline: Timeline | None = None) -> dict:
     """Run ``point`` and return its result row. OOM and other failures become rows too."""
     spec = model_registry.get(point.model)
     row = point.new_row()
     t0 = time.perf_counter()
+    timeline = timeline or Timeline()
     try:
         _inject_fault(point)
-        row.measured.update(_measure(point, spec))
+        row.measured.update(_measure(point, spec, timeline))
         row.status, row.message = "ok", ""
     except torch.OutOfMemoryError as e:
         row.status, row.message = "oom", str(e).splitlines()[0][:500]
@@ -62,11 +89,11 @@ def run_point(point: SweepPoint) -> dict:
         row.status, row.message = "error", f"{type(e).__name__}: {e}"[:500]
         row.measured["traceback"] = traceback.format_exc()[-4000:]
     row.measured["wall_s"] = time.perf_counter() - t0
+    row.measured["setup_s"] = timeline.seconds()
     return row.to_dict()
 
 
 def _inject_fault(point: SweepPoint) -> None:
-    import os
     import signal
 
     faults = dict(item.partition("=")[::2] for item in os.environ.get(FAULT_ENV, "").split(",") if item)
@@ -84,8 +111,6 @@ def _inject_fault(point: SweepPoint) -> None:
 def _pin_cpu() -> int:
     """One core and one intra-op thread for this point's process: a host-bound step then
     competes with neither torch's worker threads nor migrations between vCPUs."""
-    import os
-
     core = sorted(os.sched_getaffinity(0))[-1]
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
@@ -227,9 +252,18 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
     return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core)
 
 
-def _measure(point: SweepPoint, spec) -> dict:
+_PHASE_KEYS = {"building the model": "build", "enabling optim": "enable", "first step": "warmup",
+               "capturing the step as CUDA graphs": "capture"}
+
+
+def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     n_steps = point.warmup_steps + point.measured_steps
-    run = prepare(point, spec, n_steps, on_phase=lambda phase: _progress(phase=phase))
+
+    def on_phase(phase: str) -> None:
+        timeline.mark(_PHASE_KEYS.get(phase, phase))
+        _progress(phase=phase)
+
+    run = prepare(point, spec, n_steps, on_phase=on_phase)
     device, dtype, model, trainable = run.device, run.dtype, run.model, run.trainable
     optim_applied, pinned_core = run.optim_applied, run.pinned_core
     batches = run.batches
@@ -245,8 +279,9 @@ def _measure(point: SweepPoint, spec) -> dict:
             if point.cuda_graph:
                 # Peaks from here on: a replay allocates nothing, so the step's tensors are
                 # counted when the capture (and its eager warm-up) allocates them.
-                _progress(phase="capturing the step as CUDA graphs")
+                on_phase("capturing the step as CUDA graphs")
                 graphed = run.capture(point)
+            timeline.mark("measured")
             timer.discard()
             losses.clear()
             if "optim.packing" in optim_applied:
@@ -443,7 +478,6 @@ def _die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
     import ctypes
-    import os
     import signal
 
     try:
@@ -461,7 +495,8 @@ def main(spec_path: str, out_path: str) -> int:
     stacks_on_request()
     with open(spec_path) as f:
         point = SweepPoint.from_json(f.read())
-    row = run_point(point)
+    spawned_at = os.environ.get(SPAWNED_AT_ENV)
+    row = run_point(point, Timeline(float(spawned_at) if spawned_at else None))
     row["env"] = envmod.collect()
     with open(out_path, "w") as f:
         json.dump(row, f, default=str)

@@ -118,6 +118,16 @@ def run_bandwidth_rows(experiment: str, timeout_s: float = 600) -> list[dict]:
     return rows
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (interpreter start-up included), None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rpartition(")")[2].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | None:
     """The experiment file as it was read, under results/<experiment>/experiments/<sha>.toml, so
     rows (which record ``experiment_sha256``) and reports need nothing outside results/."""
@@ -163,7 +173,10 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     for i, point in enumerate(todo, 1):
         if bar:
             bar.start(i, point.label())
+        launched_s = process_age_s()
         row = for_point(point).run(point, log_dir / f"{point.point_id}.log", bar.step if bar else None)
+        if launched_s is not None:  # where the sweep's start-up and earlier points end
+            row["launched_s"] = round(launched_s, 3)
         row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
         row.setdefault("env", {})
         res.append_row(path, row, replace_point=True)
