@@ -234,7 +234,7 @@ def _gate_revisions(args) -> int:
         report = revisions.run(args.base, args.head, out=out, repo=args.repo, suite=args.suite,
                                rounds_n=args.rounds, alpha=args.alpha, max_slowdown=args.max_slowdown,
                                max_memory_mib=args.max_memory, round_timeout_s=args.round_timeout,
-                               command=args.command)
+                               fresh_rounds=args.fresh_rounds, command=args.command)
     except GateError as e:
         print(f"error: {e}", file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "a gate run again with the same --out and revisions resumes (default: gate-out/)")
     rev.add_argument("--repo", type=Path, default=REPO_ROOT, help="the git repository holding both revisions (default: this checkout)")
     rev.add_argument("--round-timeout", type=_seconds, metavar="S", help="stop the gate (exit 2) if one round runs longer")
+    rev.add_argument("--fresh-rounds", action="store_true",
+                     help="one fresh sweep process per round, its imports paid every round (default: one per "
+                          "side for all its rounds; every point is a fresh process either way)")
     p.add_argument("--max-slowdown", type=_fraction, metavar="PCT", help="allowed step-time slowdown, e.g. 5%% or 0.05 "
                    "(default: 5%%, or the suite's)")
     files = p.add_argument_group("files: compare two results files")
@@ -357,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         from harness.run import point
 
         return point.main(*argv[1:3])
+    if argv[:1] == ["_rounds"]:  # internal: one side's sweeps for the revisions gate
+        from harness.run import serve
+
+        return serve.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = shlex.join(["python", "-m", "harness", *argv])  # recorded in every row it writes

@@ -117,6 +117,12 @@ def test_same_tree_twice_through_real_sweeps_in_worktrees(tmp_path):
     assert len(rows) == 12 and all(len(r["step_ms"]["samples"]) == 10 for r in rows)
     assert {r["env"]["git_sha"] for r in rows} == {_git(repo, "rev-parse", "HEAD")}
     assert _git(repo, "worktree", "list").count("\n") == 0
+    # each side's rounds ran in one sweep process: round 2 launched its points later in its life
+    assert verdict["round_modes"] == {"base": "server", "head": "server"}
+    for side in ("base", "head"):
+        launched = [[json.loads(line)["launched_s"] for line in f.read_text().splitlines()]
+                    for f in sorted((out / "rounds").glob(f"*-{side}/*/*.jsonl"))]
+        assert max(launched[0]) < min(launched[1]), launched
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,18 +17,23 @@ from harness.cli import main
 from harness.gate import rounds
 
 FAKE_MAIN = r'''
-import json, os, pathlib, random, subprocess, sys
-args = sys.argv[1:]
+import json, os, pathlib, random, subprocess, sys, time
 cfg = json.loads(pathlib.Path("speed.json").read_text())
 sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-out_arg = args[args.index("--results" if args[0] == "sweep" else "--json") + 1]
-if os.environ.get("FAKE_ORDER_LOG"):
-    with open(os.environ["FAKE_ORDER_LOG"], "a") as f:
-        f.write(f"{args[0]} {sha}\n")
-if cfg.get("fail"):
-    print("the suite does not load here", file=sys.stderr)
-    sys.exit(3)
-if args[0] == "sweep":
+
+
+def order(what):
+    if os.environ.get("FAKE_ORDER_LOG"):
+        with open(os.environ["FAKE_ORDER_LOG"], "a") as f:
+            f.write(f"{what} {sha}\n")
+
+
+def sweep(args):
+    out_arg = args[args.index("--results") + 1]
+    order("sweep")
+    if cfg.get("fail"):
+        print("the suite does not load here", file=sys.stderr)
+        return 3
     rng = random.Random(out_arg)
     rows = []
     wanted = args[args.index("--variants") + 1:] if "--variants" in args else list(cfg["points"])
@@ -42,13 +48,40 @@ if args[0] == "sweep":
     path = pathlib.Path(out_arg) / "gate" / "fake-gpu.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-else:
+    return 0
+
+
+def serve():
+    # the round server (harness.run.serve's protocol), in revisions whose speed.json says "serve"
+    if not cfg.get("serve"):
+        print("harness: error: argument COMMAND: invalid choice: '_rounds'", file=sys.stderr)
+        return 2
+    order("serve")
+    if os.environ.get("FAKE_SERVER_PID"):
+        pathlib.Path(os.environ["FAKE_SERVER_PID"]).write_text(str(os.getpid()))
+    print(json.dumps({"ready": 1}), flush=True)
+    for n, line in enumerate(sys.stdin, 1):
+        if str(n) == os.environ.get("FAKE_SERVE_DIES_AT"):
+            print("the server fell over", file=sys.stderr)
+            os._exit(9)
+        if str(n) == os.environ.get("FAKE_SERVE_HANGS_AT"):
+            time.sleep(600)
+        print(json.dumps({"exit": sweep(json.loads(line)["argv"])}), flush=True)
+    return 0
+
+
+def parity(args):
+    order("parity")
     ok = cfg.get("parity_ok", True)
     row = {"switch": "packing_cache", "model": "qwen3-0.6b-tiny", "seq_len": 32, "on": "fast", "off": "slow",
            "ok": ok, "loss_rel": 1e-4 if ok else 0.3, "grad_rel": 1e-3 if ok else 0.5,
            "message": "" if ok else "loss 2.0 -> 2.6"}
-    pathlib.Path(out_arg).write_text(json.dumps({"guards": [row]}))
-    sys.exit(0 if ok else 1)
+    pathlib.Path(args[args.index("--json") + 1]).write_text(json.dumps({"guards": [row]}))
+    return 0 if ok else 1
+
+
+args = sys.argv[1:]
+sys.exit({"sweep": sweep, "_rounds": lambda a: serve(), "parity": parity}[args[0]](args[1:]))
 '''
 
 SUITE = """
@@ -267,3 +300,67 @@ def test_judged_variants_every_round_and_the_guards_others_in_heads_first_rounds
     assert [p["variant"] for p in verdict["points"]] == ["fast"]  # "slow" exists for its guard only
     (guard,) = verdict["guards"]
     assert guard["ok"] and guard["head"]["estimate"] == pytest.approx(2.0, rel=0.02) and guard["base"] is None
+
+
+def test_a_side_with_a_round_server_runs_all_its_rounds_in_it(repo, tmp_path, monkeypatch, capsys):
+    """Base predates the round server (its sweeps run one process per round); head has one, started
+    once, for all five of its rounds, in the same interleaved order."""
+    head = repo.commit({**BASE, "serve": True})
+    base = _git(repo, "rev-parse", "base")
+    order = tmp_path / "order.log"
+    monkeypatch.setenv("FAKE_ORDER_LOG", str(order))
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 0
+    assert order.read_text().split("\n")[:-1] == (
+        [f"sweep {base}", f"serve {head}", f"sweep {head}"] + [f"sweep {base}", f"sweep {head}"] * 4 + [f"parity {head}"])
+    verdict = json.loads((out / "gate.json").read_text())
+    assert verdict["round_modes"] == {"base": "fresh", "head": "server"}
+    assert "base ran one fresh sweep process per round; head ran one sweep process for all its rounds" in (
+        out / "summary.md").read_text()
+    assert "base: its round server did not start (harness: error: argument COMMAND: invalid choice: '_rounds'" in (
+        capsys.readouterr().err)
+
+
+def test_a_round_server_that_dies_stops_the_gate_and_a_rerun_resumes(repo, tmp_path, monkeypatch, capsys):
+    repo.commit({**BASE, "serve": True})
+    _git(repo, "tag", "-f", "base")  # both sides serve
+    repo.commit({**BASE, "serve": True, "other": 1})
+    order = tmp_path / "order.log"
+    monkeypatch.setenv("FAKE_ORDER_LOG", str(order))
+    monkeypatch.setenv("FAKE_SERVE_DIES_AT", "3")  # each side's third round
+    out = tmp_path / "out"
+    assert _gate(repo, out) == 2
+    err = capsys.readouterr().err
+    assert "the base side's round server stopped mid-round" in err and "the server fell over" in err
+    assert json.loads((out / "gate.json").read_text())["outcome"] == "error"
+    assert len(list((out / "rounds").glob("*/done.json"))) == 4  # rounds 1-2 of both sides kept
+    assert _git(repo, "worktree", "list").count("\n") == 0
+
+    monkeypatch.delenv("FAKE_SERVE_DIES_AT")
+    order.write_text("")
+    assert _gate(repo, out) == 0
+    ran = order.read_text().split("\n")[:-1]
+    assert [r.split()[0] for r in ran] == ["serve", "sweep", "serve"] + ["sweep"] * 5 + ["parity"]
+    assert json.loads((out / "gate.json").read_text())["round_modes"] == {"base": "server", "head": "server"}
+
+
+def test_a_round_hung_in_its_server_is_killed_at_the_round_timeout(repo, tmp_path, monkeypatch, capsys):
+    repo.commit({**BASE, "serve": True})
+    pid_file = tmp_path / "server.pid"
+    monkeypatch.setenv("FAKE_SERVER_PID", str(pid_file))
+    monkeypatch.setenv("FAKE_SERVE_HANGS_AT", "1")
+    t0 = time.monotonic()
+    assert _gate(repo, tmp_path / "out", "--round-timeout", "3") == 2
+    assert time.monotonic() - t0 < 60
+    assert "round 1 (head) ran past 3 s" in capsys.readouterr().err
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_fresh_rounds_runs_one_process_per_round_even_where_a_server_exists(repo, tmp_path, monkeypatch):
+    head = repo.commit({**BASE, "serve": True})
+    order = tmp_path / "order.log"
+    monkeypatch.setenv("FAKE_ORDER_LOG", str(order))
+    assert _gate(repo, tmp_path / "out", "--fresh-rounds") == 0
+    assert f"serve {head}" not in order.read_text()
+    assert json.loads((tmp_path / "out" / "gate.json").read_text())["round_modes"] == {"base": "fresh", "head": "fresh"}

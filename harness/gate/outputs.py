@@ -33,6 +33,14 @@ def _ms(side) -> str:
     return f"{stats.median(side.step_ms):.1f}" if side.status == "ok" and side.step_ms else side.status
 
 
+def _modes(modes: dict) -> str:
+    """How each side's rounds ran, in words."""
+    words = {"server": "one sweep process for all its rounds", "fresh": "one fresh sweep process per round"}
+    if len(set(modes.values())) == 1:
+        return f"; each side ran {words[next(iter(modes.values()))]}"
+    return "".join(f"; {side} ran {words[mode]}" for side, mode in modes.items())
+
+
 def markdown(report) -> str:
     spec = report.spec
     conf = f"{1 - spec.alpha:.0%}"
@@ -42,8 +50,10 @@ def markdown(report) -> str:
         "",
         (f"Base `{report.base_rev}` ({report.base_sha[:10]}) against head `{report.head_rev}` "
          f"({report.head_sha[:10]}), on {', '.join(report.device_names) or 'unknown device'}: "
-         f"{spec.rounds} rounds each, interleaved base, head, base, head, ..., one fresh sweep per round "
-         f"({report.wall_s / 60:.1f} min in all). Suite `{report.suite}`."),
+         f"{spec.rounds} rounds each, interleaved base, head, base, head, ..., every point a fresh "
+         f"process{_modes(report.round_modes)}. {report.wall_s / 60:.1f} min of rounds"
+         + (f" and {report.parity_s / 60:.1f} min of parity checks" if report.parity_s else "")
+         + f". Suite `{report.suite}`."),
         "",
         (f"A point fails when its change is significant (Mann-Whitney U on the per-round medians, "
          f"p < {spec.alpha:g}) and larger than +{spec.max_slowdown:.0%} step time or "
@@ -129,6 +139,8 @@ def full(report) -> dict:
         "spec": asdict(report.spec),
         "underpowered": report.underpowered,
         "rounds": [{"round": n, "side": s, "wall_s": w} for n, s, w in report.round_walls],
+        "round_modes": report.round_modes,
+        "parity_s": report.parity_s,
         "points": [asdict(p) for p in report.points],
         "guards": [asdict(g) for g in report.guards],
         "command": report.command,

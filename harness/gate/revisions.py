@@ -44,6 +44,9 @@ class RevisionsReport:
     guards: list[verdict.GuardVerdict]
     round_walls: list[tuple[int, str, float]] = field(default_factory=list)
     command: str = ""
+    # per side, how its rounds ran: "server" (one process for all of them) or "fresh" (one per round)
+    round_modes: dict[str, str] = field(default_factory=dict)
+    parity_s: float = 0.0
 
     @property
     def wall_s(self) -> float:
@@ -107,7 +110,8 @@ def _parity(tree: Path, suite: Path, out: Path, head_sha: str, log) -> list[dict
 
 def run(base: str, head: str, *, out: Path, repo: Path, suite: Path | None = None, rounds_n: int | None = None,
         alpha: float | None = None, max_slowdown: float | None = None, max_memory_mib: float | None = None,
-        round_timeout_s: float | None = None, command: str = "", log=None) -> RevisionsReport:
+        round_timeout_s: float | None = None, fresh_rounds: bool = False, command: str = "",
+        log=None) -> RevisionsReport:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     repo = worktrees.toplevel(repo)
     shas = {"base": worktrees.resolve(repo, base), "head": worktrees.resolve(repo, head)}
@@ -133,24 +137,38 @@ def run(base: str, head: str, *, out: Path, repo: Path, suite: Path | None = Non
             f"out {out}")
         done: dict[str, list[dict]] = {"base": [], "head": []}
         walls = []
+        servers = {side: None if fresh_rounds else rounds.Server(side, trees[side], copy, out) for side in shas}
         t0 = time.monotonic()
-        for i, (number, side) in enumerate(order, 1):
-            variants = spec.variants_for(side, number, list(exp.variants))
-            r = rounds.run_round(number, side, shas[side], trees[side], copy, out, variants=variants,
-                                 timeout_s=round_timeout_s)
-            done[side].extend(r.rows)
-            walls.append((number, side, r.wall_s))
-            log(f"round {i}/{len(order)}: {side} {shas[side][:10]} in {r.wall_s:.1f} s "
-                f"(elapsed {(time.monotonic() - t0) / 60:.1f} min)")
+        try:
+            for i, (number, side) in enumerate(order, 1):
+                variants = spec.variants_for(side, number, list(exp.variants))
+                r = rounds.run_round(number, side, shas[side], trees[side], copy, out, variants=variants,
+                                     timeout_s=round_timeout_s, server=servers[side])
+                done[side].extend(r.rows)
+                walls.append((number, side, r.wall_s))
+                server = servers[side]
+                if server is not None and server.why:
+                    log(f"{side}: {server.why}; one fresh process per round")
+                    server.why = ""
+                log(f"round {i}/{len(order)}: {side} {shas[side][:10]} " + (
+                    f"finished by an earlier run ({r.wall_s:.1f} s)" if r.resumed else
+                    f"in {r.wall_s:.1f} s (elapsed {(time.monotonic() - t0) / 60:.1f} min)"))
+        finally:
+            for server in servers.values():
+                if server is not None:
+                    server.close()
+        modes = {side: "fresh" if s is None else s.mode for side, s in servers.items()}
+        t_parity = time.monotonic()
         parity = (_parity(trees["head"], copy, out, shas["head"], log)
                   if any(g.parity for g in spec.guards) else [])
+        parity_s = time.monotonic() - t_parity
     judged = set(spec.variants_for("base", 1, list(exp.variants)))
     points, guards = verdict.judge([r for r in done["base"] if r["variant"] in judged],
                                    [r for r in done["head"] if r["variant"] in judged], spec, parity,
                                    guard_rows=done["head"], base_guard_rows=done["base"])
     devices = sorted({r.get("device_name") or "unknown" for r in done["base"] + done["head"]})
     report = RevisionsReport(base, head, shas["base"], shas["head"], shown_suite, str(out), spec, devices,
-                             points, guards, walls, command)
+                             points, guards, walls, command, modes, parity_s)
     write(report, out)
     return report
 
