@@ -86,7 +86,7 @@ def cmd_sweep(args) -> int:
         return 2
     try:
         exp = experiment.subset(exp, models=args.models, seq_lens=args.seq_lens, variants=args.variants)
-        if args.launcher and exp.gpus == 1:  # same point identities: only how the process starts
+        if args.launcher and not exp.parallel:  # same point identities: only how the process starts
             exp = dataclasses.replace(exp, launcher=args.launcher)
         if args.timeout is not None:  # not part of a point's identity either
             exp = dataclasses.replace(exp, timeout_s=args.timeout)

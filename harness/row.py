@@ -19,11 +19,14 @@ IDENTITY = ("experiment", "model", "seq_len", "batch_size", "variant", "switches
             "warmup_steps", "measured_steps", "lora_rank", "lora_dtype", "dtype", "device", "data",
             "pin_cpu", "loss_mode", "cuda_graph")
 # In the identity only when set, so adding them left every earlier point's id as it was.
-OPTIONAL_IDENTITY = ("stack",)
+OPTIONAL_IDENTITY = ("stack", "parallel")
 # What builds the model around the variant's switches (harness.run.peers): "" the harness's own
 # stock build with just the optim modules the variant configures; "user" optim.enable(model) with
 # its defaults, as a user calls it; "liger" Liger-Kernel's patches on the stock model.
 STACKS = ("user", "liger")
+# How a point spreads over its GPUs (``gpus``): "" one process, "fsdp2" one process per GPU with
+# the model sharded (harness.run.distributed).
+PARALLEL = ("", "fsdp2")
 ROLES = ("stock", "peer", "ours", "ours-default", "reference", "ablation")
 # stock: transformers + peft as shipped; peer: another tool users would pick instead (Liger-Kernel,
 # save_on_cpu); ours: an optim setting; ours-default: what optim.enable(model) gives with its
@@ -78,6 +81,7 @@ class Row:
     loss_mode: str
     cuda_graph: bool
     stack: str = ""
+    parallel: str = ""  # PARALLEL: "" one process, "fsdp2" one per GPU, the model sharded
     family: str = ""
     num_layers: int | None = None
     baseline_variant: str = ""

@@ -59,7 +59,7 @@ def test_timeout_does_not_change_point_identity(write_toml):
         (("batch_size = 2", "batch_size = 2\nwarmup_steps = 1"), "experiment.warmup_steps", ">= 3"),
         (("batch_size = 2", "batch_size = 2\nmeasured_steps = 5"), "experiment.measured_steps", ">= 10"),
         (("batch_size = 2", "batch_size = 2\nlora_rank = 100000"), "experiment.lora_rank", "hidden size"),
-        (("batch_size = 2", "batch_size = 2\ngpus = 2"), "experiment.gpus", "multi-GPU launcher"),
+        (("batch_size = 2", "batch_size = 2\ngpus = 2"), "experiment.parallel", "2 GPUs per point shard the model"),
         (("batch_size = 2", "batch_size = 2\nbaseline = \"zzz\""), "experiment.baseline", "valid: a, b"),
         (("batch_size = 2", "batch_size = 2\ndtype = \"fp8\""), "experiment.dtype", "bf16"),
     ],

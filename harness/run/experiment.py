@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -73,6 +74,7 @@ class SweepPoint:
     lora_dtype: str = "fp32"
     cuda_graph: bool = False
     stack: str = ""  # harness.row.STACKS, or "" for the harness's own build
+    parallel: str = ""  # "fsdp2": one process per GPU (torchrun), the model sharded (harness.run.distributed)
     # run policy
     launcher: str = "process"
     timeout_s: float = 900.0
@@ -115,7 +117,7 @@ class Experiment:
     models: list[str]
     seq_lens: list[int]
     batch_size: int
-    gpus: int
+    gpus: list[int]  # GPUs per point, swept: each count its own points
     variants: dict[str, dict[str, Any]]
     baseline_variant: str
     warmup_steps: int
@@ -143,6 +145,7 @@ class Experiment:
     requires: dict[str, str] = field(default_factory=dict)
     variant_models: dict[str, list[str]] = field(default_factory=dict)  # variants run on some models only
     gate: GateSpec | None = None  # [gate]: this file is a regression-gate suite (harness.gate)
+    parallel: str = ""  # "fsdp2": each point one process per GPU under torchrun, the model sharded
 
     def points(self) -> list[SweepPoint]:
         """Ordered so each model's points run together and variants are interleaved per length,
@@ -151,7 +154,7 @@ class Experiment:
         for repeat in range(self.repeats):
             for model in self.models:
                 for seq_len in self.seq_lens:
-                    for vname, settings in self.variants.items():
+                    for gpus, (vname, settings) in itertools.product(self.gpus, self.variants.items()):
                         if model not in self.variant_models.get(vname, [model]):
                             continue
                         out.append(
@@ -162,7 +165,8 @@ class Experiment:
                                 batch_size=self.batch_size,
                                 variant=vname,
                                 switches=resolve(settings),
-                                gpus=self.gpus,
+                                gpus=gpus,
+                                parallel=self.parallel,
                                 repeat=repeat,
                                 warmup_steps=self.warmup_steps,
                                 measured_steps=self.measured_steps,
@@ -170,7 +174,7 @@ class Experiment:
                                 dtype=self.dtype,
                                 device=self.device,
                                 data=self.data,
-                                launcher=self.launcher,
+                                launcher=MULTI_GPU_LAUNCHERS[0] if self.parallel else self.launcher,
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
@@ -248,7 +252,7 @@ REPORT_TARGET_KEYS = {
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
-    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype", "requires",
+    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype", "requires", "parallel",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
 
@@ -325,7 +329,11 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
 
     seq_lens = _int_list(path, "experiment.seq_lens", exp["seq_lens"], 16)
     batch_size = _int(path, "experiment.batch_size", exp.get("batch_size", 1), 1)
-    gpus = _int(path, "experiment.gpus", exp.get("gpus", 1), 1)
+    raw_gpus = exp.get("gpus", 1)
+    gpus = (_int_list(path, "experiment.gpus", raw_gpus, 1) if isinstance(raw_gpus, list)
+            else [_int(path, "experiment.gpus", raw_gpus, 1)])
+    parallel = _choice(path, "experiment.parallel", exp.get("parallel", "none"), ("none", *rowmod.PARALLEL[1:]))
+    parallel = "" if parallel == "none" else parallel
     warmup = _int(path, "experiment.warmup_steps", exp.get("warmup_steps", MIN_WARMUP_STEPS), MIN_WARMUP_STEPS)
     measured = _int(path, "experiment.measured_steps", exp.get("measured_steps", MIN_MEASURED_STEPS), MIN_MEASURED_STEPS)
     repeats = _int(path, "experiment.repeats", exp.get("repeats", 1), 1)
@@ -333,9 +341,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     dtype = _choice(path, "experiment.dtype", exp.get("dtype", "bf16"), DTYPES)
     device = _choice(path, "experiment.device", exp.get("device", "auto"), DEVICES)
     launcher = _choice(path, "experiment.launcher", exp.get("launcher", "process"), LAUNCHERS)
-    if gpus > 1 and launcher not in MULTI_GPU_LAUNCHERS:
-        raise ExperimentError(path, "experiment.gpus", f"{gpus} GPUs per point needs a multi-GPU launcher",
-                              list(MULTI_GPU_LAUNCHERS) or ["(none registered yet)"])
+    if max(gpus) > 1 and not parallel:
+        raise ExperimentError(path, "experiment.parallel", f"{max(gpus)} GPUs per point shard the model over "
+                              "one process per GPU: set parallel = \"fsdp2\"", list(rowmod.PARALLEL[1:]))
     timeout_s = exp.get("timeout_s", 900)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ExperimentError(path, "experiment.timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
@@ -439,6 +447,13 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                                   "offloads checkpointed layer inputs, so it needs gradient_checkpointing = true")
         variants[vname] = dict(settings)
 
+    if parallel:
+        for vname, graphed in variant_cuda_graph.items():
+            if graphed:
+                raise ExperimentError(path, f"variants.{vname}.cuda_graph",
+                                      "a captured step cannot hold FSDP2's all-gathers and reduce-scatters, which its "
+                                      "hooks issue around every layer; graph this variant in a file with "
+                                      "parallel = \"none\"")
     baseline = exp.get("baseline", next(iter(variants)))
     _choice(path, "experiment.baseline", baseline, list(variants))
     report = _report(path, raw.get("report", {}), variants)
@@ -446,7 +461,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
 
     return Experiment(
         name=name, path=str(path), description=str(exp.get("description", "")), models=canon,
-        seq_lens=seq_lens, batch_size=batch_size, gpus=gpus, variants=variants,
+        seq_lens=seq_lens, batch_size=batch_size, gpus=gpus, parallel=parallel, variants=variants,
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,

@@ -1,8 +1,8 @@
 """How a sweep point is isolated: each runs in a fresh process, so an OOM, a crash or a leak in
 one point cannot touch the next. A launcher turns a point into a command; ``run`` is shared.
 
-A torchrun launcher for several GPUs per point subclasses ``Launcher`` and overrides
-``command`` (``torchrun --nproc-per-node N -m harness _point ...``); nothing else changes.
+``TorchrunLauncher`` runs a parallel point (``parallel = "fsdp2"``) as one fresh process group:
+``torchrun --standalone --nproc-per-node N -m harness _point ...``, one process per GPU.
 """
 
 from __future__ import annotations
@@ -50,10 +50,18 @@ class Launcher:
             child = self.spawn(spec_path, out_path, point, env)
             returncode, timed_out = self._supervise(child, log_path, point.timeout_s, on_progress)
             # a point past its limit is an error even if it finished while its stacks were taken
-            if os.path.exists(out_path) and not timed_out:
-                with open(out_path) as f:
-                    return json.load(f)
+            if not timed_out:
+                row = self.result(out_path)
+                if row is not None:
+                    return row
             return self._failure_row(point, returncode, timed_out, log_path)
+
+    def result(self, out_path: str) -> dict | None:
+        """The row the point's process wrote, if it wrote one."""
+        if not os.path.exists(out_path):
+            return None
+        with open(out_path) as f:
+            return json.load(f)
 
     def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> Child:
         """Start the point's process in its own session, stdout and stderr on one pipe."""
@@ -224,8 +232,34 @@ class PreloadedLauncher(Launcher):
         return Child(proc.pid, stdout, wait)
 
 
-LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Launcher, PreloadedLauncher)}
-assert tuple(LAUNCHERS) == policy.LAUNCHERS, "harness.run.policy lists the launchers"
+# ---------------------------------------------------------------------------------------------
+# Torchrun: one process per GPU for a parallel point
+# ---------------------------------------------------------------------------------------------
+
+class TorchrunLauncher(Launcher):
+    """A parallel point as one fresh process group: torchrun on this host, ``gpus`` ranks on a
+    free port of its own (``--standalone``). Rank 0 writes the row; a rank that fails writes its
+    own and exits, torchrun stops the rest, and the point's row is the failed rank's (an OOM in
+    any rank is the point's OOM). A point past its time limit is killed with its whole group."""
+
+    name = "torchrun"
+
+    def command(self, spec_path: str, out_path: str, point: SweepPoint) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={point.gpus}",
+                "--max-restarts=0", "-m", "harness", "_point", spec_path, out_path]
+
+    def result(self, out_path: str) -> dict | None:
+        failed = []
+        for path in sorted(Path(out_path).parent.glob(Path(out_path).name + ".rank*")):
+            with open(path) as f:
+                failed.append(json.load(f))
+        if failed:  # what went wrong first is a failed rank's own row; an OOM anywhere is the point's
+            return next((r for r in failed if r.get("status") == "oom"), failed[0])
+        return super().result(out_path)
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {cls.name: cls for cls in (Launcher, PreloadedLauncher, TorchrunLauncher)}
+assert tuple(LAUNCHERS) == policy.LAUNCHERS + policy.MULTI_GPU_LAUNCHERS, "harness.run.policy lists the launchers"
 
 
 def for_point(point: SweepPoint) -> Launcher:

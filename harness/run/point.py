@@ -20,7 +20,7 @@ import torch
 from harness.measure import env as envmod
 from harness.measure import flops as flopsmod
 from harness.measure.timing import PhaseTimer, percentiles
-from harness.run import peers
+from harness.run import distributed, peers
 from harness.run.experiment import SweepPoint
 from harness.run.stacks import stacks_on_request
 from harness.workload import models as model_registry
@@ -97,7 +97,9 @@ def _inject_fault(point: SweepPoint) -> None:
     import signal
 
     faults = dict(item.partition("=")[::2] for item in os.environ.get(FAULT_ENV, "").split(",") if item)
-    fault = faults.get(point.variant)
+    fault, _, rank = (faults.get(point.variant) or "").partition("@")  # "oom@1": rank 1 of a parallel point only
+    if rank and str((distributed.world() or distributed.World(0, 1, 0)).rank) != rank:
+        return
     if fault == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 TiB (injected)")
     if fault == "error":
@@ -130,6 +132,7 @@ class Prepared:
     extra: list  # per-batch keyword arguments (the packing metadata a collator hands over)
     optim_applied: dict
     pinned_core: int | None
+    world: distributed.World | None = None  # a parallel point's rank and group size
 
     def step(self, point: SweepPoint, i: int, timer: PhaseTimer | None = None, phase=None) -> torch.Tensor:
         """One training step on batch ``i``: forward, backward, optimizer (timer marks between).
@@ -210,6 +213,9 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
     ``after_build(model)``, if given, edits the built model before the optim switches apply."""
     pinned_core = _pin_cpu() if point.pin_cpu else None
     device = resolve_device(point.device)
+    world = None
+    if point.parallel:
+        world, device = distributed.setup(device)
     dtype = DTYPES[point.dtype]
     sw = point.switches
     if point.cuda_graph and device.type != "cuda":
@@ -238,22 +244,27 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
         after_build(model)
     on_phase("enabling optim")
     optim_applied = _enable_optim(model, sw, point.stack)
+    if world is not None:  # as a user's FSDP2 script does: the model as enabled, then sharded
+        on_phase("sharding")
+        distributed.shard(model)
     # after enable(): a module may freeze or unfreeze parameters (the MoE router)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda", capturable=point.cuda_graph)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=device.type == "cuda" and world is None,
+                                  capturable=point.cuda_graph)
     batches = [
-        make_batch(point.data, point.seq_len, point.batch_size, spec.vocab_size, step=i).to(device)
+        make_batch(point.data, point.seq_len, point.batch_size, spec.vocab_size,
+                   step=world.batch_step(i) if world is not None else i).to(device)
         for i in range(n_batches)
     ]
     # What a packing collator hands the model besides the tensors: the document lengths it
     # already knows on the host, so no layer has to rediscover them from position_ids.
     extra = [_packing_kwargs(b, optim_applied) for b in batches]
     on_phase("first step")
-    return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core)
+    return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core, world)
 
 
-_PHASE_KEYS = {"building the model": "build", "enabling optim": "enable", "first step": "warmup",
-               "capturing the step as CUDA graphs": "capture"}
+_PHASE_KEYS = {"building the model": "build", "enabling optim": "enable", "sharding": "shard",
+               "first step": "warmup", "capturing the step as CUDA graphs": "capture"}
 
 
 def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
@@ -302,7 +313,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     optim_stats = _optim_stats(model, optim_applied)
     losses_f = torch.stack(losses).float().cpu().tolist()
     measured = batches[point.warmup_steps:]
-    return {
+    out = {
         **_memory(device),
         **_throughput(point, times),
         **_flops(point, spec, model, measured, times, device),
@@ -327,6 +338,31 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         "graph_capture_ms": graphed.step.capture_ms if graphed is not None else None,
         # what the peaks span: the measured steps, or (graphed) the capture and the replays
         "peak_scope": "capture and replays" if graphed is not None else "measured steps",
+    }
+    if run.world is not None:
+        out.update(_across_ranks(run.world, out))
+    return out
+
+
+def _across_ranks(world: distributed.World, mine: dict) -> dict:
+    """A parallel point's figures over its ranks (a collective): each rank's own in ``per_rank``;
+    the row's step times are rank 0's (every step ends in collectives, so the ranks keep pace),
+    its tokens/s those of the whole group, its peak memory the largest rank's."""
+    ranks = distributed.gather({
+        "rank": world.rank,
+        **{k: mine[k]["p50"] for k in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
+        "peak_allocated_gib": mine["peak_allocated_gib"],
+        "loss": mine["loss"],
+    })
+    peaks = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
+    return {
+        "world_size": world.size,
+        "per_rank": ranks,
+        "tokens_per_s_per_gpu": mine["tokens_per_s"],
+        "tokens_per_s": mine["tokens_per_s"] * world.size,
+        "peak_allocated_gib": max(peaks) if peaks else None,
+        # the loss of each global batch: the mean of the ranks' (each rank's is its own rows' mean)
+        "loss_global": [sum(r["loss"][j] for r in ranks) / world.size for j in range(len(mine["loss"]))],
     }
 
 
@@ -496,11 +532,29 @@ def main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         point = SweepPoint.from_json(f.read())
     spawned_at = os.environ.get(SPAWNED_AT_ENV)
+    world = distributed.world() if point.parallel else None
     row = run_point(point, Timeline(float(spawned_at) if spawned_at else None))
+    failed = row["status"] != "ok"
+    if world is not None and world.rank != 0:
+        if not failed:  # rank 0 writes the point's row
+            distributed.teardown()
+            return 0
+        out_path = rank_result_path(out_path, world.rank)
+        row["message"] = f"rank {world.rank}: {row['message']}"
     row["env"] = envmod.collect()
     with open(out_path, "w") as f:
         json.dump(row, f, default=str)
+    if world is not None:
+        if failed:  # exit at once: torchrun then stops the ranks still waiting in a collective
+            sys.stdout.flush()
+            os._exit(1)
+        distributed.teardown()
     return 0
+
+
+def rank_result_path(out_path: str, rank: int) -> str:
+    """Where rank ``rank`` (> 0) of a parallel point writes its row when it fails."""
+    return f"{out_path}.rank{rank}"
 
 
 if __name__ == "__main__":

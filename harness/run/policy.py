@@ -3,4 +3,5 @@
 # A fresh interpreter per point, or a fork of a server that imported torch/transformers/peft once
 # (harness.run.launchers); a launcher for several GPUs per point (torchrun) registers here too.
 LAUNCHERS = ("process", "preloaded")
-MULTI_GPU_LAUNCHERS: tuple[str, ...] = ()
+# A point of an experiment with parallel = "fsdp2": torchrun, one process per GPU (not a file's choice)
+MULTI_GPU_LAUNCHERS = ("torchrun",)
