@@ -45,6 +45,19 @@ def default_experiment() -> Path:
     return EXPERIMENTS / name
 
 
+def _resources(text: str) -> dict[str, float]:
+    out = {}
+    for item in text.split(","):
+        name, _, amount = item.partition("=")
+        try:
+            out[name.strip()] = float(amount)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: give NAME=N, e.g. one_per_host=1") from None
+        if not name.strip() or out[name.strip()] <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: give NAME=N with N above 0")
+    return out
+
+
 def _start_fork_server_early(path: Path) -> None:
     """A file that asks for the preloaded launcher gets its fork server started before this
     process imports torch: both import at once instead of one after the other (seconds per
@@ -64,7 +77,7 @@ def _start_fork_server_early(path: Path) -> None:
 def cmd_sweep(args) -> int:
     import signal
 
-    if args.experiment and args.launcher in (None, "preloaded"):
+    if args.experiment and args.launcher in (None, "preloaded") and not args.cluster:
         _start_fork_server_early(Path(args.experiment))
     from harness.run import experiment, sweep
     from harness.run.stacks import stacks_every
@@ -95,7 +108,18 @@ def cmd_sweep(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"sweep {exp.name}: {len(exp.points())} points from {path}", file=sys.stderr)
-    summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command)
+    if args.cluster == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            print("error: --cluster ray needs Ray: pip install 'ray[default]'", file=sys.stderr)
+            return 2
+        from harness.run import cluster
+
+        summary = cluster.run(exp, args.results, address=args.ray_address, overwrite=args.overwrite,
+                              progress=not args.quiet, command=args.command, resources=args.ray_resources)
+    else:
+        summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command)
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
     if not args.no_report:
         from harness import report
@@ -290,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=policy.LAUNCHERS,
                    help="override the file's launcher: a fresh interpreter per point, or a fork of a "
                         "server that imported torch/transformers/peft once (same isolation)")
+    p.add_argument("--cluster", choices=("ray",),
+                   help="spread the points over a Ray cluster, each a task with the point's GPUs; rows come "
+                        "back here (harness/run/cluster.py)")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="the cluster to join ('auto', ray://host:10001); default: RAY_ADDRESS if set, else a new local Ray")
+    p.add_argument("--ray-resources", type=_resources, metavar="NAME=N[,NAME=N]",
+                   help="custom Ray resources each point's task asks for, e.g. one_per_host=1")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("report", help="rebuild reports/ from results/ (reads nothing else)")

@@ -26,7 +26,13 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     "flex-fused", "varlen", "flex-unfused"; see harness.run.point.attention_kernels) and
     attention_fallback (why optim.packing's fused flex could not run, or None), optim (per optim
     module applied: what it changed, and ``resolved``, the value each of its switches took) and
-    switches_resolved (those values, flat).
+    switches_resolved (those values, flat); setup_s (where the point's wall time went: wait, build,
+    enable, shard, warmup, capture, measured, in seconds) and launched_s (the sweep process's age
+    when it launched the point). A point with ``parallel`` = "fsdp2" (in its identity only when
+    set) adds world_size, per_rank (each rank's step/forward/backward/optimizer p50, peak memory
+    and losses), tokens_per_s_per_gpu and loss_global (each global batch's loss over the ranks);
+    its tokens_per_s is the whole group's and its peak_allocated_gib the largest rank's. A row
+    run through a cluster engine (``--cluster ray``) adds node (the host that ran it).
 A microbenchmark row (``python -m harness.bench.offload|moe|packing``) has a kind in
 ``BENCH_KINDS`` and the fields its benchmark measures (see each bench module); it also records
 ``command``, ``env``, ``gpu_slug``, ``device_name`` and ``recorded_at``. A rerun replaces the rows
