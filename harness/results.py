@@ -31,7 +31,9 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     when it launched the point). A point with ``parallel`` = "fsdp2" (in its identity only when
     set) adds world_size, per_rank (each rank's step/forward/backward/optimizer p50, peak memory
     and losses), tokens_per_s_per_gpu and loss_global (each global batch's loss over the ranks);
-    its tokens_per_s is the whole group's and its peak_allocated_gib the largest rank's. A row
+    its tokens_per_s is the whole group's and its peak_allocated_gib the largest rank's; on
+    more than one GPU, scaling_efficiency (its tokens/s per GPU over the same point's on one GPU,
+    when that row was already there). A row
     run through a cluster engine (``--cluster ray``) adds node (the host that ran it).
 A microbenchmark row (``python -m harness.bench.offload|moe|packing``) has a kind in
 ``BENCH_KINDS`` and the fields its benchmark measures (see each bench module); it also records

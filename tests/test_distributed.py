@@ -39,16 +39,18 @@ def _rows(tmp_path):
 
 
 def test_two_ranks_train_as_one_process_accumulating_both_ranks_batches(tmp_path, write_toml):
-    exp = experiment.load(write_toml(EXP))
+    exp = experiment.load(write_toml(EXP.replace("gpus = [2]", "gpus = [1, 2]")))
     sweep.run(exp, tmp_path / "results", progress=False)
-    (row,) = _rows(tmp_path)
-    assert row["status"] == "ok", row.get("message")
+    one, row = sorted(_rows(tmp_path), key=lambda r: r["gpus"])
+    assert one["status"] == row["status"] == "ok", (one.get("message"), row.get("message"))
+    assert "scaling_efficiency" not in one
+    assert row["scaling_efficiency"] == pytest.approx(row["tokens_per_s_per_gpu"] / one["tokens_per_s"])
     assert row["world_size"] == 2 and [r["rank"] for r in row["per_rank"]] == [0, 1]
     assert row["tokens_per_s"] == pytest.approx(2 * row["tokens_per_s_per_gpu"])
     assert row["per_rank"][0]["loss"] != row["per_rank"][1]["loss"]  # each rank its own rows
 
     # the reference: one process, batches 2i and 2i+1 (rank 0's and rank 1's batch i) accumulated
-    (point,) = [p for p in exp.points()]
+    point = exp.points()[-1]
     single = SweepPoint(**{**point.__dict__, "parallel": "", "gpus": 1, "launcher": "process"})
     steps = point.warmup_steps + point.measured_steps
     run = prepare(single, model_registry.get(point.model), 2 * steps)
@@ -66,6 +68,19 @@ def test_two_ranks_train_as_one_process_accumulating_both_ranks_batches(tmp_path
     # the later steps hold the first ones' updates: gradients reduced across ranks, AdamW on shards
     assert row["loss_global"] == pytest.approx(measured, rel=1e-5, abs=1e-6)
     assert abs(measured[-1] - losses[0]) > 1e-4  # training moved the loss: the updates were compared
+
+
+def test_scaling_efficiency_is_against_the_same_point_on_one_gpu():
+    base = {"kind": "step", "status": "ok", "experiment": "e", "model": "m", "seq_len": 8, "batch_size": 1,
+            "variant": "v", "switches": {}, "warmup_steps": 3, "measured_steps": 10, "lora_rank": 2,
+            "lora_dtype": "fp32", "dtype": "bf16", "device": "cuda", "data": {}, "pin_cpu": False,
+            "loss_mode": "full", "cuda_graph": False, "parallel": "fsdp2"}
+    one = {**base, "gpus": 1, "tokens_per_s": 1000.0}
+    two = {**base, "gpus": 2, "tokens_per_s": 1900.0, "tokens_per_s_per_gpu": 950.0}
+    assert sweep.scaling_efficiency(two, [one]) == pytest.approx(0.95)
+    assert sweep.scaling_efficiency(two, [{**one, "variant": "other"}]) is None  # another point
+    assert sweep.scaling_efficiency(two, [{**one, "status": "oom"}]) is None
+    assert sweep.scaling_efficiency(one, [one]) is None
 
 
 def test_a_failing_rank_is_the_points_row_and_the_sweep_goes_on(tmp_path, write_toml, monkeypatch):

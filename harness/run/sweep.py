@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import results as res
+from harness import row as rowmod
 from harness.measure.env import REPO_ROOT
 from harness.run.experiment import Experiment
 from harness.run.launchers import for_point
@@ -128,6 +129,17 @@ def process_age_s() -> float | None:
         return None
 
 
+def scaling_efficiency(row: dict, rows: list[dict]) -> float | None:
+    """A point on N > 1 GPUs: its tokens/s per GPU over the same point's tokens/s on one GPU
+    (the latest ok row of ``rows`` with the same identity but ``gpus`` = 1), else None."""
+    if row.get("status") != "ok" or (row.get("gpus") or 1) <= 1 or not row.get("tokens_per_s_per_gpu"):
+        return None
+    key = rowmod.match_key({**row, "gpus": 1})
+    ones = [r for r in rows if r.get("kind", "step") == "step" and r.get("status") == "ok"
+            and r.get("gpus") == 1 and r.get("tokens_per_s") and rowmod.match_key(r) == key]
+    return row["tokens_per_s_per_gpu"] / ones[-1]["tokens_per_s"] if ones else None
+
+
 def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | None:
     """The experiment file as it was read, under results/<experiment>/experiments/<sha>.toml, so
     rows (which record ``experiment_sha256``) and reports need nothing outside results/."""
@@ -179,6 +191,9 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
             row["launched_s"] = round(launched_s, 3)
         row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
         row.setdefault("env", {})
+        efficiency = scaling_efficiency(row, res.read_rows(path))
+        if efficiency is not None:
+            row["scaling_efficiency"] = efficiency
         res.append_row(path, row, replace_point=True)
         summary.ran += 1
         summary.statuses[row["status"]] = summary.statuses.get(row["status"], 0) + 1
