@@ -29,8 +29,9 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     switches_resolved (those values, flat); setup_s (where the point's wall time went: wait, build,
     enable, shard, warmup, capture, measured, in seconds) and launched_s (the sweep process's age
     when it launched the point). A point with ``parallel`` = "fsdp2" (in its identity only when
-    set) adds world_size, per_rank (each rank's step/forward/backward/optimizer p50, peak memory
-    and losses), tokens_per_s_per_gpu and loss_global (each global batch's loss over the ranks);
+    set) adds world_size, per_rank (each rank's step/forward/backward/optimizer p50, peak
+    memory, losses and collective_ms: the NCCL kernel time of one more, profiled step, None on
+    gloo), tokens_per_s_per_gpu and loss_global (each global batch's loss over the ranks);
     its tokens_per_s is the whole group's and its peak_allocated_gib the largest rank's; on
     more than one GPU, scaling_efficiency (its tokens/s per GPU over the same point's on one GPU,
     when that row was already there). A row

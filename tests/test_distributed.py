@@ -48,6 +48,7 @@ def test_two_ranks_train_as_one_process_accumulating_both_ranks_batches(tmp_path
     assert row["world_size"] == 2 and [r["rank"] for r in row["per_rank"]] == [0, 1]
     assert row["tokens_per_s"] == pytest.approx(2 * row["tokens_per_s_per_gpu"])
     assert row["per_rank"][0]["loss"] != row["per_rank"][1]["loss"]  # each rank its own rows
+    assert row["per_rank"][0]["collective_ms"] is None  # gloo: the profiler cannot tell
 
     # the reference: one process, batches 2i and 2i+1 (rank 0's and rank 1's batch i) accumulated
     point = exp.points()[-1]
@@ -134,6 +135,7 @@ def test_two_gpus_fsdp2_every_switch_match_one_gpu_for_20_steps_in_bf16(tmp_path
     sweep.run(exp, tmp_path / "results", progress=False)
     (row,) = res.read_rows(res.results_path(tmp_path / "results", "dist", res.gpu_slug(torch.cuda.get_device_name())))
     assert row["status"] == "ok", row.get("message")
+    assert all(r["collective_ms"] > 0 for r in row["per_rank"])  # NCCL kernels seen per rank
     (point,) = exp.points()
     single = SweepPoint(**{**point.__dict__, "parallel": "", "gpus": 1, "launcher": "process"})
     steps = point.warmup_steps + point.measured_steps

@@ -81,6 +81,24 @@ def shard(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+def collective_ms(step) -> dict:
+    """One more ``step()`` under the profiler: the GPU time of its NCCL kernels (all-gathers,
+    reduce-scatters, all-reduces; whether or not compute overlapped them) and how many ran. On
+    a CPU group the profiler cannot tell gloo's work from the ops that wait on it: None."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available() or dist.get_backend() != "nccl":
+        return {"collective_ms": None, "collective_kernels": None}
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    nccl = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
+    return {"collective_ms": sum(e.device_time for e in nccl) / 1e3, "collective_kernels": len(nccl)}
+
+
 def gather(obj) -> list:
     """Every rank's ``obj``, in rank order (a collective: every rank calls it)."""
     import torch.distributed as dist

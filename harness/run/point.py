@@ -339,7 +339,8 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         # what the peaks span: the measured steps, or (graphed) the capture and the replays
         "peak_scope": "capture and replays" if graphed is not None else "measured steps",
     }
-    if run.world is not None:
+    if run.world is not None:  # after the measured steps: one more, profiled, for its collectives
+        out.update(distributed.collective_ms(lambda: run.step(point, n_steps - 1)))
         out.update(_across_ranks(run.world, out))
     return out
 
@@ -352,6 +353,7 @@ def _across_ranks(world: distributed.World, mine: dict) -> dict:
         "rank": world.rank,
         **{k: mine[k]["p50"] for k in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
         "peak_allocated_gib": mine["peak_allocated_gib"],
+        "collective_ms": mine["collective_ms"],
         "loss": mine["loss"],
     })
     peaks = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
