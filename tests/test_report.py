@@ -260,3 +260,36 @@ def test_odd_fields_render_dash_not_crash(tmp_path):
     text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
     assert "None" not in text and "nan" not in text
     assert "| qwen3-8b | 0 | 0 | – | – | – | – | – | – / – / – / – |" in text
+
+
+def _gpus_row(variant: str, gpus: int, ms: float) -> dict:
+    stat = {"p20": ms - 1, "p50": ms, "p80": ms + 1, "samples": [ms]}
+    tokens = 8192 / (ms / 1e3)
+    row = {"kind": "step", "status": "ok", "experiment": "mg", "model": "qwen3-8b", "seq_len": 8192, "batch_size": 1,
+           "variant": variant, "baseline_variant": "stock", "gpus": gpus, "repeat": 0, "parallel": "fsdp2",
+           "point_id": f"{variant}-{gpus}", "gpu_slug": H100, "device_name": "NVIDIA H100 80GB HBM3",
+           "step_ms": stat, "forward_ms": stat, "backward_ms": stat, "optimizer_ms": stat,
+           "tokens_per_s": tokens * gpus, "tokens_per_s_per_gpu": tokens, "world_size": gpus,
+           "per_rank": [{"rank": r, "peak_allocated_gib": 40.0 + r, "collective_ms": 12.5 if gpus > 1 else None}
+                        for r in range(gpus)]}
+    if gpus > 1:
+        row["scaling_efficiency"] = 0.95
+    return row
+
+
+def test_points_on_one_and_two_gpus_are_told_apart(tmp_path):
+    """A sweep over gpus = [1, 2]: each count is its own point in every table and plot, stock is
+    paired with ours on the same count only, and the scaling section reads the rows' figures."""
+    path = report.res.results_path(tmp_path / "results", "mg", H100)
+    for row in (_gpus_row("stock", 1, 1600.0), _gpus_row("user", 1, 1000.0),
+                _gpus_row("stock", 2, 1700.0), _gpus_row("user", 2, 1050.0)):
+        report.res.append_row(path, row)
+    sp = frames.speedup_frame(frames.steps_frame(report.res.load_experiment_rows(tmp_path / "results", "mg")))
+    assert sorted(zip(sp.gpus, sp.speedup.round(3))) == [(1, round(1600 / 1000, 3)), (2, round(1700 / 1050, 3))]
+    text = _h100(report.build_report(tmp_path / "results", "mg", tmp_path / "reports").read_text())
+    results = _section(text, "### Results")
+    assert "| model | seq_len | batch | GPUs | variant |" in results
+    assert "| qwen3-8b | 8192 | 1 | 2 | user | 0 | 1050.0 [1049.0–1051.0] |" in results
+    assert "| qwen3-8b | 8192 | 1 | 2 | 0 | stock | user | 1700.0 | 1050.0 | 1.62× |" in _section(text, "### Speedup vs baseline")
+    scaling = _section(text, "### Scaling over GPUs")
+    assert "| qwen3-8b | 8192 | user | 2 | 1050.0 | 7,802 | 95.0% | 40.00 / 41.00 | 12.5 / 12.5 |" in scaling

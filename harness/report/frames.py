@@ -9,7 +9,7 @@ import pandas as pd
 
 # Identity of one measured point. Only these columns (all filled, never None) index the frames,
 # because pandas silently drops NaN keys when grouping.
-ID_COLUMNS = ["gpu_slug", "device_name", "model", "family", "seq_len", "batch_size", "variant",
+ID_COLUMNS = ["gpu_slug", "device_name", "model", "family", "seq_len", "batch_size", "gpus", "variant",
               "baseline_variant", "repeat", "point_id", "mfu_note"]
 TIMED_METRICS = ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")
 # Single-valued metrics get p20 = p50 = p80 so the long frame has one shape for everything.
@@ -35,6 +35,7 @@ def _identity(row: dict) -> dict:
         "family": row.get("family") or "",
         "seq_len": int(row.get("seq_len") or 0),
         "batch_size": int(row.get("batch_size") or 0),
+        "gpus": int(row.get("gpus") or 1),
         "variant": row.get("variant") or "",
         "baseline_variant": row.get("baseline_variant") or "",
         "repeat": int(row.get("repeat") or 0),
@@ -96,24 +97,24 @@ def points_frame(df_steps: pd.DataFrame) -> pd.DataFrame:
     wide.columns = [f"{metric}_{stat}" for stat, metric in wide.columns]
     wide = wide.reindex(columns=wanted).reset_index()
     wide["_not_baseline"] = wide["variant"] != wide["baseline_variant"]
-    order = ["model", "seq_len", "batch_size", "_not_baseline", "variant", "repeat"]
+    order = ["model", "seq_len", "batch_size", "gpus", "_not_baseline", "variant", "repeat"]
     return wide.sort_values(order).drop(columns="_not_baseline").reset_index(drop=True)
 
 
 def speedup_frame(df_steps: pd.DataFrame) -> pd.DataFrame:
     """Each non-baseline point against its baseline measured in the same run on the same GPU:
     speedup = baseline step_ms p50 / variant step_ms p50 (> 1 means the variant is faster)."""
-    cols = ["gpu_slug", "model", "seq_len", "batch_size", "repeat", "baseline_variant", "variant",
+    cols = ["gpu_slug", "model", "seq_len", "batch_size", "gpus", "repeat", "baseline_variant", "variant",
             "baseline_step_ms_p50", "step_ms_p50", "speedup"]
     wide = points_frame(df_steps)
     if wide.empty:
         return pd.DataFrame(columns=cols)
-    match = ["gpu_slug", "model", "seq_len", "batch_size", "repeat"]
+    match = ["gpu_slug", "model", "seq_len", "batch_size", "gpus", "repeat"]
     base = wide[wide["variant"] == wide["baseline_variant"]][[*match, "variant", "step_ms_p50"]]
     base = base.rename(columns={"variant": "baseline_variant", "step_ms_p50": "baseline_step_ms_p50"})
     cand = wide[(wide["variant"] != wide["baseline_variant"]) & (wide["baseline_variant"] != "")]
     merged = cand.merge(base, on=[*match, "baseline_variant"], how="inner")
     merged["speedup"] = merged["baseline_step_ms_p50"] / merged["step_ms_p50"]
-    return merged[cols].sort_values(["model", "seq_len", "batch_size", "variant", "repeat"]).reset_index(drop=True)
+    return merged[cols].sort_values(["model", "seq_len", "batch_size", "gpus", "variant", "repeat"]).reset_index(drop=True)
 
 

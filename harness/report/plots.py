@@ -25,8 +25,18 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def by_gpus(frame: pd.DataFrame) -> pd.DataFrame:
+    """Points on several GPUs are series of their own: "user" on 2 GPUs plots as "user ×2 GPUs"."""
+    if frame.empty or "gpus" not in frame or int(frame["gpus"].max()) <= 1:
+        return frame
+    out = frame.copy()
+    many = out["gpus"] > 1
+    out.loc[many, "variant"] = out.loc[many, "variant"] + " ×" + out.loc[many, "gpus"].astype(str) + " GPUs"
+    return out
+
+
 def plot_step_time(df_steps: pd.DataFrame, path: Path) -> Path | None:
-    df = df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"])
+    df = by_gpus(df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"]))
     if df.empty:
         return None
     # Repeats of one point collapse to their median so each (variant, T) is one marker.
@@ -50,7 +60,7 @@ def plot_step_time(df_steps: pd.DataFrame, path: Path) -> Path | None:
 
 
 def plot_phase_split(df_steps: pd.DataFrame, path: Path) -> Path | None:
-    wide = points_frame(df_steps)
+    wide = by_gpus(points_frame(df_steps))
     wide = wide[wide["repeat"] == wide["repeat"].min()] if not wide.empty else wide
     if wide.empty or wide[[f"{p}_p50" for p in PHASES]].isna().all().all():
         return None
@@ -94,7 +104,7 @@ def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
 def plot_speedup(df_speedup: pd.DataFrame, path: Path) -> Path | None:
     if df_speedup.empty:
         return None
-    df = df_speedup.groupby(["model", "seq_len", "variant"], as_index=False)["speedup"].median()
+    df = by_gpus(df_speedup).groupby(["model", "seq_len", "variant"], as_index=False)["speedup"].median()
     groups = sorted({(m, t) for m, t in zip(df["model"], df["seq_len"])})
     variants = sorted(df["variant"].unique())
     fig = Figure(figsize=(max(6, 1.2 * len(groups) * max(1, len(variants))), 4.5))

@@ -33,13 +33,15 @@ def section_results(df_steps, df_bw, rows, out_dir) -> str:
     wide = points_frame(df_steps)
     if wide.empty:
         return "### Results\n\nNo step point finished ok on this GPU type."
-    header = ["model", "seq_len", "batch", "variant", "repeat", "step ms p50 [p20–p80]", "fwd ms", "bwd ms",
-              "opt ms", "steps/s", "tokens/s", "peak alloc GiB", "peak reserved GiB", "MFU", "HFU", "p80/p20"]
+    multi = _multi_gpu(wide)
+    header = ["model", "seq_len", "batch", *(["GPUs"] if multi else []), "variant", "repeat", "step ms p50 [p20–p80]",
+              "fwd ms", "bwd ms", "opt ms", "steps/s", "tokens/s", "peak alloc GiB", "peak reserved GiB", "MFU", "HFU",
+              "p80/p20"]
     body = []
     for r in wide.itertuples():
         spread = r.step_ms_p80 / r.step_ms_p20 if _isnum(r.step_ms_p20) and r.step_ms_p20 else float("nan")
         body.append([
-            r.model, r.seq_len, r.batch_size, r.variant, r.repeat,
+            r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.variant, r.repeat,
             f"{fmt_ms(r.step_ms_p50)} [{fmt_ms(r.step_ms_p20)}–{fmt_ms(r.step_ms_p80)}]",
             fmt_ms(r.forward_ms_p50), fmt_ms(r.backward_ms_p50), fmt_ms(r.optimizer_ms_p50),
             fmt_num(r.steps_per_s_p50, ".2f"), fmt_num(r.tokens_per_s_p50, ",.0f"),
@@ -47,7 +49,14 @@ def section_results(df_steps, df_bw, rows, out_dir) -> str:
             fmt_pct(r.mfu_p50, r.mfu_note), fmt_pct(r.hfu_p50, r.mfu_note), fmt_num(spread, ".2f"),
         ])
     note = "fwd/bwd/opt are p50 per phase; p80/p20 is the step-time spread."
+    if multi:
+        note += " On several GPUs: step times are rank 0's, tokens/s the group's, peak memory the largest rank's."
     return "### Results\n\n" + md_table(header, body) + "\n\n" + note
+
+
+def _multi_gpu(frame) -> bool:
+    """Whether a frame holds points on more than one GPU: only then do tables show the count."""
+    return not frame.empty and (frame["gpus"].nunique() > 1 or int(frame["gpus"].max()) > 1)
 
 
 def section_step_time(df_steps, df_bw, rows, out_dir) -> str:
@@ -79,12 +88,14 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
     if sp.empty:
         return "### Speedup vs baseline\n\nNo variant has a matching ok baseline point."
     path = plot_speedup(sp, out_dir / f"{_slug(rows)}-speedup.png")
-    body = [[r.model, r.seq_len, r.batch_size, r.repeat, r.baseline_variant, r.variant,
+    multi = _multi_gpu(sp)
+    body = [[r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.repeat, r.baseline_variant, r.variant,
              fmt_ms(r.baseline_step_ms_p50), fmt_ms(r.step_ms_p50), f"{r.speedup:.2f}×"] for r in sp.itertuples()]
-    header = ["model", "seq_len", "batch", "repeat", "baseline", "variant", "baseline step ms p50",
-              "variant step ms p50", "speedup"]
+    header = ["model", "seq_len", "batch", *(["GPUs"] if multi else []), "repeat", "baseline", "variant",
+              "baseline step ms p50", "variant step ms p50", "speedup"]
+    same = "same model, seq_len, batch" + (", GPUs" if multi else "") + " and repeat"
     return ("### Speedup vs baseline\n\n" + _embed(path, "speedup vs baseline") + "\n\n" + md_table(header, body)
-            + "\n\nspeedup = baseline step ms p50 / variant step ms p50, same model, seq_len, batch and repeat.")
+            + f"\n\nspeedup = baseline step ms p50 / variant step ms p50, {same}.")
 
 
 def section_bandwidth(df_steps, df_bw, rows, out_dir) -> str:
@@ -169,7 +180,7 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("kind") == "step" and r.get("status") == "ok":
-            key = (r["model"], r["seq_len"], r.get("batch_size"), r["variant"])
+            key = (r["model"], r["seq_len"], r.get("batch_size"), r["variant"], int(r.get("gpus") or 1))
             groups.setdefault(key, []).append(r)
     if not groups:
         return ""
@@ -188,7 +199,7 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
             r2r = f"{run_to_run:.3f}"
         else:
             r2r = "n/a (1 repeat)"
-        body.append([key[0], key[1], key[2], key[3], len(reps),
+        body.append([key[0], key[1], key[2], key[3] + (f" ({key[4]} GPUs)" if key[4] > 1 else ""), len(reps),
                      " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}"])
     header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
               "run-to-run p80/p20", "within-run p80/p20 (worst repeat)"]
@@ -212,6 +223,28 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
     return "### Spread\n\n" + md_table(header, body) + "\n\n" + summary
 
 
+def section_scaling(df_steps, df_bw, rows, out_dir) -> str:
+    """Points on several GPUs (``parallel`` = "fsdp2"): per GPU, against the same point on one."""
+    multi = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("world_size")]
+    if not any(r["world_size"] > 1 for r in multi):
+        return ""
+    body = []
+    for r in sorted(multi, key=lambda r: (r["model"], r["seq_len"], r["variant"], r["world_size"])):
+        ranks = r.get("per_rank") or []
+        coll = [x.get("collective_ms") for x in ranks if _isnum(x.get("collective_ms"))]
+        eff = r.get("scaling_efficiency")
+        body.append([r["model"], r["seq_len"], r["variant"], r["world_size"], fmt_ms(r["step_ms"]["p50"]),
+                     fmt_num(r.get("tokens_per_s_per_gpu"), ",.0f"), f"{100 * eff:.1f}%" if _isnum(eff) else "-",
+                     " / ".join(fmt_num(x.get("peak_allocated_gib"), ".2f") for x in ranks) or "-",
+                     " / ".join(fmt_ms(c) for c in coll) or "-"])
+    header = ["model", "seq_len", "variant", "GPUs", "step ms p50 (rank 0)", "tokens/s per GPU",
+              "scaling efficiency", "peak alloc GiB per rank", "NCCL kernel ms per rank"]
+    note = ("Each point is one torchrun group, the model sharded with FSDP2. Scaling efficiency is tokens/s "
+            "per GPU over the same point's tokens/s on one GPU (FSDP2 on one GPU); NCCL kernel ms is the "
+            "collectives' GPU time in one more, profiled step, whether or not compute overlapped them.")
+    return "### Scaling over GPUs\n\n" + md_table(header, body) + "\n\n" + note
+
+
 # Run in order for each GPU type; append to register more (each returns markdown or "" to skip).
 SECTIONS: list[Section] = [
     section_results,
@@ -219,6 +252,7 @@ SECTIONS: list[Section] = [
     section_phase_split,
     section_memory,
     section_speedup,
+    section_scaling,
     section_spread,
     section_bandwidth,
     section_failed,
