@@ -262,12 +262,12 @@ def test_odd_fields_render_dash_not_crash(tmp_path):
     assert "| qwen3-8b | 0 | 0 | – | – | – | – | – | – / – / – / – |" in text
 
 
-def _gpus_row(variant: str, gpus: int, ms: float) -> dict:
+def _gpus_row(variant: str, gpus: int, ms: float, experiment: str = "mg", model: str = "qwen3-8b") -> dict:
     stat = {"p20": ms - 1, "p50": ms, "p80": ms + 1, "samples": [ms]}
     tokens = 8192 / (ms / 1e3)
-    row = {"kind": "step", "status": "ok", "experiment": "mg", "model": "qwen3-8b", "seq_len": 8192, "batch_size": 1,
+    row = {"kind": "step", "status": "ok", "experiment": experiment, "model": model, "seq_len": 8192, "batch_size": 1,
            "variant": variant, "baseline_variant": "stock", "gpus": gpus, "repeat": 0, "parallel": "fsdp2",
-           "point_id": f"{variant}-{gpus}", "gpu_slug": H100, "device_name": "NVIDIA H100 80GB HBM3",
+           "point_id": f"{model}-{variant}-{gpus}", "gpu_slug": H100, "device_name": "NVIDIA H100 80GB HBM3",
            "step_ms": stat, "forward_ms": stat, "backward_ms": stat, "optimizer_ms": stat,
            "tokens_per_s": tokens * gpus, "tokens_per_s_per_gpu": tokens, "world_size": gpus,
            "per_rank": [{"rank": r, "peak_allocated_gib": 40.0 + r, "collective_ms": 12.5 if gpus > 1 else None}
@@ -293,3 +293,30 @@ def test_points_on_one_and_two_gpus_are_told_apart(tmp_path):
     assert "| qwen3-8b | 8192 | 1 | 2 | 0 | stock | user | 1700.0 | 1050.0 | 1.62× |" in _section(text, "### Speedup vs baseline")
     scaling = _section(text, "### Scaling over GPUs")
     assert "| qwen3-8b | 8192 | user | 2 | 1050.0 | 7,802 | 95.0% | 40.00 / 41.00 | 12.5 / 12.5 |" in scaling
+
+
+def test_scaling_section_judges_the_issue_targets(tmp_path):
+    """multi-gpu.toml's [report.scaling]: ours against stock on 1 and 2 GPUs, the 95 % efficiency
+    target on Qwen3-8B, the at-least-the-one-GPU-ratio rule at every point, and the memory per
+    GPU of a model that fits only sharded."""
+    results = tmp_path / "results"
+    keep_experiment(results, "multi-gpu")
+    path = report.res.results_path(results, "multi-gpu", H100)
+    rows = [_gpus_row("stock", 1, 1576.6, "multi-gpu"), _gpus_row("user", 1, 972.1, "multi-gpu"),
+            _gpus_row("stock", 2, 1678.5, "multi-gpu"), _gpus_row("user", 2, 1000.0, "multi-gpu"),
+            {**_gpus_row("stock", 1, 1.0, "multi-gpu", "qwen3-30b-a3b"), "status": "oom"},
+            _gpus_row("stock", 2, 2000.0, "multi-gpu", "qwen3-30b-a3b"),
+            _gpus_row("user", 2, 2100.0, "multi-gpu", "qwen3-30b-a3b")]
+    rows[2]["scaling_efficiency"], rows[3]["scaling_efficiency"] = 1576.6 / 1678.5, 972.1 / 1000.0
+    rows[-1]["peak_allocated_gib"] = 61.25
+    for row in rows:
+        report.res.append_row(path, row)
+    text = _section(report.build_report(results, "multi-gpu", tmp_path / "reports").read_text(),
+                    "## Scaling over GPUs: ours beside stock, on one GPU and on several")
+    assert (f"| {H100} | qwen3-8b | 8192 | 2 | 1678.5 | 1000.0 | 1.679× | {1576.6 / 972.1:.3f}× | met | 97.2% | 93.9% |"
+            in text)
+    # sharded only: stock's one-GPU point ran out of memory, so there is no ratio to keep
+    assert f"| {H100} | qwen3-30b-a3b | 8192 | 2 | 2000.0 | 2100.0 | 0.952× | - | - |" in text
+    assert text.count("| 61.2 |") == 1  # user's largest rank on the sharded MoE
+    assert ("| user keeps ≥ 95% of its one-GPU tokens/s per GPU, qwen3-8b at 8192 tokens on 2 GPUs "
+            f"({H100}) | 97.2% | met |") in text

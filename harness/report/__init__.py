@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import results as res
-from harness.report import bench, profiles, spec, user
+from harness.report import bench, profiles, scaling, spec, user
 from harness.report.fmt import _values
 from harness.report.frames import bandwidth_frame, steps_frame
 from harness.report.sections import SECTIONS, summary
@@ -47,6 +47,9 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
     if "user" in tables:  # what a user gets beside the peers comes first; every table follows
         parts.append(user.user_md([r for r in sweep_rows if r.get("kind") == "step"], tables["user"],
                                   trainer_rows=[r for r in rows if r.get("kind") == "trainer"]))
+    if "scaling" in tables and (text := scaling.scaling_md([r for r in sweep_rows if r.get("kind") == "step"],
+                                                           tables["scaling"])):
+        parts.append(text)
     for slug in sorted({r.get("gpu_slug") or "unknown" for r in sweep_rows}):
         gpu_rows = [r for r in sweep_rows if (r.get("gpu_slug") or "unknown") == slug]
         df_steps = df_steps_all[df_steps_all["gpu_slug"] == slug].reset_index(drop=True)

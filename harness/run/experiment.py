@@ -242,12 +242,14 @@ REPORT_VARIANT_KEYS = {
     "moe": ("eager_experts", "loop", "sorted"),
     "offload": (),
     "user": ("stock", "liger", "user"),
+    "scaling": ("stock", "ours"),
 }
 REPORT_TARGET_KEYS = {
     "packing": ("speedup", "seeds_cache_gain_pct", "seeds_m"),
     "moe": ("speedup", "sorted_over_loop", "completes", "fit_model", "seeds_ms", "seeds_routing"),
     "offload": ("seeds",),
     "user": ("targets",),
+    "scaling": ("targets",),
 }
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
