@@ -4,6 +4,8 @@ that fails makes the point's row and the sweep goes on; bad files are refused be
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -107,11 +109,14 @@ def test_scaling_efficiency_is_against_the_same_point_on_one_gpu():
 
 def test_a_failing_rank_is_the_points_row_and_the_sweep_goes_on(tmp_path, write_toml, monkeypatch):
     monkeypatch.setenv("PACKBENCH_FAULT", "boom=oom@1")
-    exp = experiment.load(write_toml(EXP + '[variants.boom]\npacking_backend = "sdpa"\npacking_cache = false\n'))
+    text = EXP.replace("bandwidth = false", "bandwidth = false\npin_cpu = true")
+    exp = experiment.load(write_toml(text + '[variants.boom]\npacking_backend = "sdpa"\npacking_cache = false\n'))
     sweep.run(exp, tmp_path / "results", progress=False)
     rows = {r["variant"]: r for r in _rows(tmp_path)}
     assert rows["boom"]["status"] == "oom" and rows["boom"]["message"].startswith("rank 1: CUDA out of memory")
     assert rows["ours"]["status"] == "ok"
+    cores = [r["pinned_core"] for r in rows["ours"]["per_rank"]]  # pin_cpu: each rank its own core
+    assert len(set(cores)) == min(2, len(os.sched_getaffinity(0))), cores
 
 
 def test_gpus_sweep_one_and_two_each_their_own_point(write_toml):

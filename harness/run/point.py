@@ -112,8 +112,11 @@ def _inject_fault(point: SweepPoint) -> None:
 
 def _pin_cpu() -> int:
     """One core and one intra-op thread for this point's process: a host-bound step then
-    competes with neither torch's worker threads nor migrations between vCPUs."""
-    core = sorted(os.sched_getaffinity(0))[-1]
+    competes with neither torch's worker threads nor migrations between vCPUs. The ranks of a
+    parallel point each take their own core, counted from the last."""
+    world = distributed.world()
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[-1 - (world.local_rank if world else 0) % len(cores)]
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     return core
@@ -354,6 +357,7 @@ def _across_ranks(world: distributed.World, mine: dict) -> dict:
         **{k: mine[k]["p50"] for k in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")},
         "peak_allocated_gib": mine["peak_allocated_gib"],
         "collective_ms": mine["collective_ms"],
+        "pinned_core": mine["pinned_core"],
         "loss": mine["loss"],
     })
     peaks = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
