@@ -31,7 +31,8 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     when it launched the point). A point with ``parallel`` = "fsdp2" (in its identity only when
     set) adds world_size, per_rank (each rank's step/forward/backward/optimizer p50, peak
     memory, losses and collective_ms: the NCCL kernel time of one more, profiled step, None on
-    gloo), tokens_per_s_per_gpu and loss_global (each global batch's loss over the ranks);
+    gloo), tokens_per_s_per_gpu, loss_global (each global batch's loss over the ranks) and
+    loss_global_warmup (the same for the warm-up steps, the first included);
     its tokens_per_s is the whole group's and its peak_allocated_gib the largest rank's; on
     more than one GPU, scaling_efficiency (its tokens/s per GPU over the same point's on one GPU,
     when that row was already there). A row

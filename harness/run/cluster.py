@@ -132,11 +132,7 @@ def run(exp: Experiment, results_root: str | Path, *, address: str | None = None
         slug = res.gpu_slug(out["device_name"])
         row.update(gpu_slug=slug, device_name=out["device_name"], recorded_at=res.now(), node=out["node"])
         row.setdefault("env", {})
-        path = res.results_path(root, exp.name, slug)
-        efficiency = sweepmod.scaling_efficiency(row, res.read_rows(path))
-        if efficiency is not None:
-            row["scaling_efficiency"] = efficiency
-        res.append_row(path, row, replace_point=True)
+        sweepmod.append_point_row(res.results_path(root, exp.name, slug), row)
         log_path = root / exp.name / "logs" / slug / f"{point.point_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text(out["log"])

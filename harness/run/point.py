@@ -283,6 +283,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     batches = run.batches
     timer = PhaseTimer(("forward", "backward", "optimizer"), device)
     losses = []
+    warmup_losses: list[float] = []
     last_end = None
     graphed = None
     for i in range(n_steps):
@@ -297,6 +298,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
                 graphed = run.capture(point)
             timeline.mark("measured")
             timer.discard()
+            warmup_losses = torch.stack(losses).float().cpu().tolist() if losses else []
             losses.clear()
             if "optim.packing" in optim_applied:
                 from optim import packing
@@ -344,11 +346,11 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     }
     if run.world is not None:  # after the measured steps: one more, profiled, for its collectives
         out.update(distributed.collective_ms(lambda: run.step(point, n_steps - 1)))
-        out.update(_across_ranks(run.world, out))
+        out.update(_across_ranks(run.world, out, warmup_losses))
     return out
 
 
-def _across_ranks(world: distributed.World, mine: dict) -> dict:
+def _across_ranks(world: distributed.World, mine: dict, warmup_losses: list[float]) -> dict:
     """A parallel point's figures over its ranks (a collective): each rank's own in ``per_rank``;
     the row's step times are rank 0's (every step ends in collectives, so the ranks keep pace),
     its tokens/s those of the whole group, its peak memory the largest rank's."""
@@ -359,6 +361,7 @@ def _across_ranks(world: distributed.World, mine: dict) -> dict:
         "collective_ms": mine["collective_ms"],
         "pinned_core": mine["pinned_core"],
         "loss": mine["loss"],
+        "loss_warmup": warmup_losses,
     })
     peaks = [r["peak_allocated_gib"] for r in ranks if r["peak_allocated_gib"] is not None]
     return {
@@ -369,6 +372,9 @@ def _across_ranks(world: distributed.World, mine: dict) -> dict:
         "peak_allocated_gib": max(peaks) if peaks else None,
         # the loss of each global batch: the mean of the ranks' (each rank's is its own rows' mean)
         "loss_global": [sum(r["loss"][j] for r in ranks) / world.size for j in range(len(mine["loss"]))],
+        # the same for the warm-up steps, the first included: parity from step one
+        "loss_global_warmup": [sum(r["loss_warmup"][j] for r in ranks) / world.size
+                               for j in range(len(warmup_losses))],
     }
 
 

@@ -140,6 +140,16 @@ def scaling_efficiency(row: dict, rows: list[dict]) -> float | None:
     return row["tokens_per_s_per_gpu"] / ones[-1]["tokens_per_s"] if ones else None
 
 
+def append_point_row(path: Path, row: dict) -> None:
+    """Append a point's row, with its scaling efficiency when it ran on several GPUs (only then is
+    the results file read back)."""
+    if row.get("status") == "ok" and (row.get("gpus") or 1) > 1:
+        efficiency = scaling_efficiency(row, res.read_rows(path))
+        if efficiency is not None:
+            row["scaling_efficiency"] = efficiency
+    res.append_row(path, row, replace_point=True)
+
+
 def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | None:
     """The experiment file as it was read, under results/<experiment>/experiments/<sha>.toml, so
     rows (which record ``experiment_sha256``) and reports need nothing outside results/."""
@@ -191,10 +201,7 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
             row["launched_s"] = round(launched_s, 3)
         row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
         row.setdefault("env", {})
-        efficiency = scaling_efficiency(row, res.read_rows(path))
-        if efficiency is not None:
-            row["scaling_efficiency"] = efficiency
-        res.append_row(path, row, replace_point=True)
+        append_point_row(path, row)
         summary.ran += 1
         summary.statuses[row["status"]] = summary.statuses.get(row["status"], 0) + 1
         if bar:
