@@ -119,8 +119,11 @@ def cmd_sweep(args) -> int:
         summary = cluster.run(exp, args.results, address=args.ray_address, overwrite=args.overwrite,
                               progress=not args.quiet, command=args.command, resources=args.ray_resources)
     else:
-        summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command)
+        summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command,
+                            stop_after_s=args.stop_after)
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
+    if summary.left:
+        print(f"stopped after {args.stop_after:g} s with {summary.left} points left: the same command resumes", file=sys.stderr)
     if not args.no_report:
         from harness import report
 
@@ -154,9 +157,29 @@ def cmd_report(args) -> int:
         paths = [report.build_report(args.results, name, args.reports) for name in names]
     else:
         paths = report.build_all(args.results, args.reports)
+        if args.blog and args.blog.is_file():  # after the reports it links to
+            from harness.report.blog import build_blog
+            from harness.run.experiment import ExperimentError
+
+            try:
+                paths.append(build_blog(args.results, args.reports, args.blog))
+            except ExperimentError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     for p in paths:
         print(p)
     return 0
+
+
+def cmd_reproduce(args) -> int:
+    from harness import reproduce
+    from harness.run.experiment import ExperimentError
+
+    try:
+        return reproduce.run(args.plan, minutes=args.minutes, results=args.results, dry_run=args.dry_run)
+    except ExperimentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 GATE_DESCRIPTION = """\
@@ -304,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path, help="reports root (default: reports/)")
     p.add_argument("--no-report", action="store_true", help="do not rebuild the report afterwards")
+    p.add_argument("--stop-after", type=float, metavar="S",
+                   help="start no point once S seconds have passed; the rest is left to a rerun (which resumes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--models", nargs="+", help="run only these of the file's models")
     p.add_argument("--seq-lens", nargs="+", type=int, help="run only these of the file's sequence lengths")
@@ -327,7 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiments", nargs="*", help="experiment names, or experiment files standing for their [experiment] name (default: all under results/)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path)
+    p.add_argument("--blog", default=EXPERIMENTS / "blog.toml", type=Path,
+                   help="the plan of reports/README.md, written after every report (default: experiments/blog.toml)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("reproduce", help="run a report plan's sweeps and benches on this GPU, resumably, within a time budget")
+    p.add_argument("plan", nargs="?", default=EXPERIMENTS / "blog.toml", type=Path,
+                   help="the plan (default: experiments/blog.toml)")
+    p.add_argument("--minutes", type=float, default=9.0,
+                   help="start nothing that the steps' estimates say would end later than this (default: 9)")
+    p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
+    p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    p.set_defaults(func=cmd_reproduce)
 
     p = sub.add_parser(
         "gate", help="CI regression check: compare a candidate's results with a baseline's; exit 1 if slower, bigger or newly failing",

@@ -29,6 +29,7 @@ class SweepSummary:
     results_path: Path
     ran: int = 0
     skipped: int = 0
+    left: int = 0  # points not started because --stop-after had passed
     statuses: dict[str, int] = field(default_factory=dict)
 
 
@@ -165,9 +166,11 @@ def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | No
 
 
 def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, progress: bool = True,
-        command: str = "") -> SweepSummary:
+        command: str = "", stop_after_s: float | None = None) -> SweepSummary:
     """Run ``exp``'s unfinished points; ``command`` (the command line that started the sweep) is
-    recorded in every row."""
+    recorded in every row. With ``stop_after_s``, no point starts once that many seconds have
+    passed: the rest stay unfinished for a rerun (``summary.left``)."""
+    started = time.monotonic()
     device_name = detect_device_name(exp.device)
     slug = res.gpu_slug(device_name)
     path = res.results_path(results_root, exp.name, slug)
@@ -193,6 +196,9 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     if bar and summary.skipped:
         sys.stderr.write(f"resuming: {summary.skipped} of {len(points)} points already in {path}\n")
     for i, point in enumerate(todo, 1):
+        if stop_after_s is not None and time.monotonic() - started > stop_after_s:
+            summary.left = len(todo) - i + 1
+            break
         if bar:
             bar.start(i, point.label())
         launched_s = process_age_s()

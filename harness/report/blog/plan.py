@@ -1,0 +1,98 @@
+"""``experiments/blog.toml``: which experiments' rows each part of the blog report reads, the
+seeds' claims it sets beside them, and the runs that reproduce them (``harness.reproduce``).
+
+A plan is config, not data: the report still reads every figure from ``results/``."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.run.experiment import ExperimentError
+
+SECTIONS = ("user", "packing", "offload", "moe", "scaling")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One run of the reproduction: a sweep of an experiment file (optionally cut to some models,
+    lengths or variants) or a microbenchmark module writing rows for an experiment."""
+    name: str
+    sweep: str | None = None  # experiment file, relative to the plan's folder
+    bench: str | None = None  # harness.bench.<bench>
+    args: tuple[str, ...] = ()
+    experiment: str | None = None  # the bench's --experiment
+    min_gpu_gib: float = 0.0  # skipped on GPUs with less memory (Qwen3-32B needs the H200)
+    estimate_s: float = 300.0  # the longest a single point or bench takes: no start with less left
+
+    def argv(self, plan_dir: Path) -> list[str]:
+        if self.sweep:
+            return ["-m", "harness", "sweep", str(plan_dir / self.sweep), "--no-report", *self.args]
+        return ["-m", f"harness.bench.{self.bench}", "--experiment", str(self.experiment), *self.args]
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: Path
+    title: str
+    sources: dict[str, tuple[str, ...]]  # section -> experiment names whose rows it reads
+    seeds: dict = field(default_factory=dict)
+    steps: tuple[Step, ...] = ()
+
+    def experiments(self) -> list[str]:
+        return sorted({e for names in self.sources.values() for e in names})
+
+
+def _strs(path, key, value) -> tuple[str, ...]:
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ExperimentError(path, key, f"must be an experiment name or a list of them, not {value!r}")
+    return tuple(value)
+
+
+def load(path: Path | str) -> Plan:
+    """Parse and check a plan; any problem raises ``ExperimentError`` naming the file and key."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ExperimentError(path, "blog", f"cannot be read: {e}") from None
+    blog = doc.get("blog")
+    if not isinstance(blog, dict):
+        raise ExperimentError(path, "blog", "missing: a plan has a [blog] table")
+    unknown = set(blog) - {"title", "sources", "seeds", "steps"}
+    if unknown:
+        raise ExperimentError(path, "blog", f"unknown keys {sorted(unknown)}", ["title", "sources", "seeds", "steps"])
+    raw = blog.get("sources")
+    if not isinstance(raw, dict) or not raw:
+        raise ExperimentError(path, "blog.sources", "missing: name the experiments each section reads", SECTIONS)
+    sources = {}
+    for section, names in raw.items():
+        if section not in SECTIONS:
+            raise ExperimentError(path, f"blog.sources.{section}", "is not a section", SECTIONS)
+        sources[section] = _strs(path, f"blog.sources.{section}", names)
+    steps, seen = [], set()
+    for i, s in enumerate(blog.get("steps") or []):
+        key = f"blog.steps[{i}]"
+        if not isinstance(s, dict) or (("sweep" in s) == ("bench" in s)):
+            raise ExperimentError(path, key, "needs exactly one of sweep = \"<file>.toml\" or bench = \"<module>\"")
+        extra = set(s) - {"name", "sweep", "bench", "args", "experiment", "min_gpu_gib", "estimate_s"}
+        if extra:
+            raise ExperimentError(path, key, f"unknown keys {sorted(extra)}")
+        if "sweep" in s and not (path.parent / s["sweep"]).is_file():
+            raise ExperimentError(path, f"{key}.sweep", f"{s['sweep']!r} is not a file beside the plan")
+        if "bench" in s and not s.get("experiment"):
+            raise ExperimentError(path, f"{key}.experiment", "missing: the experiment whose results the bench writes")
+        args = s.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
+            raise ExperimentError(path, f"{key}.args", f"must be a list of command-line words, not {args!r}")
+        name = str(s.get("name") or s.get("sweep") or s.get("bench"))
+        if name in seen:
+            raise ExperimentError(path, f"{key}.name", f"{name!r} names two steps: give each a distinct name")
+        seen.add(name)
+        steps.append(Step(name=name, sweep=s.get("sweep"), bench=s.get("bench"), args=tuple(map(str, args)),
+                          experiment=s.get("experiment"), min_gpu_gib=float(s.get("min_gpu_gib", 0)),
+                          estimate_s=float(s.get("estimate_s", 300))))
+    return Plan(path=path, title=str(blog.get("title") or "Benchmark report"), sources=sources,
+                seeds=blog.get("seeds") or {}, steps=tuple(steps))
