@@ -1,0 +1,109 @@
+"""``reports/README.md``: the report people read. A TL;DR in the seeds' form, one section per
+optimization with its analytic check worked through on measured numbers, the user's path beside
+stock and Liger-Kernel, hardware, every target, and the methodology; the per-experiment reports
+stay as the appendix. Built from ``results/`` alone, as the plan (``experiments/blog.toml``) names
+the experiments each part reads.
+
+- ``plan``: the plan file; ``data``: rows → the four roles at each point; ``style``: colours and
+  figure conventions; ``figures``: the PNGs; ``common``: shared tables;
+- ``packing``, ``offload``, ``moe``: one section each; ``appendix``: hardware, targets, methodology.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.report import spec as spec_file
+from harness.report.fmt import _table
+from harness.report.blog import appendix, common, data, moe, offload, packing, plan as plan_file
+from harness.report.blog.style import embed
+from harness.report.blog import figures
+from harness.run import experiment as experiment_file
+
+FIGURES = "figures"  # reports/figures/: the blog report's PNGs
+
+
+def _specs(results_root, names, plan_dir: Path) -> tuple[dict, dict]:
+    """The merged ``[report.*]`` tables of ``names`` (as kept beside their rows; else the file in
+    the plan's folder, so targets not yet measured are still listed), and per name (rows, tables)."""
+    merged, per = {}, {}
+    for name in names:
+        rows = data.load_rows(results_root, [name])
+        tables, _ = spec_file.load(results_root, name, rows)
+        if not tables and (f := plan_dir / f"{name}.toml").is_file():
+            tables = experiment_file.load(f).report
+        per[name] = (rows, tables)
+        for k, v in tables.items():
+            merged.setdefault(k, v)
+    return merged, per
+
+
+def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[str, dict]:
+    pts = data.role_points(rows)
+    if not pts:
+        return "", {}
+    peers = {}
+    for p in pts:
+        peers.setdefault(p.gpu_name, []).append(
+            f"{p.model} {p.seq_len}: " + " / ".join(common.ms(p.ms(r)) for r in ("stock", "peer", "default")) + " ms")
+    parts = ["## The one call, beside what you would use instead",
+             "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
+             "peft and Liger-Kernel's patches, in one sweep per GPU; \"best\" is the fastest setting of ours "
+             "the sweep ran (CUDA graphs, for one), what the one call does not yet reach by itself.",
+             common.peers_table(pts)]
+    lengths = [len({p.seq_len for p in pts if p.model == m}) for m in {p.model for p in pts}]
+    if max(lengths) > 1 and (fig := figures.speedup_vs_length(pts, fig_dir / "user-speedup.png", "step time")):
+        parts.append(embed(fig, "the user's path: speed-up over stock", readme_dir))
+    if table := common.split_table(pts):
+        parts.append("### Where the time and memory go\n\n" + table)
+    return "\n\n".join(parts), peers
+
+
+def _tldr(heads: list[common.Headline], peers: dict, gpus: list[str]) -> str:
+    body = [[h.optimization, h.bottleneck, *(h.measured.get(g, "not measured") for g in gpus), h.seeds or "–"]
+            for h in heads]
+    body.append(["`optim.enable(model)`, all of it", "the above, as a user gets it in one call",
+                 *("; ".join(peers.get(g, [])) + (" (stock / Liger-Kernel / enable)" if peers.get(g) else "not measured")
+                   for g in gpus), "–"])
+    return "## TL;DR\n\n" + _table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
+                                    "the seeds' claim"], body)
+
+
+def build_blog(results_root: Path | str, reports_root: Path | str, plan_path: Path | str) -> Path:
+    """Write reports/README.md and reports/figures/*.png from results/, as the plan says."""
+    plan = plan_file.load(plan_path)
+    reports_root = Path(reports_root)
+    fig_dir = reports_root / FIGURES
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    for stale in fig_dir.glob("*.png"):
+        stale.unlink()
+    plan_dir = plan.path.parent
+    specs, per_exp = _specs(results_root, plan.experiments(), plan_dir)
+    rows = {s: [r for name in names for r in per_exp[name][0]] for s, names in plan.sources.items()}
+    user_md, peers = _user_section(rows.get("user", []), fig_dir, reports_root)
+    sections, heads = [], []
+    for name, build in (("packing", lambda r: packing.section(r, specs.get("packing", {}), fig_dir, reports_root)),
+                        ("offload", lambda r: offload.section(r, specs.get("offload", {}), fig_dir, reports_root)),
+                        ("moe", lambda r: moe.section(r, specs.get("moe", {}), plan.seeds.get("moe", {}),
+                                                      fig_dir, reports_root))):
+        text, head = build(rows.get(name, []))
+        heads.append(head)
+        if text:
+            sections.append(text)
+    all_rows = [r for rs in rows.values() for r in rs]
+    gpus = sorted(set(data.devices(all_rows).values()))
+    commands = {name: sorted({str(r.get("command")) for r in per_exp[name][0] if r.get("command")})
+                for name in plan.experiments()}
+    parts = [f"# {plan.title}",
+             f"Generated by `python -m harness report` from `results/` ({', '.join(f'`{n}`' for n in plan.experiments())}) "
+             f"as `experiments/{plan.path.name}` names them; do not edit by hand. Every figure is a row of those files; "
+             "the per-experiment reports under `reports/<experiment>/` hold every table.",
+             _tldr(heads, peers, gpus), user_md, *sections,
+             appendix.hardware(all_rows, fig_dir, reports_root),
+             appendix.targets({n: per_exp[n] for n in plan.experiments()}),
+             appendix.methodology(all_rows, commands),
+             "## Appendix: every table\n\n" + "\n".join(f"- [`{n}`]({n}/README.md)" for n in plan.experiments()
+                                                      if (reports_root / n / "README.md").is_file())]
+    readme = reports_root / "README.md"
+    readme.write_text("\n\n".join(p.strip() for p in parts if p and p.strip()) + "\n")
+    return readme

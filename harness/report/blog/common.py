@@ -1,0 +1,73 @@
+"""Tables every section of the blog report shares: the four roles side by side, and where the
+step's time and memory go."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.report.fmt import _f, _stat, _table
+from harness.report.blog.data import RolePoint
+from harness.report.blog.style import ROLE_LABEL, ROLES
+
+
+@dataclass
+class Headline:
+    """One line of the TL;DR."""
+    optimization: str
+    bottleneck: str
+    measured: dict = field(default_factory=dict)  # GPU name -> text
+    seeds: str = ""
+    peers: dict = field(default_factory=dict)  # GPU name -> text
+
+
+def ms(x) -> str:
+    return "–" if x is None else f"{x:,.1f}"
+
+
+def times(x) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def gib(x) -> str:
+    return "–" if _f(x) is None else f"{_f(x):.1f}"
+
+
+def cell(p: RolePoint, role: str) -> str:
+    r = p.rows.get(role)
+    if r is None:
+        return p.failed.get(role, "not run").upper() if role in p.failed else "not run"
+    s = p.speedup(role) if role != "stock" else None
+    return ms(p.ms(role)) + (f" ({times(s)})" if s else "")
+
+
+def peers_table(points: list[RolePoint]) -> str:
+    """Per GPU, model and length: each role's median step (and its speed-up over stock), the best
+    variant's name, and whether the four come from one run."""
+    body = []
+    for p in points:
+        best = p.rows.get("best")
+        body.append([p.gpu_name, p.model, p.seq_len, *(cell(p, r) for r in ROLES),
+                     f"`{best.get('variant')}`" if best else "–",
+                     {True: "yes", False: "no", None: "?"}[p.one_run()]])
+    return _table(["GPU", "model", "tokens", *(f"{ROLE_LABEL[r]} ms" for r in ROLES), "best variant", "one run"], body)
+
+
+def split_table(points: list[RolePoint]) -> str:
+    """Forward / backward / optimizer p50 and peak memory of each role at the given points."""
+    body = []
+    for p in points:
+        for role in ROLES:
+            r = p.rows.get(role)
+            if r is None:
+                continue
+            body.append([p.gpu_name, f"{p.model} T={p.seq_len}", ROLE_LABEL[role], ms(_stat(r, "step_ms")),
+                         ms(_stat(r, "forward_ms")), ms(_stat(r, "backward_ms")), ms(_stat(r, "optimizer_ms")),
+                         gib(r.get("peak_allocated_gib"))])
+    if not body:
+        return ""
+    return _table(["GPU", "point", "role", "step ms", "forward", "backward", "optimizer", "peak GiB"], body)
+
+
+def gains_text(values: list[tuple[str, float]]) -> str:
+    """ "model: +x %" items joined, for the TL;DR."""
+    return ", ".join(f"{label} {v:+.0f} %" for label, v in values) or "not measured"

@@ -1,0 +1,102 @@
+"""The blog report's figures: each function draws one PNG from plain numbers and returns its path
+(None when there is nothing to draw)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.ticker import FuncFormatter
+
+from harness.report.blog import style
+from harness.report.blog.data import RolePoint
+
+
+def _lines_for(roles: list[str], gpus: list[str]) -> list[str]:
+    """The roles drawn: as many as fit in the line budget with one line per GPU each, the peer
+    dropped first, then the default (best is what the section is about)."""
+    roles = list(roles)
+    for drop in ("peer", "default"):
+        if len(roles) * len(gpus) <= style.MAX_LINES - 1 or len(roles) == 1:
+            break
+        if drop in roles:
+            roles.remove(drop)
+    return roles
+
+
+def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | None:
+    """Speed-up over stock against sequence length, a panel per model, a line per GPU and role."""
+    models = sorted({p.model for p in points if any(p.speedup(r) for r in ("peer", "default", "best"))})
+    if not models:
+        return None
+    gpus = sorted({p.gpu_name for p in points})
+    roles = _lines_for([r for r in ("peer", "default", "best") if any(p.speedup(r) for p in points)], gpus)
+    fig, axes = style.figure(len(models), width=4.6, height=3.8)
+    lengths = sorted({p.seq_len for p in points})
+    for ax, model in zip(axes, models):
+        ax.axhline(1.0, color=style.ROLE_COLOR["stock"], lw=1.2, label="stock = 1")
+        for gi, gpu in enumerate(gpus):
+            for role in roles:
+                pts = sorted((p.seq_len, s) for p in points if p.model == model and p.gpu_name == gpu
+                             and (s := p.speedup(role)))
+                if pts:
+                    ax.plot(*zip(*pts), color=style.ROLE_COLOR[role], ls=style.GPU_STYLES[gi % 4],
+                            marker=style.GPU_MARKERS[gi % 4], label=f"{style.ROLE_LABEL[role]}, {gpu}")
+        if len(lengths) > 1 and lengths[-1] / max(lengths[0], 1) >= 4:
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("tokens per step")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(f"speed-up over stock ({what})")
+    style.legend_outside(fig, axes)
+    return style.save(fig, path)
+
+
+def predicted_vs_measured(pairs: list[tuple[str, float, float]], path: Path, quantity: str) -> Path | None:
+    """(GPU, predicted, measured) per point, one marker per GPU, and the y = x line."""
+    pairs = [(g, p, m) for g, p, m in pairs if p is not None and m is not None]
+    if not pairs:
+        return None
+    fig, (ax,) = style.figure(1, width=5.2, height=4.4)
+    values = [v for _, p, m in pairs for v in (p, m)]
+    hi = max(values)
+    log = all(v > 0 for v in values) and hi / min(values) >= 20  # else a negative gain would vanish
+    lo = min(values) / 1.5 if log else min(values + [0.0])
+    ax.plot([lo, hi * 1.1], [lo, hi * 1.1], color="black", lw=1, ls="--", label="y = x (the model holds)")
+    for gi, gpu in enumerate(sorted({g for g, _, _ in pairs})):
+        xs, ys = zip(*[(p, m) for g, p, m in pairs if g == gpu])
+        ax.scatter(xs, ys, color=style.ROLE_COLOR["best"], marker=style.GPU_MARKERS[gi % 4], s=28,
+                   alpha=0.8, label=gpu)
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel(f"predicted {quantity}")
+    ax.set_ylabel(f"measured {quantity}")
+    ax.grid(True, alpha=0.3)
+    style.legend_outside(fig, [ax])
+    return style.save(fig, path)
+
+
+def bandwidth(series: dict[tuple[str, str], list[tuple[int, float]]], ceilings: dict[str, float],
+              path: Path) -> Path | None:
+    """H2D GB/s against copy size: a line per (GPU, memory kind), the PCIe ceiling dashed."""
+    if not series:
+        return None
+    fig, (ax,) = style.figure(1, width=6.0, height=4.0)
+    gpus = sorted({g for g, _ in series})
+    kind_color = {"pinned": style.ROLE_COLOR["best"], "pageable": style.ROLE_COLOR["stock"]}
+    for (gpu, kind), pts in sorted(series.items()):
+        gi = gpus.index(gpu)
+        ax.plot(*zip(*sorted(pts)), color=kind_color.get(kind, "black"), ls=style.GPU_STYLES[gi % 4],
+                marker=style.GPU_MARKERS[gi % 4], ms=4, label=f"{gpu}, {kind}")
+    for c in sorted(set(ceilings.values())):
+        ax.axhline(c, color="black", lw=1, ls="--", label=f"PCIe ceiling {c:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 2**20:g} MiB" if v < 2**30 else f"{v / 2**30:g} GiB"))
+    ax.set_xlabel("copy size")
+    ax.set_ylabel("host → device GB/s (p50)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    style.legend_outside(fig, [ax])
+    return style.save(fig, path)

@@ -1,0 +1,117 @@
+"""The MoE section: host syncs ∝ E against 1, the routing path, split LoRA's crossover, the seeds'
+step-time tables rebuilt beside stock, Liger-Kernel and ours, and how the ratio moves with length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.report.fmt import _f, _natural, _stat, _table
+from harness.report.moe import moe_crossover_md, moe_gap_md, moe_routing
+from harness.report.blog import figures
+from harness.report.blog.common import Headline, cell, ms, split_table, times
+from harness.report.blog.data import RolePoint, role_points
+from harness.report.blog.style import ROLE_LABEL, ROLES, embed, gpu_short
+
+
+def _syncs_md(rows: list[dict]) -> str:
+    sy = [r for r in rows if r.get("kind") == "moe_syncs"]
+    if not sy:
+        return ""
+    body = [[gpu_short(r.get("device_name")), r.get("model"), r.get("num_experts"), r.get("backend"),
+             r.get("forward_counted"), "–" if r.get("forward_observed") is None else r.get("forward_observed"),
+             r.get("per_model_forward")]
+            for r in sorted(sy, key=lambda r: (str(r.get("gpu_slug")), _natural(str(r.get("model"))), str(r.get("backend"))))]
+    return ("**Host syncs: ∝ E against 1.** The per-expert loop asks the device which rows each expert "
+            "got, once per expert; grouping once (argsort + bincount) asks once; grouped_mm never asks.\n\n"
+            + _table(["GPU", "model", "E", "backend", "forward syncs per layer (counted)", "observed (CUDA sync debug)",
+                      "per model forward"], body))
+
+
+def _gain(pct) -> str:
+    """A steps/s gain in %, as a ratio once it passes 2× (+793 % reads worse than 8.9×)."""
+    return "–" if pct is None else f"{pct:+.0f} %" if pct < 100 else times(1 + pct / 100)
+
+
+def _routing_md(rows: list[dict], seeds: dict) -> str:
+    pts = moe_routing(rows)
+    if not pts:
+        return ""
+    body = [[p["model"], p["tokens"],
+             f"{ms(_stat(p['backends'].get('loop'), 'forward_ms'))} → {ms(_stat(p['backends'].get('sorted'), 'forward_ms'))}",
+             f"{ms(_stat(p['backends'].get('loop'), 'backward_ms'))} → {ms(_stat(p['backends'].get('sorted'), 'backward_ms'))}",
+             _gain(p["sorted_over_loop_forward_ms"]), _gain(p["sorted_over_loop_backward_ms"])]
+            for p in pts]
+    claim = (f" The seeds measured +{seeds.get('forward_ms'):g} % forward and +{seeds.get('backward_ms'):g} % "
+             "backward on the routing path (B200).") if seeds else ""
+    return ("**The routing path alone** (gather rows per expert, weight, scatter back; no expert GEMMs), "
+            "loop → sorted, p50 ms." + claim + "\n\n"
+            + _table(["model", "tokens", "forward ms", "backward ms", "forward gain", "backward gain"], body))
+
+
+def _seeds_table(points: list[RolePoint], model: str, seeds: dict) -> str:
+    """The seeds' table for one model, rebuilt: their two columns, then ours per GPU."""
+    mine = sorted((p for p in points if p.model == model), key=lambda p: (p.gpu_name, p.seq_len))
+    lengths = sorted({p.seq_len for p in mine} | {int(t) for t in (seeds.get("unsloth") or {})})
+    if not lengths:
+        return ""
+    gpus = sorted({p.gpu_name for p in mine})
+    body = []
+    for t in lengths:
+        us, tr = (seeds.get("unsloth") or {}).get(str(t)), (seeds.get("transformers") or {}).get(str(t))
+        row = [t, ms(_f(us)), ms(_f(tr)) if tr != "OOM" else "OOM",
+               times(_f(tr) / _f(us)) if _f(tr) and _f(us) else "–"]
+        for gpu in gpus:
+            p = next((p for p in mine if p.gpu_name == gpu and p.seq_len == t), None)
+            row += [cell(p, r) if p else "not run" for r in ROLES]
+        body.append(row)
+    sg = seeds.get("gpu", "?")
+    header = ["tokens", f"seeds' Unsloth ({sg})", f"seeds' Transformers v5 ({sg})", "seeds' ratio"]
+    header += [f"{ROLE_LABEL[r]}, {gpu}" for gpu in gpus for r in ROLES]
+    return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + _table(header, body)
+
+
+def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir: Path) -> tuple[str, Headline]:
+    head = Headline("MoE: routing grouped once, grouped_mm experts, split LoRA",
+                    "a host sync per expert, and peft materializing B·A for all E experts every step")
+    seeds_ms = seeds.get("models") or {}
+    head.seeds = "; ".join(f"{m}: {times(_f(s['transformers'].get('2048')) / _f(s['unsloth'].get('2048')))} at 2048 tokens ({s.get('gpu')})"
+                           for m, s in seeds_ms.items() if _f((s.get("transformers") or {}).get("2048")))
+    if not rows:
+        return "", head
+    parts = ["## 3. MoE: routing grouped once, grouped_mm experts, split LoRA"]
+    for text in (_syncs_md(rows), _routing_md(rows, spec.get("seeds_routing") or {})):
+        if text:
+            parts.append(text)
+    q = [r for r in rows if r.get("kind") == "moe_query_model"]
+    if fig := figures.predicted_vs_measured(
+            [(gpu_short(r.get("device_name")), _f(r.get("predicted_saving_ms")), _f(r.get("measured_saving_ms"))) for r in q],
+            fig_dir / "moe-predicted-vs-measured.png", "routing saving per layer (ms)"):
+        parts.append("**Sorted over loop, predicted from the per-query cost.** Each of the loop's E dynamic "
+                     "queries costs c = (loop − sorted)/(E − 1) on the routing path; (E − 1)·c predicts the "
+                     "saving per layer at each token count.\n\n"
+                     + embed(fig, "MoE routing: predicted against measured saving", readme_dir))
+    if cross := moe_crossover_md(rows):
+        parts.append(cross.replace("#### Split LoRA crossover", "**Split LoRA's crossover.**"))
+    rp = role_points(rows)
+    for model in sorted({p.model for p in rp}, key=_natural):
+        parts.append(_seeds_table(rp, model, seeds_ms.get(model, {})))
+    if fig := figures.speedup_vs_length(rp, fig_dir / "moe-speedup.png", "step time"):
+        parts.append(embed(fig, "MoE: speed-up over stock by length", readme_dir))
+    heads = [p for p in rp if p.seq_len == 2048]
+    if table := split_table(heads):
+        parts.append("### Where the time and memory go (2048 tokens)\n\n" + table)
+    limits = []
+    for model in sorted({p.model for p in rp}, key=_natural):
+        for gpu in sorted({p.gpu_name for p in rp}):
+            pairs = {p.seq_len: {"stock": p.ms("stock"), "ours": p.ms("best")} for p in rp
+                     if p.model == model and p.gpu_name == gpu}
+            if text := moe_gap_md(pairs, f"{model}, {gpu}"):
+                limits.append(text)
+    if limits:
+        parts.append("### Where the ratio stops growing\n\n" + "\n\n".join(limits))
+    for gpu in sorted({p.gpu_name for p in rp}):
+        at = [f"{p.model} {p.seq_len}: {times(p.speedup('best'))}" for p in rp
+              if p.gpu_name == gpu and p.seq_len == 2048 and p.speedup("best")]
+        if at:
+            head.measured[gpu] = ", ".join(at) + " over stock"
+    return "\n\n".join(p for p in parts if p), head

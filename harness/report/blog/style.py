@@ -1,0 +1,58 @@
+"""One look for every figure of the blog report: a fixed colour per role, a line style per GPU,
+the legend outside the axes, at most five lines a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+# The roles a reader follows from plot to plot; the colours never change meaning.
+ROLES = ("stock", "peer", "default", "best")
+ROLE_LABEL = {"stock": "stock transformers + peft", "peer": "Liger-Kernel",
+              "default": "optim.enable() defaults", "best": "ours, best setting"}
+ROLE_COLOR = {"stock": "#7f7f7f", "peer": "#9467bd", "default": "#1f77b4", "best": "#2ca02c"}
+GPU_STYLES = ("-", "--", ":", "-.")
+GPU_MARKERS = ("o", "s", "^", "D")
+MAX_LINES = 5
+
+
+def gpu_short(device_name: str | None) -> str:
+    """ "NVIDIA H100 80GB HBM3" -> "H100"; the model name a reader knows the card by."""
+    words = str(device_name or "unknown").replace("NVIDIA", "").split()
+    return words[0] if words else "unknown"
+
+
+def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    fig = Figure(figsize=(width * ncols, height))
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+def legend_outside(fig: Figure, axes) -> None:
+    """One legend for the figure, below the axes, so it never covers data."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
+    if len(handles) > MAX_LINES + 1:  # the y = x or 1.0 reference line may come on top
+        raise ValueError(f"a blog figure draws at most {MAX_LINES} lines, not {len(handles)}: {labels}")
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), frameon=False,
+                   bbox_to_anchor=(0.5, 0.0))
+        fig.tight_layout(rect=(0, 0.08 + 0.05 * ((len(labels) - 1) // 3), 1, 1))
+    else:
+        fig.tight_layout()
+
+
+def save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=110, metadata={"Software": None})
+    return path
+
+
+def embed(path: Path | None, alt: str, readme_dir: Path) -> str:
+    return f"![{alt}]({path.relative_to(readme_dir).as_posix()})" if path else ""

@@ -1,0 +1,130 @@
+"""reports/README.md (``harness.report.blog``) and the plan that reproduces it: the plan's errors,
+the roles read from rows, the figures' conventions, the report built from the committed results,
+and the resumable runner on a machine without a GPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from matplotlib.figure import Figure
+
+from harness.report.blog import build_blog, data, plan, style
+from harness.run import experiment, sweep
+from harness.run.experiment import ExperimentError
+from harness import reproduce
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "experiments" / "blog.toml"
+
+
+def test_the_shipped_plan_parses_and_its_steps_name_real_files():
+    p = plan.load(PLAN)
+    assert set(p.sources) == {"user", "packing", "offload", "moe", "scaling"}
+    for step in p.steps:
+        if step.sweep:
+            assert experiment.load(ROOT / "experiments" / step.sweep).points()
+        else:
+            assert (ROOT / "harness" / "bench" / f"{step.bench}.py").is_file()
+    # what does not fit in 80 GB runs on the H200 only
+    assert {s.name for s in p.steps if s.min_gpu_gib > 80} >= {"user-moe qwen3-30b-a3b", "offload bench qwen3-32b"}
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[experiment]\nname = 'x'\n", r"\[blog\] missing"),
+    ("[blog]\nsources = { speed = 'x' }\n", r"\[blog.sources.speed\] is not a section"),
+    ("[blog]\nsources = { moe = 3 }\n", r"\[blog.sources.moe\] must be"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nsweep = 'moe.toml'\nbench = 'moe'\n", r"needs exactly one"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nsweep = 'nowhere.toml'\n", r"is not a file"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\n", r"experiment\] missing"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\n"
+     "[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\n", r"names two steps"),
+    ("[blog\n", r"cannot be read"),
+])
+def test_a_malformed_plan_gets_one_error_naming_its_key(write_toml, text, key):
+    with pytest.raises(ExperimentError, match=key):
+        plan.load(write_toml(text, "plan.toml"))
+
+
+def _row(variant, ms, *, role="ours", stack="", baseline="stock", status="ok", gpu="h", model="m", t=1024):
+    return {"kind": "step", "status": status, "variant": variant, "role": role, "stack": stack,
+            "baseline_variant": baseline, "gpu_slug": gpu, "device_name": "NVIDIA H100 80GB HBM3",
+            "model": model, "seq_len": t, "gpus": 1, "recorded_at": "2026-11-23T00:00:00+00:00",
+            "step_ms": {"p20": ms, "p50": ms, "p80": ms}}
+
+
+def test_roles_come_from_what_rows_record_not_from_variant_names():
+    rows = [_row("stock", 100, role="stock"), _row("stock-graph", 60, role="stock"),  # not the baseline
+            _row("liger", 90, role="peer", stack="liger"), _row("user", 50, role="ours-default", stack="user"),
+            _row("fast", 40), _row("fast", 44), _row("fast", 80), _row("broken", 1, status="oom"),
+            _row("abl", 10, role="ablation")]
+    (p,) = data.role_points(rows)
+    assert p.ms("stock") == 100  # the experiment's baseline, not the faster graphed stock
+    assert p.ms("peer") == 90 and p.ms("default") == 50
+    assert p.ms("best") == 44 and p.rows["best"]["variant"] == "fast"  # the median repeat; ablations excluded
+    assert p.speedup("best") == pytest.approx(100 / 44) and p.gpu_name == "H100"
+    (q,) = data.role_points([_row("stock", 100, role="stock"), _row("user", 1, role="ours-default", stack="user",
+                                                                   status="oom")])
+    assert q.failed == {"default": "oom", "best": "oom"} and q.speedup("best") is None
+
+
+def test_a_figure_with_more_lines_than_a_reader_follows_is_refused():
+    fig = Figure()
+    ax = fig.subplots()
+    for i in range(style.MAX_LINES + 2):
+        ax.plot([0, 1], [i, i], label=f"line {i}")
+    with pytest.raises(ValueError, match="at most 5 lines"):
+        style.legend_outside(fig, [ax])
+
+
+def test_the_report_from_the_committed_results(tmp_path):
+    out = tmp_path / "reports"
+    readme = build_blog(ROOT / "results", out, PLAN)
+    text = readme.read_text()
+    for heading in ("## TL;DR", "## The one call", "## 1. Packed-sequence metadata", "## 2. Double-buffered",
+                    "## 3. MoE", "## Hardware", "## Targets: met or not", "## Methodology"):
+        assert heading in text, heading
+    # the analytic checks are worked through with numbers
+    assert "(builds off − builds on)·m" in text and "(n−1)·min(c,g)" in text and "s* tokens" in text
+    # every figure linked exists, and none is left unlinked
+    linked = set(re.findall(r"\]\((figures/[^)]+\.png)\)", text))
+    assert linked and linked == {f"figures/{p.name}" for p in (out / "figures").glob("*.png")}
+    # every target is judged or says it was not measured
+    targets = text.split("## Targets: met or not")[1].split("## Methodology")[0]
+    assert "not measured" in targets  # multi-gpu has no rows yet
+    assert "met" in targets and "| target |" in targets
+    # rebuilt from the same rows, the same markdown
+    assert build_blog(ROOT / "results", out, PLAN).read_text() == text
+
+
+def test_a_plan_whose_experiments_have_no_rows_still_writes_a_report(tmp_path, write_toml):
+    p = write_toml("[blog]\nsources = { moe = 'nothing-here' }\n", "plan.toml")
+    readme = build_blog(tmp_path / "results", tmp_path / "reports", p)
+    assert "## TL;DR" in readme.read_text() and "not measured" in readme.read_text()
+
+
+def test_reproduce_on_a_machine_without_a_gpu_refuses_and_dry_runs(tmp_path, capsys):
+    assert reproduce.run(PLAN, results=tmp_path) == 2
+    assert "need a CUDA GPU" in capsys.readouterr().err
+    assert reproduce.run(PLAN, results=tmp_path, dry_run=True) == 0
+    err = capsys.readouterr().err
+    assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b" in err
+
+
+def test_a_bench_step_is_done_once_its_command_wrote_rows(tmp_path):
+    from harness import results as res
+
+    step = plan.Step(name="b", bench="moe", experiment="moe", args=("--model", "gpt-oss-20b"))
+    assert reproduce.pending(step, PLAN.parent, tmp_path, "cpu")
+    res.write_bench_rows(tmp_path, "moe", [{"kind": "moe_syncs", "gpu_slug": "cpu", "device_name": "cpu"}], env={},
+                         command="python -m harness.bench.moe --experiment moe --model gpt-oss-20b --results /x")
+    assert not reproduce.pending(step, PLAN.parent, tmp_path, "cpu")
+
+
+def test_a_sweep_past_its_stop_after_starts_nothing_and_leaves_the_rest_to_a_rerun(tmp_path, write_toml):
+    exp = experiment.load(write_toml(
+        "[experiment]\nname = 's'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
+        "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"))
+    summary = sweep.run(exp, tmp_path / "results", progress=False, stop_after_s=-1)
+    assert summary.ran == 0 and summary.left == 2
