@@ -128,3 +128,18 @@ def test_a_sweep_past_its_stop_after_starts_nothing_and_leaves_the_rest_to_a_rer
         "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"))
     summary = sweep.run(exp, tmp_path / "results", progress=False, stop_after_s=-1)
     assert summary.ran == 0 and summary.left == 2
+
+
+def test_bandwidth_on_a_third_gpu_type_keeps_within_the_line_budget(tmp_path):
+    from harness.report.blog import figures
+
+    series = {(g, kind): [(2**20, 40.0), (2**30, 55.0)] for g in ("H100", "H200", "B200") for kind in ("pinned", "pageable")}
+    path = figures.bandwidth(series, {"H100": 63.0, "H200": 63.0, "B200": 63.0}, tmp_path / "bw.png")
+    assert path.is_file()  # pinned only: three lines and the ceiling
+    with pytest.raises(ValueError):  # the budget is real: the same six lines drawn directly are refused
+        fig = Figure()
+        ax = fig.subplots()
+        for (g, kind), pts in series.items():
+            ax.plot(*zip(*pts), label=f"{g}, {kind}")
+        ax.axhline(63.0, label="ceiling")
+        style.legend_outside(fig, [ax])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.report.fmt import _f, _stat, _table
+from harness.report.fmt import _ms as ms, _times as times  # noqa: F401  (the sections' cell formats)
 from harness.report.blog.data import RolePoint
 from harness.report.blog.style import ROLE_LABEL, ROLES
 
@@ -18,14 +19,6 @@ class Headline:
     measured: dict = field(default_factory=dict)  # GPU name -> text
     seeds: str = ""
     peers: dict = field(default_factory=dict)  # GPU name -> text
-
-
-def ms(x) -> str:
-    return "–" if x is None else f"{x:,.1f}"
-
-
-def times(x) -> str:
-    return "–" if x is None else f"{x:.2f}×"
 
 
 def gib(x) -> str:
@@ -70,4 +63,4 @@ def split_table(points: list[RolePoint]) -> str:
 
 def gains_text(values: list[tuple[str, float]]) -> str:
     """ "model: +x %" items joined, for the TL;DR."""
-    return ", ".join(f"{label} {v:+.0f} %" for label, v in values) or "not measured"
+    return ", ".join(f"{label} {v:+.1f} %" for label, v in values) or "not measured"

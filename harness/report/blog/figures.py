@@ -85,6 +85,8 @@ def bandwidth(series: dict[tuple[str, str], list[tuple[int, float]]], ceilings: 
         return None
     fig, (ax,) = style.figure(1, width=6.0, height=4.0)
     gpus = sorted({g for g, _ in series})
+    if 2 * len(gpus) + len(set(ceilings.values())) > style.MAX_LINES + 1:  # beyond two GPUs: pinned only
+        series = {k: v for k, v in series.items() if k[1] == "pinned"}
     kind_color = {"pinned": style.ROLE_COLOR["best"], "pageable": style.ROLE_COLOR["stock"]}
     for (gpu, kind), pts in sorted(series.items()):
         gi = gpus.index(gpu)

@@ -44,7 +44,7 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
             pairs.append((gpu, p["predicted"], p["measured"]))
     parts.append(_table(["GPU", "model", "tokens × rows", "n", "c ms", "g ms", "(n−1)·min(c,g) ms",
                          "measured single − double", "measured / predicted", "double over single",
-                         "bound", "2nd buffer GiB", "VRAM saved vs GPU ckpt, GiB", "double vs GPU ckpt (steps/s)"], body))
+                         "bound", "2nd buffer GiB", "VRAM saved vs GPU ckpt, GiB", "double's step time over GPU ckpt"], body))
     if fig := figures.predicted_vs_measured(pairs, fig_dir / "offload-predicted-vs-measured.png", "saving per step (ms)"):
         parts.append(embed(fig, "offload: predicted against measured saving", readme_dir))
     cg = [(p["c"], p["g"], p["layer_gib"]) for pts in per_gpu.values() for p in pts if p["c"] and p["g"]]
@@ -56,8 +56,8 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
             "faster than the GPU recomputes and back-propagates that layer, so each layer can hide only c, "
             "and the whole gain is bounded by (n−1)·c over the single-buffered step (the \"bound\" column). "
             "Double buffering pays where the reload is comparable to the layer's work: a slower link, "
-            "shorter layers, or more bytes per layer. Against plain GPU checkpointing (the last column) "
-            "offload buys memory, not speed.")
+            "shorter layers, or more bytes per layer. Against plain GPU checkpointing (the last column, "
+            "+ = double is slower) offload buys memory, not speed.")
     for gpu, pts in per_gpu.items():
         head.measured[gpu] = gains_text([(f"{p['model']} {p['seq_len']}×{p['batch']}", p["double_over_single_pct"]) for p in pts
                                          if p["double_over_single_pct"] is not None]) + " steps/s over single"

@@ -68,9 +68,9 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
                           f"({p['gain_pct']:+.1f} % against ±{p['noise_pct']:.1f} % noise)" for p in flat)
         parts.append("### Where it does not help\n\n"
                      f"{len(flat)} of {len(pts)} cache pairs gain no more than the step's own spread: {items}. "
-                     "The builds run on the host; where the GPU's work per layer outlasts them (long rows, "
-                     "wide models) they hide behind kernels already queued, so the saving no longer shows "
-                     "in the step time. The cheap varlen metadata (m under 1 ms) has little to save at all.")
+                     "The builds run on the host, so where the GPU's work per layer outlasts them (long rows, "
+                     "wide models) they can hide behind kernels already queued; these pairs do not tell that "
+                     "apart from noise. The varlen metadata costs under 1 ms a build, so it has little to save.")
     for gpu in sorted({p["gpu"] for p in pts}):
         gains = [(p["model"], p["gain_pct"]) for p in pts if p["gpu"] == gpu and p["backend"] == BACKEND
                  and p["seq_len"] == 2048 and p["gain_pct"] is not None]
