@@ -130,6 +130,20 @@ def code_sha() -> str:
     return h.hexdigest()[:16]
 
 
+def cpu_model(cpuinfo: Path | str = "/proc/cpuinfo") -> str:
+    """The host processor's model name (``model name`` of /proc/cpuinfo on Linux), else what
+    ``platform`` knows. Recorded on GPU rows too: an eager step that waits on the host runs at the
+    host's speed, while a graphed or GPU-bound one does not."""
+    try:
+        for line in Path(cpuinfo).read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model name", "cpu model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def collect() -> dict:
     import torch
 
@@ -148,6 +162,7 @@ def collect() -> dict:
         **git_state(),
         "code_sha": code_sha(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
     }
     if torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
@@ -156,5 +171,4 @@ def collect() -> dict:
     else:
         env["device_name"] = "cpu"
         env["device_count"] = 0
-        env["cpu_model"] = platform.processor() or platform.machine()
     return env
