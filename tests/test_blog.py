@@ -69,6 +69,31 @@ def test_roles_come_from_what_rows_record_not_from_variant_names():
     assert q.failed == {"default": "oom", "best": "oom"} and q.speedup("best") is None
 
 
+def _run(ms, experiment, sha, **kw):
+    r = _row(kw.pop("variant", "user"), ms, role="ours-default", stack="user", **kw)
+    r.update(experiment=experiment, env={"git_sha": sha * 8, "code_sha": sha}, batch_size=1,
+             switches={"attn_implementation": "flex_attention"}, data={"median_doc_len": 1024})
+    return r
+
+
+def test_one_configuration_two_runs_measured_apart_is_listed_with_both():
+    from harness.report.blog import consistency
+
+    rows = [_run(236.5, "user-moe", "a"), _run(299.0, "moe", "b"),  # the same thing, 26 % apart
+            _run(100.0, "user-moe", "a", model="n"), _run(104.0, "moe", "b", model="n"),  # inside 10 %
+            _run(50.0, "user-moe", "a", model="o"), _run(80.0, "moe", "a", model="o", variant="x")]
+    rows[-1]["switches"] = {"attn_implementation": "sdpa"}  # another configuration: not compared
+    (d,) = data.disagreements(rows)
+    assert (d.model, d.stack, d.gpu) == ("m", "user", "H100") and d.ratio == pytest.approx(299.0 / 236.5)
+    assert [(exp, sha) for exp, sha, _, _ in d.runs] == [("user-moe", "aaaaaaaa"), ("moe", "bbbbbbbb")]
+    text = consistency.section([d])
+    assert "236.5" in text and "299.0" in text and "`moe` @ bbbbbbbb" in text
+    assert "236.5 to 299.0 ms" in consistency.tldr_note([d])
+    # one run's repeats of one point are not two runs
+    assert data.disagreements([_run(236.5, "moe", "b"), _run(299.0, "moe", "b")]) == []
+    assert consistency.section([]) == consistency.tldr_note([]) == ""
+
+
 def test_a_figure_with_more_lines_than_a_reader_follows_is_refused():
     fig = Figure()
     ax = fig.subplots()

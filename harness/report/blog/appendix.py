@@ -115,7 +115,7 @@ def methodology(rows: list[dict], commands: dict[str, list[str]]) -> str:
             return ", ".join(sorted({str(e.get(key)) for e in es if e.get(key) is not None})) or "–"
         body.append([gpu, vals("torch"), vals("transformers"), vals("peft"), vals("liger_kernel"), vals("cuda"),
                      vals("driver"), f"{_range(e.get('sm_clock_mhz') for e in es)} / {vals('max_sm_clock_mhz')}",
-                     f"Gen{vals('pcie_gen')} x{vals('pcie_width')}"])
+                     f"Gen{vals('pcie_gen')} x{vals('pcie_width')}", vals("cpu_model")])
     steps = [r for r in rows if r.get("kind") == "step"]
     warm = ", ".join(sorted({str(r.get("warmup_steps")) for r in steps if r.get("warmup_steps") is not None}))
     meas = ", ".join(sorted({str(r.get("measured_steps")) for r in steps if r.get("measured_steps") is not None}))
@@ -127,7 +127,8 @@ def methodology(rows: list[dict], commands: dict[str, list[str]]) -> str:
         "weights (nothing is downloaded); data are generated packed rows. Speed-ups are ratios of "
         "medians measured in the same sweep on the same GPU; the \"one run\" column says whether the "
         "compared rows were recorded within 30 minutes of each other by the same code.",
-        _table(["GPU", "torch", "transformers", "peft", "Liger-Kernel", "CUDA", "driver", "SM clock / max MHz", "PCIe"], body)
+        _table(["GPU", "torch", "transformers", "peft", "Liger-Kernel", "CUDA", "driver", "SM clock / max MHz", "PCIe",
+                "host CPU"], body)
         if body else "",
         "The commands that wrote the rows behind each section (each row records its own):",
         "\n".join(cmd_lines)])

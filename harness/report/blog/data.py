@@ -89,3 +89,60 @@ def role_points(rows: list[dict]) -> list[RolePoint]:
 def devices(rows: list[dict]) -> dict[str, str]:
     """gpu_slug -> short GPU name, for every GPU the rows ran on."""
     return {r.get("gpu_slug") or "unknown": gpu_short(r.get("device_name")) for r in rows if r.get("gpu_slug")}
+
+
+# Two runs of one configuration whose medians differ by more than this are listed, not averaged.
+DISAGREE = 0.10
+_CONFIG = ("gpu_slug", "model", "seq_len", "batch_size", "lora_rank", "dtype", "lora_dtype", "loss_mode",
+           "measured_steps")
+
+
+def _config(r: dict) -> tuple:
+    """What a row ran, as far as the rows say: the point, the stack, the switches and the data. Rows
+    equal here measure the same thing, whatever experiment or variant name they came under."""
+    import json
+
+    return (*(r.get(k) for k in _CONFIG), bool(r.get("cuda_graph")), r.get("stack") or "transformers",
+            json.dumps(r.get("switches"), sort_keys=True, default=str),
+            json.dumps(r.get("data"), sort_keys=True, default=str))
+
+
+@dataclass
+class Disagreement:
+    """One configuration measured by several runs (experiment × code) whose medians disagree."""
+    model: str
+    seq_len: int
+    gpu: str
+    stack: str
+    runs: list  # [(experiment, git sha, recorded_at, the median-repeat row)], fastest first
+
+    @property
+    def ratio(self) -> float:
+        return _stat(self.runs[-1][3], "step_ms") / _stat(self.runs[0][3], "step_ms")
+
+
+def disagreements(rows: list[dict], tolerance: float = DISAGREE) -> list[Disagreement]:
+    """Configurations that two or more runs measured, where the slowest run's median step exceeds the
+    fastest's by more than ``tolerance``. A run is an experiment's rows of one code version
+    (``code_sha``, else the commit)."""
+    groups: dict[tuple, dict[tuple, list[dict]]] = {}
+    for r in rows:
+        if r.get("kind") != "step" or int(_f(r.get("gpus")) or 1) != 1 or _stat(r, "step_ms") is None \
+                or r.get("status") != "ok":
+            continue
+        env = r.get("env") or {}
+        run = (str(r.get("experiment")), str(env.get("code_sha") or env.get("git_sha") or "?"))
+        groups.setdefault(_config(r), {}).setdefault(run, []).append(r)
+    out = []
+    for runs in groups.values():
+        if len(runs) < 2:
+            continue
+        picks = sorted(((exp, str((m.get("env") or {}).get("git_sha") or "?")[:8], str(m.get("recorded_at") or "?"), m)
+                        for (exp, _), rs in runs.items() if (m := _median_repeat(rs))),
+                       key=lambda x: _stat(x[3], "step_ms"))
+        first = picks[0][3]
+        d = Disagreement(str(first.get("model")), int(_f(first.get("seq_len")) or 0), gpu_short(first.get("device_name")),
+                         str(first.get("stack") or "transformers"), picks)
+        if d.ratio > 1 + tolerance:
+            out.append(d)
+    return sorted(out, key=lambda d: (d.gpu, _natural(d.model), d.seq_len, d.stack))

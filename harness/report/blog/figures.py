@@ -39,8 +39,11 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
                 pts = sorted((p.seq_len, s) for p in points if p.model == model and p.gpu_name == gpu
                              and (s := p.speedup(role)))
                 if pts:
+                    # best is often enable() itself: drawn wide and pale beneath, the default's line
+                    # stays visible inside it rather than hidden under it
+                    wide = dict(lw=6, alpha=0.35, markersize=9, zorder=1) if role == "best" else dict(lw=1.6, zorder=2)
                     ax.plot(*zip(*pts), color=style.ROLE_COLOR[role], ls=style.GPU_STYLES[gi % 4],
-                            marker=style.GPU_MARKERS[gi % 4], label=f"{style.ROLE_LABEL[role]}, {gpu}")
+                            marker=style.GPU_MARKERS[gi % 4], label=f"{style.ROLE_LABEL[role]}, {gpu}", **wide)
         if len(lengths) > 1 and lengths[-1] / max(lengths[0], 1) >= 4:
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))

@@ -1,0 +1,37 @@
+"""The blog report's check on itself: one configuration measured by several runs whose medians
+disagree is listed with each run's phases, never averaged, so a reader sees which figure is
+current and where the time moved."""
+
+from __future__ import annotations
+
+from harness.report.fmt import _stat, _table
+from harness.report.blog.common import ms
+from harness.report.blog.data import DISAGREE, Disagreement
+
+
+def section(found: list[Disagreement]) -> str:
+    if not found:
+        return ""
+    body = []
+    for d in found:
+        for exp, sha, when, r in d.runs:
+            body.append([d.gpu, f"{d.model} {d.seq_len}", d.stack, f"`{exp}` @ {sha}", when[:16].replace("T", " "),
+                         ms(_stat(r, "step_ms")), ms(_stat(r, "forward_ms")), ms(_stat(r, "backward_ms")),
+                         ms(_stat(r, "optimizer_ms"))])
+    return "\n\n".join([
+        "## Measurements that disagree",
+        f"The same configuration (model, length, stack, switches, data) measured by more than one run, "
+        f"with medians more than {DISAGREE:.0%} apart. Each run is listed; none is averaged away. A change in "
+        "the code between the commits, or in the machine (the host CPU for an eager, host-bound step), "
+        "can do this: `python -m harness gate --base A --head B` on one GPU tells the two apart.",
+        _table(["GPU", "point", "stack", "run (experiment @ commit)", "recorded", "step ms", "forward", "backward",
+                "optimizer"], body)])
+
+
+def tldr_note(found: list[Disagreement]) -> str:
+    if not found:
+        return ""
+    items = "; ".join(f"{d.model} {d.seq_len} ({d.stack}, {d.gpu}): {ms(_stat(d.runs[0][3], 'step_ms'))} to "
+                      f"{ms(_stat(d.runs[-1][3], 'step_ms'))} ms" for d in found)
+    return (f"**{len(found)} configuration{'s' if len(found) > 1 else ''} measured differently by two runs** "
+            f"(see [Measurements that disagree](#measurements-that-disagree)): {items}.")
