@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from harness import results as res
@@ -100,8 +101,6 @@ _CONFIG = ("gpu_slug", "model", "seq_len", "batch_size", "lora_rank", "dtype", "
 def _config(r: dict) -> tuple:
     """What a row ran, as far as the rows say: the point, the stack, the switches and the data. Rows
     equal here measure the same thing, whatever experiment or variant name they came under."""
-    import json
-
     return (*(r.get(k) for k in _CONFIG), bool(r.get("cuda_graph")), r.get("stack") or "transformers",
             json.dumps(r.get("switches"), sort_keys=True, default=str),
             json.dumps(r.get("data"), sort_keys=True, default=str))
