@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 
+from harness.report import fmt
 from harness.report.blog import build_blog, data, plan, style
 from harness.run import experiment, sweep
 from harness.run.experiment import ExperimentError
@@ -89,9 +90,11 @@ def test_one_configuration_two_runs_measured_apart_is_listed_with_both():
     text = consistency.section([d])
     assert "236.5" in text and "299.0" in text and "`moe` @ bbbbbbbb" in text
     assert "236.5 to 299.0 ms" in consistency.tldr_note([d])
+    note = consistency.targets_note([d])
+    assert "`user-moe` @ aaaaaaaa 236.5 ms, `moe` @ bbbbbbbb 299.0 ms" in note
     # one run's repeats of one point are not two runs
     assert data.disagreements([_run(236.5, "moe", "b"), _run(299.0, "moe", "b")]) == []
-    assert consistency.section([]) == consistency.tldr_note([]) == ""
+    assert consistency.section([]) == consistency.tldr_note([]) == consistency.targets_note([]) == ""
 
 
 def test_a_figure_with_more_lines_than_a_reader_follows_is_refused():
@@ -119,8 +122,23 @@ def test_the_report_from_the_committed_results(tmp_path):
     targets = text.split("## Targets: met or not")[1].split("## Methodology")[0]
     assert "not measured" in targets  # multi-gpu has no rows yet
     assert "met" in targets and "| target |" in targets
+    # the commands a reader reruns name no path of the machine that wrote the rows
+    method = text.split("## Methodology")[1]
+    assert "--results" not in method and "--stop-after" not in method and "python -m harness sweep" in method
     # rebuilt from the same rows, the same markdown
     assert build_blog(ROOT / "results", out, PLAN).read_text() == text
+
+
+@pytest.mark.parametrize("recorded, shown", [
+    ("python -m harness sweep experiments/moe.toml --no-report --quiet --stop-after 470 --models gpt-oss-20b "
+     "--results /work/x/results --overwrite", "python -m harness sweep experiments/moe.toml --models gpt-oss-20b"),
+    ("python -m harness.bench.moe --results=/tmp/r --experiment moe", "python -m harness.bench.moe --experiment moe"),
+    ("python -m harness sweep 'experiments/a b.toml' --launcher preloaded",
+     "python -m harness sweep 'experiments/a b.toml' --launcher preloaded"),
+    ("python -m harness sweep 'unbalanced", "python -m harness sweep 'unbalanced"),
+])
+def test_a_recorded_command_is_shown_as_a_reader_reruns_it(recorded, shown):
+    assert fmt.command(recorded) == shown
 
 
 def test_a_plan_whose_experiments_have_no_rows_still_writes_a_report(tmp_path, write_toml):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.report import loss, moe, offload, packing, user
+from harness.report import fmt
 from harness.report.fmt import _values
 from harness.results import BENCH_KINDS
 
@@ -46,7 +47,7 @@ def _provenance(g: BenchGroup, experiment: str) -> str:
     e = g.env
     shas = {str(s)[:12] for s in [e.get("git_sha")] + [r.get("git_sha") for r in g.rows] if s}
     setup = ", ".join(f"{k} {e[k]}" for k in ("torch", "transformers", "peft", "cuda", "driver") if e.get(k))
-    commands = sorted({r["command"] for r in g.rows if r.get("command")})
+    commands = sorted({fmt.command(r["command"]) for r in g.rows if r.get("command")})
     made = (f" written by {_values(f'`{c}`' for c in commands)}" if commands
             else " (the command was not recorded for these rows)")
     return (f"From the bench rows of `results/{experiment}/{g.slug}.jsonl`{made}"

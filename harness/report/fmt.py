@@ -21,6 +21,32 @@ def md_table(header: list[str], body: list[list]) -> str:
     return "\n".join(lines)
 
 
+# Options that say where rows go or how a run is paced, not what it measures: a reader's rerun
+# of the command needs none of them, and --results would name a path of the machine that ran it.
+_LOGISTICS = {"--results": 1, "--stop-after": 1, "--no-report": 0, "--quiet": 0, "--overwrite": 0}
+
+
+def command(cmd: str) -> str:
+    """A recorded command as a reader reruns it: the run's logistics options dropped."""
+    import shlex
+
+    try:
+        words = shlex.split(cmd)
+    except ValueError:
+        return cmd
+    out, skip = [], 0
+    for w in words:
+        if skip:
+            skip -= 1
+            continue
+        name = w.split("=", 1)[0]
+        if name in _LOGISTICS:
+            skip = _LOGISTICS[name] if "=" not in w else 0
+            continue
+        out.append(w)
+    return shlex.join(out)
+
+
 def _isnum(x) -> bool:
     return x is not None and not pd.isna(x)
 

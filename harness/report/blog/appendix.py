@@ -46,10 +46,10 @@ def hardware(rows: list[dict], fig_dir: Path, readme_dir: Path) -> str:
         embed(fig, "host-to-device bandwidth against copy size", readme_dir)] if x)
 
 
-def targets(per_experiment: dict[str, tuple[list[dict], dict]]) -> str:
+def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "") -> str:
     """Every ``[report.*]`` target of the source experiments, judged from their rows; an experiment
-    with targets but no rows says so."""
-    parts = ["## Targets: met or not"]
+    with targets but no rows says so. ``note`` follows the heading (the runs that disagree)."""
+    parts = ["## Targets: met or not"] + ([note] if note else [])
     for name, (rows, spec) in per_experiment.items():
         steps = [r for r in rows if r.get("kind") == "step"]
         texts = []
@@ -77,7 +77,7 @@ def targets(per_experiment: dict[str, tuple[list[dict], dict]]) -> str:
             texts.insert(0, "No rows yet: every target of this file is **not measured**.")
         if texts:
             parts.append(f"### `{name}`\n\n" + "\n\n".join(texts))
-    return "\n\n".join(parts) if len(parts) > 1 else ""
+    return "\n\n".join(parts) if len(parts) > 1 + bool(note) else ""
 
 
 def _target_tables(md: str) -> list[str]:
