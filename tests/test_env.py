@@ -28,7 +28,30 @@ def test_cpu_model_reads_the_model_name(tmp_path):
     assert env.cpu_model(tmp_path / "missing")  # falls back to platform's answer, never empty
 
 
+def test_a_generic_cpu_name_is_told_apart_by_family_model_and_stepping(tmp_path):
+    from harness.measure import env
+
+    def info(model):
+        return (f"processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: {model}\n"
+                f"model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 2\n\n"
+                "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 999\nmodel name\t: other\n")
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text(info(207))
+    b.write_text(info(143))
+    assert env.cpu_model(a) == "Intel(R) Xeon(R) Processor (cpu family 6, model 207, stepping 2)"
+    assert env.cpu_model(a) != env.cpu_model(b)  # one name, two generations
+
+
+def test_the_host_probe_times_a_fixed_python_workload():
+    from harness.measure import env
+
+    small, large = env.host_probe_ms(repeats=3, n=20_000), env.host_probe_ms(repeats=3, n=200_000)
+    assert 0 < small < large  # it measures the work, not a constant
+
+
 def test_collect_records_the_host_cpu_on_every_device():
     from harness.measure import env
 
-    assert env.collect()["cpu_model"] == env.cpu_model()
+    got = env.collect()
+    assert got["cpu_model"] == env.cpu_model() and got["host_probe_ms"] > 0

@@ -133,15 +133,55 @@ def code_sha() -> str:
 def cpu_model(cpuinfo: Path | str = "/proc/cpuinfo") -> str:
     """The host processor's model name (``model name`` of /proc/cpuinfo on Linux), else what
     ``platform`` knows. Recorded on GPU rows too: an eager step that waits on the host runs at the
-    host's speed, while a graphed or GPU-bound one does not."""
+    host's speed, while a graphed or GPU-bound one does not.
+
+    A virtual machine often shows a generic name ("Intel(R) Xeon(R) Processor"), so the CPU family,
+    model and stepping follow it where /proc/cpuinfo has them: two hosts of one name but another
+    generation then differ."""
+    fields: dict[str, str] = {}
     try:
         for line in Path(cpuinfo).read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model name", "cpu model") and value.strip():
-                return value.strip()
+            key, value = key.strip(), value.strip()
+            if not key and fields:
+                break  # the first processor's block is enough
+            if value:
+                fields.setdefault(key, value)
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or fields.get("Model name") or fields.get("cpu model")
+    if not name:
+        return platform.processor() or platform.machine()
+    ident = [f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields]
+    return f"{name} ({', '.join(ident)})" if ident else name
+
+
+def host_probe_ms(repeats: int = 5, n: int = 100_000) -> float:
+    """How long this host takes for a fixed piece of pure Python (a small function called ``n``
+    times, with the attribute and dict lookups a kernel launch's Python path makes), the median of
+    ``repeats``, in ms. Lower is faster. An eager step that waits on the host scales with it, so two
+    runs of one configuration that disagree can be told apart by it: the same code on a slower or
+    busier host shows a larger probe. Comparable between rows of one Python version."""
+    import statistics
+    import time
+
+    class _Op:
+        __slots__ = ("shape",)
+
+        def __init__(self):
+            self.shape = (1, 2)
+
+    def launch(op, table):
+        return table.get(op.shape[0], 0) + len(op.shape)
+
+    op, table, times = _Op(), {1: 1}, []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        acc = 0
+        for _ in range(n):
+            acc += launch(op, table)
+        times.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(times), 3)
 
 
 def collect() -> dict:
@@ -163,6 +203,7 @@ def collect() -> dict:
         "code_sha": code_sha(),
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
+        "host_probe_ms": host_probe_ms(),
     }
     if torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
