@@ -1,0 +1,53 @@
+"""The README's headline figures are measurements: each one is a value some committed row holds."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE = re.compile(r"(\d+\.\d+) (?:ms|GiB)\b")
+
+
+def _recorded(results: Path) -> set[str]:
+    """Every number of every row, as the README would print it (one or two decimals)."""
+    seen: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            seen.update((f"{x:.1f}", f"{x:.2f}"))
+
+    for path in results.glob("*/*.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                walk(json.loads(line))
+    return seen
+
+
+def _headline(readme: str) -> str:
+    return readme[readme.index("## Headline results"):readme.index("\n## ", readme.index("## Headline results") + 3)]
+
+
+def test_every_headline_figure_is_a_value_a_committed_row_holds():
+    section = _headline((ROOT / "README.md").read_text())
+    figures = FIGURE.findall(section)
+    assert len(figures) >= 20  # the tables are there, and the pattern reads them
+    recorded = _recorded(ROOT / "results")
+    missing = sorted(set(f for f in figures if f not in recorded), key=float)
+    assert not missing, f"README figures no row in results/ holds: {missing}"
+
+
+def test_a_figure_no_row_holds_is_caught(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "gpu.jsonl").write_text(json.dumps({"step_ms": {"p50": 236.54}}) + "\n")
+    recorded = _recorded(tmp_path)
+    assert "236.5" in recorded and "236.6" not in recorded
+    readme = "# t\n\n## Headline results\n\n| a | 236.5 ms | 1.23 GiB |\n\n## Next\n\n999.9 ms\n"
+    assert FIGURE.findall(_headline(readme)) == ["236.5", "1.23"]
