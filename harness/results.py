@@ -22,6 +22,8 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     mfu_note when the peak is unknown), num_docs, sum_len, sum_len_sq (per measured batch, lists),
     trainable_params, total_params, wall_s, graph_capture_ms (None unless graphed), peak_scope
     ("measured steps", or "capture and replays" when graphed: a replay allocates nothing),
+    compiled_graphs_warmup and compiled_graphs_per_step (the graphs torch.compile made before the
+    measured steps, and in each measured step: a step that compiled was timed with its compile),
     attention_kernels ({kernel: calls or None}: the attention kernels that ran, e.g.
     "flex-fused", "varlen", "flex-unfused"; see harness.run.point.attention_kernels) and
     attention_fallback (why optim.packing's fused flex could not run, or None), optim (per optim

@@ -187,7 +187,7 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
         append_row(tmp_path / "sp" / "cpu.jsonl", row(rep, samples))
     readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
     # per-repeat medians 12, 10, 20: quantiles 0.2 -> 10.8, 0.8 -> 16.8, ratio 1.556
-    assert "| m | 64 | 1 | v | 3 | 12.0 / 10.0 / 20.0 | 1.556 | 1.182 |" in readme
+    assert "| m | 64 | 1 | v | 3 | 12.0 / 10.0 / 20.0 | 1.556 | 1.182 | – |" in readme  # rows before the count
     assert "Worst run-to-run spread 1.556, worst within-run spread 1.182." in readme
     # a graphed twin: the summary judges graphed and eager steps apart
     for rep, samples in enumerate([[5, 5, 5, 5, 5], [5, 5, 5.1, 5.1, 5.1], [5, 5, 5, 5, 5]]):
@@ -195,6 +195,17 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
     readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
     assert "CUDA graphs (`cuda_graph = true`, optim.graphs): worst run-to-run spread 1.012, worst within-run spread 1.020" in readme
     assert "- Eager steps: worst run-to-run spread 1.556, worst within-run spread 1.182." in readme
+    assert "during measured steps" not in readme
+    # a point that compiled while measured is named: its median is not the steady state
+    r = row(0, [10, 40, 10, 40, 10], "v-dyn")
+    r["compiled_graphs_per_step"] = [0, 1, 0, 1, 0]
+    append_row(tmp_path / "sp" / "cpu.jsonl", r)
+    r = row(1, [10, 10, 10, 10, 10], "v-dyn")
+    r["compiled_graphs_per_step"] = [0] * 5
+    append_row(tmp_path / "sp" / "cpu.jsonl", r)
+    readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
+    assert "| v-dyn | 2 |" in readme and "| 2 of 5 |" in readme  # the worst repeat
+    assert "torch.compile made graphs during measured steps of m T=64 `v-dyn`" in readme
 
 
 def test_report_cli_takes_an_experiment_file_for_its_name(tmp_path, capsys):

@@ -329,3 +329,22 @@ def test_a_graphed_variant_on_a_machine_without_cuda_is_an_error_row(tmp_path, w
     sweep.run(exp, tmp_path / "results", progress=False)
     (row,) = _rows(tmp_path)
     assert row["status"] == "error" and "cuda_graph = true, which needs a CUDA device" in row["message"]
+
+
+def test_rows_count_the_graphs_compiled_before_and_in_each_measured_step(tmp_path, write_toml):
+    """A compiled point compiles in its warm-up; an eager one never; each measured step's count is
+    recorded, so a median that includes a compile can be told from the steady state."""
+    exp = experiment.load(write_toml(EXP.split("[variants.good]")[0].replace(
+        'seq_lens = [32]', 'seq_lens = [64]\nwarmup_steps = 3\nmeasured_steps = 10') + """
+[variants.eager]
+attn_implementation = "sdpa"
+[variants.compiled]
+attn_implementation = "sdpa"
+compile_layers = true
+"""))
+    sweep.run(exp, tmp_path / "results", progress=False)
+    rows = {r["variant"]: r for r in _rows(tmp_path)}
+    assert rows["eager"]["status"] == rows["compiled"]["status"] == "ok"
+    assert rows["eager"]["compiled_graphs_warmup"] == 0 and rows["eager"]["compiled_graphs_per_step"] == [0] * 10
+    assert rows["compiled"]["compiled_graphs_warmup"] > 0
+    assert len(rows["compiled"]["compiled_graphs_per_step"]) == 10

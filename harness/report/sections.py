@@ -184,7 +184,7 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
             groups.setdefault(key, []).append(r)
     if not groups:
         return ""
-    body = []
+    body, compiling = [], []
     worst = {False: [0.0, 0.0], True: [0.0, 0.0]}  # per how the step ran: [run to run, within]
     for key in sorted(groups):
         reps = groups[key]
@@ -199,10 +199,15 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
             r2r = f"{run_to_run:.3f}"
         else:
             r2r = "n/a (1 repeat)"
+        counts = [r["compiled_graphs_per_step"] for r in reps if r.get("compiled_graphs_per_step") is not None]
+        compiled = max((sum(1 for c in cs if c) for cs in counts), default=None)
+        if compiled:
+            compiling.append(f"{key[0]} T={key[1]} `{key[3]}`")
         body.append([key[0], key[1], key[2], key[3] + (f" ({key[4]} GPUs)" if key[4] > 1 else ""), len(reps),
-                     " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}"])
+                     " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}",
+                     "–" if compiled is None else f"{compiled} of {max(len(cs) for cs in counts)}"])
     header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
-              "run-to-run p80/p20", "within-run p80/p20 (worst repeat)"]
+              "run-to-run p80/p20", "within-run p80/p20 (worst repeat)", "measured steps that compiled"]
 
     def worst_text(graphed: bool) -> str:
         run, step = worst[graphed]
@@ -219,6 +224,10 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
                          "same point shows what the GPU itself does.")
     else:
         lines.append(worst_text(False).capitalize() + ".")
+    if compiling:
+        lines.append(f"- torch.compile made graphs during measured steps of {', '.join(compiling)}: those steps "
+                     "were timed with a compile, so the median is not the steady state (a shape or value that "
+                     "changes per batch recompiles; `TORCH_LOGS=recompiles` names the guard).")
     summary = "\n".join(lines)
     return "### Spread\n\n" + md_table(header, body) + "\n\n" + summary
 

@@ -270,6 +270,13 @@ _PHASE_KEYS = {"building the model": "build", "enabling optim": "enable", "shard
                "first step": "warmup", "capturing the step as CUDA graphs": "capture"}
 
 
+def compiled_graphs() -> int:
+    """How many graphs torch.compile (dynamo) has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     n_steps = point.warmup_steps + point.measured_steps
 
@@ -286,6 +293,8 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     warmup_losses: list[float] = []
     last_end = None
     graphed = None
+    compiles: list[int] = []  # graphs torch.compile made in each measured step
+    compiled_before_measured = None
     for i in range(n_steps):
         if i == point.warmup_steps:
             if device.type == "cuda":
@@ -309,7 +318,11 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
             gc.collect()
             gc.freeze()
             gc.disable()
+            compiled_before_measured = compiled_graphs()
+        before = compiled_graphs()
         losses.append(graphed(i, timer) if graphed is not None else run.step(point, i, timer))
+        if i >= point.warmup_steps:
+            compiles.append(compiled_graphs() - before)
         last_end = _report_progress(i, n_steps, timer, last_end)
 
     times = timer.results_ms()
@@ -341,6 +354,10 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         **optim_stats,
         "dtype_used": str(dtype).replace("torch.", ""),
         "graph_capture_ms": graphed.step.capture_ms if graphed is not None else None,
+        # torch.compile's graphs: made before the measured steps, and in each measured step (a
+        # step that compiles is timed with its compile: its median is not the steady state)
+        "compiled_graphs_warmup": compiled_before_measured,
+        "compiled_graphs_per_step": compiles,
         # what the peaks span: the measured steps, or (graphed) the capture and the replays
         "peak_scope": "capture and replays" if graphed is not None else "measured steps",
     }
