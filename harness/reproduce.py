@@ -5,7 +5,8 @@ A sweep step is done when every point of its (cut) experiment has a finished row
 by itself and is told to start no point after the budget minus its estimate. A bench step is done
 when its experiment's results on this GPU hold a row its command wrote. A step whose
 ``min_gpu_gib`` is above this GPU's memory is skipped, and says so. Rerun the same command until
-it prints "done"; each call ends within about ``--minutes``."""
+it prints "done"; each call ends within about ``--minutes``. ``--status SLUG`` says what is left
+on a GPU type from the rows alone, on any machine."""
 
 from __future__ import annotations
 
@@ -49,6 +50,50 @@ def pending(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> b
     return not any(_ran(step, str(r.get("command") or "")) for r in rows)
 
 
+def left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[int, int]:
+    """(points without a finished row on ``slug``, points in all) of a sweep step; a bench
+    step counts as one point."""
+    if step.sweep:
+        exp = _cut(step, plan_dir)
+        done = res.finished_point_ids(res.results_path(results, exp.name, slug))
+        ids = [p.point_id for p in exp.points()]
+        return sum(i not in done for i in ids), len(ids)
+    return int(pending(step, plan_dir, results, slug)), 1
+
+
+def status(plan_path: Path | str, slug: str, gib: float | None = None, results: Path | str = "results") -> int:
+    """What is left of the plan on the GPU type ``slug`` (as results/ names it, e.g. nvidia-h200),
+    read from the rows alone: no GPU needed. ``gib`` (else the rows' recorded memory) decides the
+    steps that need a larger GPU."""
+    plan = plan_file.load(plan_path)
+    plan_dir, results = plan.path.parent, Path(results)
+    if gib is None:
+        mems = [float(m) for exp in plan.experiments() for r in res.read_rows(res.results_path(results, exp, slug))
+                if isinstance(m := (r.get("env") or {}).get("memory_total_gib"), (int, float))]
+        gib = max(mems) if mems else None
+    lines, totals = [], {False: [0, 0], True: [0, 0]}  # per appendix: [left, all]
+    for step in plan.steps:
+        name = step.name + (" (appendix)" if step.appendix else "")
+        if step.min_gpu_gib and gib is not None and gib < step.min_gpu_gib:
+            lines.append((name, f"skipped: needs {step.min_gpu_gib:g} GiB, {slug} has {gib:.0f}"))
+            continue
+        n_left, n = left(step, plan_dir, results, slug)
+        totals[step.appendix][0] += n_left
+        totals[step.appendix][1] += n
+        lines.append((name, "done" if not n_left else
+                      (f"{n_left} of {n} points left" if step.sweep else "bench not run")))
+    width = max(len(name) for name, _ in lines) if lines else 0
+    print(f"{plan.path.name} on {slug}" + (f" ({gib:.0f} GiB)" if gib is not None else " (memory unknown: "
+                                             "every step counted; --gpu-gib decides the large-GPU steps)"))
+    for name, text in lines:
+        print(f"  {name:<{width}}  {text}")
+    for appendix, what in ((False, "the report's figures"), (True, "the appendix's tables")):
+        n_left, n = totals[appendix]
+        if n:
+            print(f"  {what}: " + (f"{n_left} of {n} points left" if n_left else "done"))
+    return 0 if not totals[False][0] + totals[True][0] else 3
+
+
 def _ran(step: plan_file.Step, command: str) -> bool:
     """Whether a bench row's recorded command is this step's: its module, with the step's
     arguments in order (other options, such as --results, around them)."""
@@ -77,21 +122,21 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
             continue
         remaining = budget - (time.monotonic() - start)
         if remaining < step.estimate_s:
-            left.append(step.name)
+            left.append(step.name + (" (appendix)" if step.appendix else ""))
             continue
         argv = [sys.executable, *step.argv(plan_dir), "--results", str(results)]
         if step.sweep:
             argv += ["--stop-after", f"{max(remaining - step.estimate_s, 0):.0f}"]
         print(f"run {step.name}: {' '.join(argv[1:])}", file=sys.stderr)
         if dry_run:
-            left.append(step.name)
+            left.append(step.name + (" (appendix)" if step.appendix else ""))
             continue
         rc = subprocess.run(argv).returncode
         if rc != 0:
             print(f"error: {step.name} exited {rc}; its rows so far are kept, a rerun resumes", file=sys.stderr)
             return 1
         if pending(step, plan_dir, results, slug):
-            left.append(step.name)
+            left.append(step.name + (" (appendix)" if step.appendix else ""))
     if dry_run:
         print(f"dry run: {len(left)} steps would run", file=sys.stderr)
         return 0

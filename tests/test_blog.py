@@ -30,6 +30,9 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
             assert (ROOT / "harness" / "bench" / f"{step.bench}.py").is_file()
     # what does not fit in 80 GB runs on the H200 only
     assert {s.name for s in p.steps if s.min_gpu_gib > 80} >= {"user-moe qwen3-30b-a3b", "offload bench qwen3-32b"}
+    # the full ablation sweeps come last, after every step the report's figures read
+    flags = [s.appendix for s in p.steps]
+    assert any(flags) and flags == sorted(flags)
 
 
 @pytest.mark.parametrize("text, key", [
@@ -42,6 +45,8 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
     ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\n"
      "[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\n", r"names two steps"),
     ("[blog\n", r"cannot be read"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\nappendix = 'yes'\n",
+     r"appendix\] must be"),
 ])
 def test_a_malformed_plan_gets_one_error_naming_its_key(write_toml, text, key):
     with pytest.raises(ExperimentError, match=key):
@@ -153,6 +158,33 @@ def test_reproduce_on_a_machine_without_a_gpu_refuses_and_dry_runs(tmp_path, cap
     assert reproduce.run(PLAN, results=tmp_path, dry_run=True) == 0
     err = capsys.readouterr().err
     assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b" in err
+
+
+def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, write_toml, capsys):
+    from harness import results as res
+
+    (tmp_path / "e.toml").write_text(
+        "[experiment]\nname = 'e'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
+        "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"
+        "[variants.b]\nattn_implementation = 'eager'\n")
+    p = write_toml("[blog]\nsources = { moe = 'e' }\n"
+                   "[[blog.steps]]\nname = 'cut'\nsweep = 'e.toml'\nargs = ['--variants', 'a']\n"
+                   "[[blog.steps]]\nname = 'big'\nsweep = 'e.toml'\nmin_gpu_gib = 100\n"
+                   "[[blog.steps]]\nname = 'all'\nsweep = 'e.toml'\nappendix = true\n", "plan.toml")
+    assert reproduce.status(p, "gpu-x", 80, results=tmp_path / "r") == 3
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:] if ln.startswith("  ")}
+    assert lines["cut"].endswith("2 of 2 points left") and lines["all"].endswith("4 of 4 points left")
+    assert "big" in out and "skipped: needs 100 GiB" in out
+    assert "the report's figures: 2 of 2 points left" in out and "the appendix's tables: 4 of 4 points left" in out
+    # one finished row of the cut: one point left there, and three in the appendix
+    exp = experiment.subset(experiment.load(tmp_path / "e.toml"), variants=["a"])
+    point = exp.points()[0]
+    res.append_row(res.results_path(tmp_path / "r", "e", "gpu-x"),
+                   {"kind": "step", "status": "ok", "point_id": point.point_id, "variant": "a"})
+    reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
+    out = capsys.readouterr().out
+    assert "the report's figures: 1 of 2 points left" in out and "the appendix's tables: 3 of 4 points left" in out
 
 
 def test_a_bench_step_is_done_once_its_command_wrote_rows(tmp_path):

@@ -25,6 +25,7 @@ class Step:
     experiment: str | None = None  # the bench's --experiment
     min_gpu_gib: float = 0.0  # skipped on GPUs with less memory (Qwen3-32B needs the H200)
     estimate_s: float = 300.0  # the longest a single point or bench takes: no start with less left
+    appendix: bool = False  # only the per-experiment tables read it: the report's figures do not wait on it
 
     def argv(self, plan_dir: Path) -> list[str]:
         if self.sweep:
@@ -77,7 +78,7 @@ def load(path: Path | str) -> Plan:
         key = f"blog.steps[{i}]"
         if not isinstance(s, dict) or (("sweep" in s) == ("bench" in s)):
             raise ExperimentError(path, key, "needs exactly one of sweep = \"<file>.toml\" or bench = \"<module>\"")
-        extra = set(s) - {"name", "sweep", "bench", "args", "experiment", "min_gpu_gib", "estimate_s"}
+        extra = set(s) - {"name", "sweep", "bench", "args", "experiment", "min_gpu_gib", "estimate_s", "appendix"}
         if extra:
             raise ExperimentError(path, key, f"unknown keys {sorted(extra)}")
         if "sweep" in s and not (path.parent / s["sweep"]).is_file():
@@ -87,12 +88,14 @@ def load(path: Path | str) -> Plan:
         args = s.get("args", [])
         if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
             raise ExperimentError(path, f"{key}.args", f"must be a list of command-line words, not {args!r}")
+        if not isinstance(s.get("appendix", False), bool):
+            raise ExperimentError(path, f"{key}.appendix", f"must be true or false, not {s['appendix']!r}")
         name = str(s.get("name") or s.get("sweep") or s.get("bench"))
         if name in seen:
             raise ExperimentError(path, f"{key}.name", f"{name!r} names two steps: give each a distinct name")
         seen.add(name)
         steps.append(Step(name=name, sweep=s.get("sweep"), bench=s.get("bench"), args=tuple(map(str, args)),
                           experiment=s.get("experiment"), min_gpu_gib=float(s.get("min_gpu_gib", 0)),
-                          estimate_s=float(s.get("estimate_s", 300))))
+                          estimate_s=float(s.get("estimate_s", 300)), appendix=s.get("appendix", False)))
     return Plan(path=path, title=str(blog.get("title") or "Benchmark report"), sources=sources,
                 seeds=blog.get("seeds") or {}, steps=tuple(steps))
