@@ -1,4 +1,5 @@
-"""The README's headline figures are measurements: each one is a value some committed row holds."""
+"""What the README and the committed results claim holds: each headline figure is a value some row
+holds, and each row keeps the experiment file it ran from."""
 
 from __future__ import annotations
 
@@ -51,3 +52,16 @@ def test_a_figure_no_row_holds_is_caught(tmp_path):
     assert "236.5" in recorded and "236.6" not in recorded
     readme = "# t\n\n## Headline results\n\n| a | 236.5 ms | 1.23 GiB |\n\n## Next\n\n999.9 ms\n"
     assert FIGURE.findall(_headline(readme)) == ["236.5", "1.23"]
+
+
+def test_every_committed_row_keeps_the_experiment_file_it_ran_from():
+    """A row names its experiment file by hash; reports read the file's [report] targets from the kept
+    copy, so a row whose copy is missing would be judged against an older file's targets."""
+    missing = set()
+    for path in (ROOT / "results").glob("*/*.jsonl"):
+        kept = path.parent / "experiments"
+        for line in path.read_text().splitlines():
+            sha = str(json.loads(line).get("experiment_sha256") or "")[:16] if line.strip() else ""
+            if sha and not (kept / f"{sha}.toml").is_file():
+                missing.add(f"{path.parent.name}/experiments/{sha}.toml")
+    assert not missing, f"rows name experiment files results/ does not keep: {sorted(missing)}"
