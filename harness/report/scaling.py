@@ -103,4 +103,15 @@ def scaling_targets(pts: list[dict], targets: list[dict], ours: str) -> list[lis
                 out.append([f"{ours} keeps ≥ {100 * t['min_efficiency']:.0f}% of its one-GPU tokens/s per GPU, {where}",
                             f"{100 * v:.1f}%" if v else "not measured",
                             DASH if not v else ("met" if v >= t["min_efficiency"] else "not met")])
+            if t.get("keeps_one_gpu_speedup"):
+                n, one = (p["speedup"], p["speedup1"]) if p else (None, None)
+                out.append([f"{ours} beats stock by at least its one-GPU ratio, {where}",
+                            f"{n:.3f}× on {t.get('gpus', 2)} GPUs vs {one:.3f}× on 1" if n and one else "not measured",
+                            DASH if not (n and one) else ("met" if n >= one else "not met")])
+            if t.get("trains"):
+                r = p and p["ours"]
+                out.append([f"{ours} trains sharded, its memory per GPU reported, {where}",
+                            (f"ok, {_gib(r)} GiB peak per GPU" if _ok(r) else r.get("status", "error")) if r
+                            else "not measured",
+                            DASH if not r else ("met" if _ok(r) else "not met")])
     return out
