@@ -45,6 +45,7 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
     ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\n"
      "[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\n", r"names two steps"),
     ("[blog\n", r"cannot be read"),
+    ("[blog]\nsources = { moe = 'moe' }\n[blog.gate]\nab = ['x']\n", r"\[blog.gate\] unknown keys \['ab'\]"),
     ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\nappendix = 'yes'\n",
      r"appendix\] must be"),
 ])
@@ -127,6 +128,8 @@ def test_the_report_from_the_committed_results(tmp_path):
     targets = text.split("## Targets: met or not")[1].split("## Methodology")[0]
     assert "not measured" in targets  # multi-gpu has no rows yet
     assert "met" in targets and "| target |" in targets
+    # the gate's own targets, judged from its committed runs
+    assert "### `gate`" in targets and "the suite finishes in ≤ 8 minutes" in targets
     # the commands a reader reruns name no path of the machine that wrote the rows
     method = text.split("## Methodology")[1]
     assert "--results" not in method and "--stop-after" not in method and "python -m harness sweep" in method
@@ -144,6 +147,41 @@ def test_the_report_from_the_committed_results(tmp_path):
 ])
 def test_a_recorded_command_is_shown_as_a_reader_reruns_it(recorded, shown):
     assert fmt.command(recorded) == shown
+
+
+def test_the_gate_targets_are_judged_from_its_runs(tmp_path):
+    import json
+
+    from harness.report.blog import gate
+
+    def run(name, outcome, points, guards=(), rounds=((100.0,),), parity_s=30.0):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "gate.json").write_text(json.dumps({
+            "outcome": outcome, "points": points, "guards": list(guards), "parity_s": parity_s,
+            "rounds": [{"wall_s": w} for (w,) in rounds]}))
+
+    def pt(low, high, verdict="PASS"):
+        return {"label": "p", "time": {"estimate": (low + high) / 2, "low": low, "high": high}, "verdict": verdict}
+
+    run("aa", "pass", [pt(0.9, 1.1), pt(0.99, 1.01)], rounds=((200.0,), (250.0,)))
+    run("aa-off", "pass", [pt(1.01, 1.2)])  # passes, yet an interval misses 1.0: not met
+    run("cache", "fail", [pt(0.9, 1.1)], guards=[{"guard": {"switch": "packing_cache"}, "ok": False}])
+    run("other", "fail", [pt(0.9, 1.1)], guards=[{"guard": {"switch": "moe_lora"}, "ok": False}])
+    run("mem", "fail", [pt(0.9, 1.1, "MEMORY")])
+    md = gate.targets(tmp_path, {"a_a": ["aa", "aa-off", "gone"], "max_minutes": 8,
+                                 "must_fail": {"cache": "packing_cache", "other": "packing_cache", "mem": "memory"},
+                                 "must_pass": ["aa"]})
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert rows["A/A: head against itself passes, every interval holding 1.0 (`aa`)"].endswith("| met |")
+    assert rows["A/A: head against itself passes, every interval holding 1.0 (`aa-off`)"].endswith("| not met |")
+    assert "not measured" in rows["A/A: head against itself passes, every interval holding 1.0 (`gone`)"]
+    assert rows["a planted packing_cache regression fails and names it (`cache`)"].endswith("| met |")
+    assert rows["a planted packing_cache regression fails and names it (`other`)"].endswith("| not met |")  # wrong switch
+    assert rows["a planted memory regression fails and names it (`mem`)"].endswith("| met |")
+    assert rows["a slowdown below the threshold passes (`aa`)"].endswith("| met |")
+    # the newest A/A run's rounds and parity: (100 + 30) / 60 = 2.2 minutes for aa-off
+    assert "2.2 min (`aa-off`) | met |" in rows["the suite finishes in ≤ 8 minutes on one GPU, rounds and parity included"]
+    assert gate.targets(tmp_path, {}) == ""
 
 
 def test_a_plan_whose_experiments_have_no_rows_still_writes_a_report(tmp_path, write_toml):

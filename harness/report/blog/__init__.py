@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.report import spec as spec_file
 from harness.report import fmt
 from harness.report.fmt import _table
-from harness.report.blog import appendix, common, consistency, data, moe, offload, packing, plan as plan_file
+from harness.report.blog import appendix, common, consistency, data, gate, moe, offload, packing, plan as plan_file
 from harness.report.blog.style import embed
 from harness.report.blog import figures
 from harness.run import experiment as experiment_file
@@ -104,7 +104,8 @@ def build_blog(results_root: Path | str, reports_root: Path | str, plan_path: Pa
              _tldr(heads, peers, gpus), consistency.tldr_note(disagree), user_md, *sections,
              consistency.section(disagree),
              appendix.hardware(all_rows, fig_dir, reports_root),
-             appendix.targets({n: per_exp[n] for n in plan.experiments()}, consistency.targets_note(disagree)),
+             appendix.targets({n: per_exp[n] for n in plan.experiments()}, consistency.targets_note(disagree),
+                              (gate.targets(Path(results_root) / "gate", plan.gate),)),
              appendix.methodology(all_rows, commands),
              "## Appendix: every table\n\n" + "\n".join(f"- [`{n}`]({n}/README.md)" for n in plan.experiments()
                                                       if (reports_root / n / "README.md").is_file())]

@@ -46,9 +46,10 @@ def hardware(rows: list[dict], fig_dir: Path, readme_dir: Path) -> str:
         embed(fig, "host-to-device bandwidth against copy size", readme_dir)] if x)
 
 
-def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "") -> str:
+def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "", extra: tuple[str, ...] = ()) -> str:
     """Every ``[report.*]`` target of the source experiments, judged from their rows; an experiment
-    with targets but no rows says so. ``note`` follows the heading (the runs that disagree)."""
+    with targets but no rows says so. ``note`` follows the heading (the runs that disagree);
+    ``extra`` are further judged subsections (the gate's)."""
     parts = ["## Targets: met or not"] + ([note] if note else [])
     for name, (rows, spec) in per_experiment.items():
         steps = [r for r in rows if r.get("kind") == "step"]
@@ -77,6 +78,7 @@ def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "") 
             texts.insert(0, "No rows yet: every target of this file is **not measured**.")
         if texts:
             parts.append(f"### `{name}`\n\n" + "\n\n".join(texts))
+    parts += [e for e in extra if e]
     return "\n\n".join(parts) if len(parts) > 1 + bool(note) else ""
 
 

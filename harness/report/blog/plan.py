@@ -40,6 +40,7 @@ class Plan:
     sources: dict[str, tuple[str, ...]]  # section -> experiment names whose rows it reads
     seeds: dict = field(default_factory=dict)
     steps: tuple[Step, ...] = ()
+    gate: dict = field(default_factory=dict)  # [blog.gate]: the gate runs its targets are judged from
 
     def experiments(self) -> list[str]:
         return sorted({e for names in self.sources.values() for e in names})
@@ -62,9 +63,14 @@ def load(path: Path | str) -> Plan:
     blog = doc.get("blog")
     if not isinstance(blog, dict):
         raise ExperimentError(path, "blog", "missing: a plan has a [blog] table")
-    unknown = set(blog) - {"title", "sources", "seeds", "steps"}
+    unknown = set(blog) - {"title", "sources", "seeds", "steps", "gate"}
     if unknown:
-        raise ExperimentError(path, "blog", f"unknown keys {sorted(unknown)}", ["title", "sources", "seeds", "steps"])
+        raise ExperimentError(path, "blog", f"unknown keys {sorted(unknown)}",
+                              ["title", "sources", "seeds", "steps", "gate"])
+    gate = blog.get("gate") or {}
+    bad = set(gate) - {"a_a", "must_fail", "must_pass", "max_minutes"} if isinstance(gate, dict) else {"gate"}
+    if bad:
+        raise ExperimentError(path, "blog.gate", f"unknown keys {sorted(bad)}", ["a_a", "must_fail", "must_pass", "max_minutes"])
     raw = blog.get("sources")
     if not isinstance(raw, dict) or not raw:
         raise ExperimentError(path, "blog.sources", "missing: name the experiments each section reads", SECTIONS)
@@ -98,4 +104,4 @@ def load(path: Path | str) -> Plan:
                           experiment=s.get("experiment"), min_gpu_gib=float(s.get("min_gpu_gib", 0)),
                           estimate_s=float(s.get("estimate_s", 300)), appendix=s.get("appendix", False)))
     return Plan(path=path, title=str(blog.get("title") or "Benchmark report"), sources=sources,
-                seeds=blog.get("seeds") or {}, steps=tuple(steps))
+                seeds=blog.get("seeds") or {}, steps=tuple(steps), gate=gate)

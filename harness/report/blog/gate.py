@@ -1,0 +1,88 @@
+"""The regression gate's own targets, judged from the gate runs kept under ``results/gate/<run>/``
+(``gate.json``, written by ``python -m harness gate --out``), as the plan's ``[blog.gate]`` names
+them:
+
+    [blog.gate]
+    a_a = ["a-a-2", "a-a-3"]                     # head against itself: passes, every interval holds 1.0
+    must_fail = { planted-cache-off = "packing_cache", planted-mem256 = "memory" }  # and says why
+    must_pass = ["planted-sleep3"]               # a slowdown below the threshold
+    max_minutes = 8                              # rounds and parity, on one GPU
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.report.fmt import _table
+
+DASH = "–"
+
+
+def _load(root: Path, run: str) -> dict | None:
+    try:
+        return json.loads((root / run / "gate.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _interval(t: dict | None) -> str:
+    return f"{t['estimate']:.3f} [{t['low']:.3f}, {t['high']:.3f}]" if t and t.get("high") is not None else DASH
+
+
+def _holds_one(p: dict) -> bool:
+    t = p.get("time") or {}
+    return t.get("low") is not None and t.get("high") is not None and t["low"] <= 1.0 <= t["high"]
+
+
+def _failed_switches(g: dict) -> list[str]:
+    return [x["guard"]["switch"] for x in g.get("guards") or [] if not x.get("ok", True)]
+
+
+def _minutes(g: dict) -> float:
+    return (sum(r.get("wall_s") or 0 for r in g.get("rounds") or []) + (g.get("parity_s") or 0)) / 60
+
+
+def targets(root: Path | str, spec: dict) -> str:
+    """``### gate``: each of the gate's targets with what its run measured ("" without ``spec``)."""
+    if not spec:
+        return ""
+    root, body = Path(root), []
+    for run in spec.get("a_a") or []:
+        g = _load(root, run)
+        goal = f"A/A: head against itself passes, every interval holding 1.0 (`{run}`)"
+        if g is None:
+            body.append([goal, "not measured", DASH])
+            continue
+        pts = g.get("points") or []
+        body.append([goal, f"{g.get('outcome')}; " + ", ".join(_interval(p.get("time")) for p in pts),
+                     "met" if g.get("outcome") == "pass" and pts and all(map(_holds_one, pts)) else "not met"])
+    for run, why in (spec.get("must_fail") or {}).items():
+        g = _load(root, run)
+        goal = f"a planted {why} regression fails and names it (`{run}`)"
+        if g is None:
+            body.append([goal, "not measured", DASH])
+            continue
+        if why == "memory":
+            named = [p.get("label") for p in g.get("points") or [] if p.get("verdict") == "MEMORY"]
+            seen = f"{g.get('outcome')}; MEMORY on {', '.join(named) or 'no point'}"
+        else:
+            named = [s for s in _failed_switches(g) if s == why]
+            seen = f"{g.get('outcome')}; failing guards: {', '.join(_failed_switches(g)) or 'none'}"
+        body.append([goal, seen, "met" if g.get("outcome") == "fail" and named else "not met"])
+    for run in spec.get("must_pass") or []:
+        g = _load(root, run)
+        goal = f"a slowdown below the threshold passes (`{run}`)"
+        body.append([goal, "not measured", DASH] if g is None else
+                    [goal, f"{g.get('outcome')}; " + ", ".join(_interval(p.get("time")) for p in g.get("points") or []),
+                     "met" if g.get("outcome") == "pass" else "not met"])
+    if "max_minutes" in spec:
+        runs = [(run, g) for run in spec.get("a_a") or [] if (g := _load(root, run)) and g.get("rounds")]
+        goal = f"the suite finishes in ≤ {spec['max_minutes']:g} minutes on one GPU, rounds and parity included"
+        if not runs:
+            body.append([goal, "not measured", DASH])
+        else:
+            run, g = runs[-1]
+            m = _minutes(g)
+            body.append([goal, f"{m:.1f} min (`{run}`)", "met" if m <= spec["max_minutes"] else "not met"])
+    return "### `gate`\n\n" + _table(["target", "measured", "met?"], body) if body else ""
