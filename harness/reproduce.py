@@ -41,24 +41,20 @@ def _cut(step: plan_file.Step, plan_dir: Path):
     return experiment.subset(exp, models=known.models, seq_lens=known.seq_lens, variants=known.variants)
 
 
-def pending(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> bool:
-    if step.sweep:
-        exp = _cut(step, plan_dir)
-        done = res.finished_point_ids(res.results_path(results, exp.name, slug))
-        return any(p.point_id not in done for p in exp.points())
-    rows = res.read_rows(res.results_path(results, str(step.experiment), slug))
-    return not any(_ran(step, str(r.get("command") or "")) for r in rows)
-
-
-def left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[int, int]:
+def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[int, int]:
     """(points without a finished row on ``slug``, points in all) of a sweep step; a bench
-    step counts as one point."""
+    step is one point, done once a row its command wrote is there."""
     if step.sweep:
         exp = _cut(step, plan_dir)
         done = res.finished_point_ids(res.results_path(results, exp.name, slug))
         ids = [p.point_id for p in exp.points()]
         return sum(i not in done for i in ids), len(ids)
-    return int(pending(step, plan_dir, results, slug)), 1
+    rows = res.read_rows(res.results_path(results, str(step.experiment), slug))
+    return int(not any(_ran(step, str(r.get("command") or "")) for r in rows)), 1
+
+
+def pending(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> bool:
+    return points_left(step, plan_dir, results, slug)[0] > 0
 
 
 def status(plan_path: Path | str, slug: str, gib: float | None = None, results: Path | str = "results") -> int:
@@ -73,14 +69,13 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
         gib = max(mems) if mems else None
     lines, totals = [], {False: [0, 0], True: [0, 0]}  # per appendix: [left, all]
     for step in plan.steps:
-        name = step.name + (" (appendix)" if step.appendix else "")
         if step.min_gpu_gib and gib is not None and gib < step.min_gpu_gib:
-            lines.append((name, f"skipped: needs {step.min_gpu_gib:g} GiB, {slug} has {gib:.0f}"))
+            lines.append((step.label, f"skipped: needs {step.min_gpu_gib:g} GiB, {slug} has {gib:.0f}"))
             continue
-        n_left, n = left(step, plan_dir, results, slug)
+        n_left, n = points_left(step, plan_dir, results, slug)
         totals[step.appendix][0] += n_left
         totals[step.appendix][1] += n
-        lines.append((name, "done" if not n_left else
+        lines.append((step.label, "done" if not n_left else
                       (f"{n_left} of {n} points left" if step.sweep else "bench not run")))
     width = max(len(name) for name, _ in lines) if lines else 0
     print(f"{plan.path.name} on {slug}" + (f" ({gib:.0f} GiB)" if gib is not None else " (memory unknown: "
@@ -122,21 +117,21 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
             continue
         remaining = budget - (time.monotonic() - start)
         if remaining < step.estimate_s:
-            left.append(step.name + (" (appendix)" if step.appendix else ""))
+            left.append(step.label)
             continue
         argv = [sys.executable, *step.argv(plan_dir), "--results", str(results)]
         if step.sweep:
             argv += ["--stop-after", f"{max(remaining - step.estimate_s, 0):.0f}"]
         print(f"run {step.name}: {' '.join(argv[1:])}", file=sys.stderr)
         if dry_run:
-            left.append(step.name + (" (appendix)" if step.appendix else ""))
+            left.append(step.label)
             continue
         rc = subprocess.run(argv).returncode
         if rc != 0:
             print(f"error: {step.name} exited {rc}; its rows so far are kept, a rerun resumes", file=sys.stderr)
             return 1
         if pending(step, plan_dir, results, slug):
-            left.append(step.name + (" (appendix)" if step.appendix else ""))
+            left.append(step.label)
     if dry_run:
         print(f"dry run: {len(left)} steps would run", file=sys.stderr)
         return 0

@@ -4,7 +4,7 @@ current and where the time moved."""
 
 from __future__ import annotations
 
-from harness.report.fmt import _stat, _table
+from harness.report.fmt import _spread, _stat, _table
 from harness.report.blog.common import ms
 from harness.report.blog.data import DISAGREE, Disagreement
 
@@ -16,7 +16,7 @@ def section(found: list[Disagreement]) -> str:
     for d in found:
         for exp, sha, when, r in d.runs:
             body.append([d.gpu, f"{d.model} {d.seq_len}", d.stack, f"`{exp}` @ {sha}", when[:16].replace("T", " "),
-                         ms(_stat(r, "step_ms")), _spread(r), ms(_stat(r, "forward_ms")), ms(_stat(r, "backward_ms")),
+                         _spread(r, "step_ms"), ms(_stat(r, "forward_ms")), ms(_stat(r, "backward_ms")),
                          ms(_stat(r, "optimizer_ms")), _probe(r)])
     return "\n\n".join([
         "## Measurements that disagree",
@@ -26,7 +26,7 @@ def section(found: list[Disagreement]) -> str:
         "can do this. The host probe (a fixed piece of pure Python timed when the row was written, where "
         "recorded) shows a slower or busier host; `python -m harness gate --base A --head B` on one GPU "
         "tells a code change apart.",
-        _table(["GPU", "point", "stack", "run (experiment @ commit)", "recorded", "step ms", "p20–p80", "forward",
+        _table(["GPU", "point", "stack", "run (experiment @ commit)", "recorded", "step ms [p20–p80]", "forward",
                 "backward", "optimizer", "host probe ms"], body)])
 
 
@@ -34,12 +34,6 @@ def _probe(r: dict) -> str:
     """The row's host speed probe (``env.host_probe_ms``; lower is faster), – where not recorded."""
     v = (r.get("env") or {}).get("host_probe_ms")
     return f"{v:.1f}" if isinstance(v, (int, float)) else "–"
-
-
-def _spread(r: dict) -> str:
-    s = r.get("step_ms") or {}
-    lo, hi = s.get("p20"), s.get("p80")
-    return f"{ms(lo)}–{ms(hi)}" if lo is not None and hi is not None else "–"
 
 
 def targets_note(found: list[Disagreement]) -> str:

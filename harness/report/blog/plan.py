@@ -27,6 +27,11 @@ class Step:
     estimate_s: float = 300.0  # the longest a single point or bench takes: no start with less left
     appendix: bool = False  # only the per-experiment tables read it: the report's figures do not wait on it
 
+    @property
+    def label(self) -> str:
+        """The step's name as progress and status print it."""
+        return self.name + (" (appendix)" if self.appendix else "")
+
     def argv(self, plan_dir: Path) -> list[str]:
         if self.sweep:
             return ["-m", "harness", "sweep", str(plan_dir / self.sweep), "--no-report", *self.args]
