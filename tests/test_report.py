@@ -339,3 +339,19 @@ def test_scaling_section_judges_the_issue_targets(tmp_path):
     assert (f"| user trains sharded, its memory per GPU reported, qwen3-30b-a3b at 8192 tokens on 2 GPUs ({H100}) | "
             "ok, 61.2 GiB peak per GPU | met |") in text
     assert "| user beats stock by at least its one-GPU ratio, qwen3-32b at 8192 tokens on 2 GPUs | not measured |" in text
+
+
+def test_a_build_that_fails_halfway_keeps_the_last_whole_report(tmp_path, monkeypatch):
+    first = report.build_report(FIXTURE_RESULTS, "demo", tmp_path)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "demo").iterdir()}
+    assert any(n.endswith(".png") for n in before)
+
+    def broken(*a, **k):
+        raise RuntimeError("a section broke")
+
+    monkeypatch.setattr(report.bench, "sections", broken)
+    with pytest.raises(RuntimeError, match="a section broke"):
+        report.build_report(FIXTURE_RESULTS, "demo", tmp_path)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "demo").iterdir()}
+    assert after == before  # every PNG (rewritten with the same bytes) and the README as they were
+    assert first.read_text() == before["README.md"].decode()

@@ -11,6 +11,7 @@ from matplotlib.ticker import FuncFormatter
 
 from harness.report.fmt import _bytes, _point_label
 from harness.report.frames import PHASE_COLORS, PHASES, STATS, points_frame
+from harness.report.output import save_png
 
 # ---------------------------------------------------------------------------------------------
 # Plots: one function per figure, each returns the written path or None when there is nothing
@@ -20,9 +21,7 @@ from harness.report.frames import PHASE_COLORS, PHASES, STATS, points_frame
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    # No "Software" stamp: a matplotlib upgrade alone should not change the committed PNGs.
-    fig.savefig(path, format="png", dpi=110, metadata={"Software": None})
-    return path
+    return save_png(fig, path)
 
 
 def by_gpus(frame: pd.DataFrame) -> pd.DataFrame:

@@ -9,6 +9,7 @@ from matplotlib.ticker import FuncFormatter
 
 from harness.report.blog import style
 from harness.report.blog.data import RolePoint
+from harness.report.output import save_png
 
 
 def _lines_for(roles: list[str], gpus: list[str]) -> list[str]:
@@ -53,7 +54,7 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel(f"speed-up over stock ({what})")
     style.legend_outside(fig, axes)
-    return style.save(fig, path)
+    return save_png(fig, path)
 
 
 def predicted_vs_measured(pairs: list[tuple[str, float, float]], path: Path, quantity: str) -> Path | None:
@@ -78,7 +79,7 @@ def predicted_vs_measured(pairs: list[tuple[str, float, float]], path: Path, qua
     ax.set_ylabel(f"measured {quantity}")
     ax.grid(True, alpha=0.3)
     style.legend_outside(fig, [ax])
-    return style.save(fig, path)
+    return save_png(fig, path)
 
 
 def bandwidth(series: dict[tuple[str, str], list[tuple[int, float]]], ceilings: dict[str, float],
@@ -104,4 +105,4 @@ def bandwidth(series: dict[tuple[str, str], list[tuple[int, float]]], ceilings: 
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     style.legend_outside(fig, [ax])
-    return style.save(fig, path)
+    return save_png(fig, path)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 # The roles a reader follows from plot to plot; the colours never change meaning.
@@ -45,13 +44,6 @@ def legend_outside(fig: Figure, axes) -> None:
         fig.tight_layout(rect=(0, 0.08 + 0.05 * ((len(labels) - 1) // 3), 1, 1))
     else:
         fig.tight_layout()
-
-
-def save(fig: Figure, path: Path) -> Path:
-    FigureCanvasAgg(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=110, metadata={"Software": None})
-    return path
 
 
 def embed(path: Path | None, alt: str, readme_dir: Path) -> str:
