@@ -53,6 +53,8 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
              "peft and Liger-Kernel's patches, in one sweep per GPU; \"best\" is the fastest setting of ours "
              "the sweep ran (CUDA graphs, for one), what the one call does not yet reach by itself.",
              common.peers_table(pts)]
+    if caveat := common.stock_caveats(pts):
+        parts.append(caveat)
     lengths = [len({p.seq_len for p in pts if p.model == m}) for m in {p.model for p in pts}]
     if max(lengths) > 1 and (fig := figures.speedup_vs_length(pts, fig_dir / "user-speedup.png", "step time")):
         parts.append(embed(fig, "the user's path: speed-up over stock", readme_dir))

@@ -64,3 +64,16 @@ def split_table(points: list[RolePoint]) -> str:
 def gains_text(values: list[tuple[str, float]]) -> str:
     """ "model: +x %" items joined, for the TL;DR."""
     return ", ".join(f"{label} {v:+.1f} %" for label, v in values) or "not measured"
+
+
+def stock_caveats(points: list[RolePoint]) -> str:
+    """What the stock and peer columns compute that differs from each document alone, for the
+    models among ``points`` where that is known (``tests/test_optim_enable.py`` checks it)."""
+    if not any(p.model.startswith("gpt-oss") for p in points):
+        return ""
+    return ("**Stock gpt-oss does not keep packed documents apart.** transformers builds gpt-oss's "
+            "attention masks without the position ids (in 5.17, which these GPU rows ran, and still in "
+            "5.23), so in stock and under Liger-Kernel a packed row's later documents attend to the "
+            "earlier ones: a different loss from each document alone, and on the full-attention layers "
+            "more attention work than the documents need. `optim.enable()` attends each document alone; "
+            "stock Qwen3 and Llama do too. The CPU tests check all three on every run.")

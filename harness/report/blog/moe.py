@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.report.fmt import _f, _natural, _stat, _table
 from harness.report.moe import moe_crossover_md, moe_gap_md, moe_routing
 from harness.report.blog import figures
-from harness.report.blog.common import Headline, cell, ms, split_table, times
+from harness.report.blog.common import Headline, cell, ms, split_table, stock_caveats, times
 from harness.report.blog.data import RolePoint, role_points
 from harness.report.blog.style import ROLE_LABEL, ROLES, embed, gpu_short
 
@@ -95,6 +95,8 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
     rp = role_points(rows)
     for model in sorted({p.model for p in rp}, key=_natural):
         parts.append(_seeds_table(rp, model, seeds_ms.get(model, {})))
+    if caveat := stock_caveats(rp):
+        parts.append(caveat)
     if fig := figures.speedup_vs_length(rp, fig_dir / "moe-speedup.png", "step time"):
         parts.append(embed(fig, "MoE: speed-up over stock by length", readme_dir))
     heads = [p for p in rp if p.seq_len == 2048]
