@@ -165,7 +165,20 @@ def test_stock_gpt_oss_attends_across_packed_documents_where_enable_and_stock_qw
         if name.startswith("gpt-oss"):
             assert min(stock[1:]) > 1e-2, (
                 f"transformers {transformers.__version__} keeps gpt-oss's packed documents apart now: "
-                "drop the caveat of harness/report/blog/common.stock_caveats")
+                "drop the caveat of harness/report/blog/common.stock_caveats and optim.packing.STOCK_MIXES_DOCUMENTS")
         else:
             assert max(stock) < 1e-4, (name, stock)
         assert max(_worst_error_per_document(optim.enable(build()), ids, lengths)) < 1e-4, name
+
+
+def test_packing_off_on_gpt_oss_says_its_documents_mix(caplog):
+    for name, warns in (("gpt-oss-20b-tiny", True), ("qwen3-0.6b-tiny", False)):
+        model = models.build(models.get(name), device="cpu", dtype=torch.float32, lora_rank=4)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="optim.packing"):
+            optim.enable(model, only=("packing",), packing_backend="off")
+        lines = [r.getMessage() for r in caplog.records]
+        assert bool(lines) == warns, (name, lines)
+        if warns:
+            assert "packing_backend='off' keeps stock gpt_oss attention" in lines[0]
+            assert "position_ids" in lines[0]

@@ -285,6 +285,11 @@ def _attention_modules(model) -> Iterable[torch.nn.Module]:
             yield m
 
 
+# Model types whose stock attention does not keep packed documents apart: transformers builds their
+# masks without position_ids (tests/test_optim_enable.py says when that changes).
+STOCK_MIXES_DOCUMENTS = {"gpt_oss": "transformers 5.17 to 5.23 build gpt-oss's masks without position_ids"}
+
+
 def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | None = None,
            **_ignored):
     """Enable packed attention on a transformers causal LM (peft-wrapped or not).
@@ -302,6 +307,11 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
         validate=validate,
     )
     if settings.backend == "off":
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type in STOCK_MIXES_DOCUMENTS:
+            log.warning("optim.packing: packing_backend='off' keeps stock %s attention, in which a packed "
+                        "row's documents attend to each other (%s); feed it one document per row, or "
+                        "leave packing on", model_type, STOCK_MIXES_DOCUMENTS[model_type])
         return model
     current = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if current not in (None, ATTN_NAME, *STOCK_ATTENTION):
