@@ -355,3 +355,65 @@ def test_a_build_that_fails_halfway_keeps_the_last_whole_report(tmp_path, monkey
     after = {p.name: p.read_bytes() for p in (tmp_path / "demo").iterdir()}
     assert after == before  # every PNG (rewritten with the same bytes) and the README as they were
     assert first.read_text() == before["README.md"].decode()
+
+
+def _many_variant_steps(n_variants: int = 13):
+    import pandas as pd
+
+    rows = []
+    for model in ("gpt-oss-20b", "qwen3-30b-a3b"):
+        for i in range(n_variants):
+            for t in (1024, 2048, 4096):
+                p50 = (100 + 300 * i) * t / 1024  # 100 ms to ~14 s: a range that calls for a log axis
+                rows.append({"metric": "step_ms", "model": model, "variant": f"variant-{i:02d}", "seq_len": t,
+                             "p20": 0.9 * p50, "p50": p50, "p80": 1.1 * p50, "gpus": 1})
+    return pd.DataFrame(rows)
+
+
+def test_every_variant_keeps_one_look_of_its_own():
+    from harness.report.plots import variant_styles
+
+    names = [f"v{i}" for i in range(30)]
+    styles = variant_styles(reversed(names))
+    looks = {(s["color"], s["linestyle"], s["marker"]) for s in styles.values()}
+    assert len(looks) == 30  # no two variants drawn alike
+    # fixed by the names, not by the order they come in or the other variants present
+    assert variant_styles(names) == styles
+    assert variant_styles(["v1", "v0"])["v0"] == styles["v0"]
+
+
+def test_step_time_plot_has_its_legend_below_the_axes_inside_the_figure_and_a_log_axis_when_wide(tmp_path, monkeypatch):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from harness.report import plots
+
+    seen = {}
+
+    def keep(fig, path):
+        seen["fig"] = fig
+        return path
+
+    monkeypatch.setattr(plots, "save_png", keep)
+    assert plots.plot_step_time(_many_variant_steps(), tmp_path / "s.png") is not None
+    fig = seen["fig"]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    axes_bottom = min(ax.get_tightbbox(renderer).y0 for ax in fig.axes)
+    assert box.y1 <= axes_bottom + 1  # below every axis, its labels included: it covers no data
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width + 1  # and no label is cut off at the sides
+    assert [t.get_text() for t in legend.get_texts()] == [f"variant-{i:02d}" for i in range(13)]
+    assert all(ax.get_yscale() == "log" for ax in fig.axes)
+    assert all(ax.get_legend() is None for ax in fig.axes)
+
+
+def test_a_narrow_range_keeps_a_linear_axis_and_log_minor_ticks_name_2_3_5_only():
+    from matplotlib.figure import Figure
+
+    from harness.report.plots import _log_if_wide, _minor_label
+
+    ax = Figure().subplots()
+    _log_if_wide(ax, [500.0, 700.0, float("nan")])
+    assert ax.get_yscale() == "linear"
+    assert [_minor_label(v) for v in (200.0, 300.0, 400.0, 500.0, 600.0, 3000.0, 0.0)] == \
+        ["200", "300", "", "500", "", "3000", ""]

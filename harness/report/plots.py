@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -20,8 +21,74 @@ from harness.report.output import save_png
 
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    fig.tight_layout()
+    if not fig.legends:  # legend_below() has laid the figure out already
+        fig.tight_layout()
     return save_png(fig, path)
+
+
+# Ten colours, then the same ten dashed, then dotted: up to 30 variants each drawn its own way, and
+# a variant keeps its look in every panel of a figure.
+_COLORS = tuple(f"C{i}" for i in range(10))
+_DASHES = ("-", "--", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def variant_styles(variants) -> dict[str, dict]:
+    """variant -> matplotlib keywords (color, linestyle, marker), fixed by the sorted names."""
+    out = {}
+    for i, v in enumerate(sorted(set(variants))):
+        out[v] = {"color": _COLORS[i % 10], "linestyle": _DASHES[(i // 10) % 3],
+                  "marker": _MARKERS[(i + 3 * (i // 10)) % 10]}
+    return out
+
+
+def legend_entries(axes) -> tuple[list, list]:
+    """(handles, labels) of every axis in ``axes``, each label once, in drawing order."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    return handles, labels
+
+
+def legend_below(fig: Figure, axes, ncol: int = 4, *, sort: bool = False) -> None:
+    """One legend for the whole figure, below the axes, so it covers no data; each label once,
+    in drawing order or, with ``sort``, by name (the order variant_styles gives its styles in)."""
+    handles, labels = legend_entries(axes)
+    if sort:
+        labels, handles = map(list, zip(*sorted(zip(labels, handles), key=lambda lh: lh[0]))) if labels else ([], [])
+    if not handles:
+        fig.tight_layout()
+        return
+    longest = max(len(label) for label in labels)
+    fits = int(fig.get_figwidth() / (0.6 + 0.075 * longest))  # columns the figure's width holds
+    ncol = max(1, min(ncol, fits, len(labels)))
+    rows = -(-len(labels) // ncol)
+    height = fig.get_figheight()
+    legend_in = 0.25 + 0.22 * rows  # inches the legend takes below the axes
+    fig.set_figheight(height + legend_in)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, legend_in / (height + legend_in), 1, 1))
+
+
+def _log_if_wide(ax, values, ratio: float = 8.0) -> None:
+    """A log y axis, labelled in plain numbers, where the largest value is more than ``ratio``
+    times the smallest."""
+    vals = [float(v) for v in values if v == v and v > 0]
+    if vals and max(vals) > ratio * min(vals):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
+
+
+def _minor_label(v: float, _pos=None) -> str:
+    """2, 3 and 5 times a power of ten are labelled on a log axis; the other minor ticks are not."""
+    if v <= 0:
+        return ""
+    mantissa = v / 10 ** math.floor(math.log10(v))
+    return f"{v:g}" if round(mantissa) in (2, 3, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
 
 
 def by_gpus(frame: pd.DataFrame) -> pd.DataFrame:
@@ -41,21 +108,38 @@ def plot_step_time(df_steps: pd.DataFrame, path: Path) -> Path | None:
     # Repeats of one point collapse to their median so each (variant, T) is one marker.
     df = df.groupby(["model", "variant", "seq_len"], as_index=False)[list(STATS)].median()
     models = sorted(df["model"].unique())
+    styles = variant_styles(df["variant"])
     fig = Figure(figsize=(5 * len(models), 4))
     axes = fig.subplots(1, len(models), squeeze=False)[0]
     for ax, model in zip(axes, models):
-        for variant, g in df[df["model"] == model].groupby("variant", sort=True):
+        here = df[df["model"] == model]
+        for variant, g in here.groupby("variant", sort=True):
             g = g.sort_values("seq_len")
             err = [g["p50"] - g["p20"], g["p80"] - g["p50"]]
-            ax.errorbar(g["seq_len"], g["p50"], yerr=err, marker="o", capsize=3, label=variant)
+            ax.errorbar(g["seq_len"], g["p50"], yerr=err, capsize=3, label=variant, **styles[variant])
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(here["seq_len"].unique()))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        _log_if_wide(ax, pd.concat([here["p20"], here["p80"]]))
         ax.set_title(model)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("step time p50 (ms), bars p20–p80")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.grid(True, which="both", alpha=0.3)
+    legend_below(fig, axes, sort=True)
     return _save(fig, path)
+
+
+def _point_ticks(ax, labels: list[str], upright_up_to: int = 12) -> None:
+    """One tick per bar group; past ``upright_up_to`` groups the three-line labels would run into
+    each other, so they turn on their side (one line each) and the figure grows to hold them."""
+    if len(labels) <= upright_up_to:
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        return
+    ax.set_xticks(range(len(labels)), [label.replace("\n", " ") for label in labels], fontsize=7, rotation=90)
+    fig = ax.get_figure()
+    fig.set_figwidth(max(6.0, 2 + 0.3 * len(labels)))  # a line of text a group, not three
+    fig.set_figheight(fig.get_figheight() + 0.07 * max(len(label) for label in labels))
 
 
 def plot_phase_split(df_steps: pd.DataFrame, path: Path) -> Path | None:
@@ -71,11 +155,11 @@ def plot_phase_split(df_steps: pd.DataFrame, path: Path) -> Path | None:
         values = wide[f"{phase}_p50"].fillna(0).tolist()
         ax.bar(range(len(values)), values, bottom=bottom, label=phase.removesuffix("_ms"), color=PHASE_COLORS[phase])
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    _point_ticks(ax, labels)
     ax.set_ylabel("p50 per phase (ms)")
     ax.set_title("forward / backward / optimizer split (first repeat)")
-    ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
+    legend_below(fig, [ax])
     return _save(fig, path)
 
 
@@ -92,11 +176,11 @@ def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
     width = 0.4
     for offset, col, name in ((-width / 2, cols[0], "peak reserved"), (width / 2, cols[1], "peak allocated")):
         ax.bar([x + offset for x in xs], wide[col].fillna(0).tolist(), width=width, label=name)
-    ax.set_xticks(xs, labels, fontsize=7)
+    _point_ticks(ax, labels)
     ax.set_ylabel("GiB")
     ax.set_title("peak VRAM per point (first repeat)")
-    ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
+    legend_below(fig, [ax])
     return _save(fig, path)
 
 
@@ -106,22 +190,25 @@ def plot_speedup(df_speedup: pd.DataFrame, path: Path) -> Path | None:
     df = by_gpus(df_speedup).groupby(["model", "seq_len", "variant"], as_index=False)["speedup"].median()
     groups = sorted({(m, t) for m, t in zip(df["model"], df["seq_len"])})
     variants = sorted(df["variant"].unique())
-    fig = Figure(figsize=(max(6, 1.2 * len(groups) * max(1, len(variants))), 4.5))
+    styles = variant_styles(variants)
+    fig = Figure(figsize=(max(6, 2 + 0.4 * len(groups) * max(1, len(variants))), 4.5))  # 0.4 in a bar
     ax = fig.subplots()
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
         sub = df[df["variant"] == variant].set_index(["model", "seq_len"])["speedup"]
         xs = [g + (i - (len(variants) - 1) / 2) * width for g in range(len(groups))]
         ys = [sub.get(key, float("nan")) for key in groups]
-        bars = ax.bar(xs, ys, width=width, label=variant)
+        dashed = styles[variant]["linestyle"] != "-"  # past ten variants: hatched bars
+        bars = ax.bar(xs, ys, width=width, label=variant, color=styles[variant]["color"],
+                      hatch="//" if dashed else None, edgecolor="white" if dashed else None)
         ax.bar_label(bars, fmt="%.2f×", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_xticks(range(len(groups)), [_point_label(m, t) for m, t in groups], fontsize=8)
     baselines = ", ".join(sorted(df_speedup["baseline_variant"].unique()))
     ax.set_ylabel(f"speedup vs {baselines} (× of step p50)")
     ax.set_title("speedup vs baseline variant (> 1 is faster)")
-    ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
+    legend_below(fig, [ax], ncol=6, sort=True)
     return _save(fig, path)
 
 
@@ -142,8 +229,8 @@ def plot_bandwidth(df_bw: pd.DataFrame, path: Path) -> Path | None:
     ax.set_ylabel("GB/s")
     ax.set_title("host → device copy bandwidth (p20–p80 band)")
     ax.set_ylim(bottom=0)
-    ax.legend()
     ax.grid(True, alpha=0.3)
+    legend_below(fig, [ax], ncol=3)
     return _save(fig, path)
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from harness.report.plots import legend_entries
+
 # The roles a reader follows from plot to plot; the colours never change meaning.
 ROLES = ("stock", "peer", "default", "best")
 ROLE_LABEL = {"stock": "stock transformers + peft", "peer": "Liger-Kernel",
@@ -30,12 +32,7 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
 
 def legend_outside(fig: Figure, axes) -> None:
     """One legend for the figure, below the axes, so it never covers data."""
-    handles, labels = [], []
-    for ax in axes:
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            if l not in labels:
-                handles.append(h)
-                labels.append(l)
+    handles, labels = legend_entries(axes)
     if len(handles) > MAX_LINES + 1:  # the y = x or 1.0 reference line may come on top
         raise ValueError(f"a blog figure draws at most {MAX_LINES} lines, not {len(handles)}: {labels}")
     if handles:
