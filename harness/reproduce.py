@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from harness import results as res
-from harness.report.blog import plan as plan_file
+from harness.report import runs
+from harness.report.blog import data, plan as plan_file
 from harness.run import experiment
 
 
@@ -31,19 +32,73 @@ def _gpu() -> tuple[str, float]:
     return props.name, props.total_memory / 2**30
 
 
-def _cut(step: plan_file.Step, plan_dir: Path):
+def _parse_cut(step: plan_file.Step):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--models", nargs="+")  # the sweep's own cut of the file
     ap.add_argument("--seq-lens", nargs="+", type=int)
     ap.add_argument("--variants", nargs="+")
-    known, _ = ap.parse_known_args(step.args)
+    return ap.parse_known_args(step.args)
+
+
+def _cut(step: plan_file.Step, plan_dir: Path):
+    known, _ = _parse_cut(step)
     exp = experiment.load(plan_dir / step.sweep)
     return experiment.subset(exp, models=known.models, seq_lens=known.seq_lens, variants=known.variants)
 
 
+def _latest_finished(path: Path) -> dict[str, dict]:
+    """point id -> its newest finished row (rows are appended in the order they were written)."""
+    return {r["point_id"]: r for r in res.read_rows(path)
+            if r.get("kind") == "step" and r.get("status") in res.FINISHED and r.get("point_id")}
+
+
+def group_todo(points: list, latest: dict[str, dict], code: str | None, now: float, estimate_s: float):
+    """What a ``together`` step still runs of one (model, length) group's side-by-side points:
+    ``([], False)`` when the
+    newest finished rows of all its points come from one run; the missing points alone when the
+    rows there are this code's and recent enough that the rest can join their run (within
+    SAME_RUN_MINUTES, each point taking up to ``estimate_s``); else every point again, overwriting
+    (``(points, True)``), so that stock, the peer and ours are measured side by side."""
+    have = [latest[p.point_id] for p in points if p.point_id in latest]
+    if not have:
+        return list(points), False
+    one = runs._one_run(have)
+    if len(have) == len(points) and one is not False:
+        return [], False
+    times = [runs._when(r) for r in have]
+    missing = [p for p in points if p.point_id not in latest]
+    fresh = (one is not False and None not in times and runs._code_ids(have) <= {code}
+             and now - min(t.timestamp() for t in times) + len(missing) * estimate_s <= runs.SAME_RUN_MINUTES * 60)
+    return (missing, False) if fresh else (list(points), True)
+
+
+def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
+    """(experiment, [(points, overwrite)]) of a together step's groups that still have work."""
+    from harness.measure.env import code_sha
+
+    exp = _cut(step, plan_dir)
+    latest = _latest_finished(res.results_path(results, exp.name, slug))
+    by_group: dict[tuple, list] = {}
+    for p in exp.points():
+        by_group.setdefault((p.model, p.seq_len), []).append(p)
+    code, now = code_sha(), time.time()
+    todo = []
+    for pts in by_group.values():
+        # what a reader compares side by side (stock, the peer, enable()) must come from one run;
+        # the step's other variants (ours' settings, ablations) need only a finished row each
+        side = [p for p in pts if data.role_of(vars(p)) & set(data.SIDE_BY_SIDE)] or pts
+        todo.append(group_todo(side, latest, code, now, step.estimate_s))
+        todo.append(([p for p in pts if p not in side and p.point_id not in latest], False))
+    return exp, [(pts, over) for pts, over in todo if pts]
+
+
 def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[int, int]:
-    """(points without a finished row on ``slug``, points in all) of a sweep step; a bench
-    step is one point, done once a row its command wrote is there."""
+    """(points without a finished row on ``slug``, points in all) of a sweep step (of a together
+    step: the points its groups still run); a bench step is one point, done once a row its command
+    wrote is there."""
+    if step.sweep and step.together:
+        exp, todo = _groups(step, plan_dir, results, slug)
+        return sum(len(pts) for pts, _ in todo), len(exp.points())
     if step.sweep:
         exp = _cut(step, plan_dir)
         done = res.finished_point_ids(res.results_path(results, exp.name, slug))
@@ -98,6 +153,19 @@ def _ran(step: plan_file.Step, command: str) -> bool:
     return not args or any(words[i:i + len(args)] == args for i in range(len(words)))
 
 
+def _commands(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[list[str]]:
+    """The step's command lines: one, or for a together step one per group with work, cut to that
+    model and length (and to its missing variants, or all of them with --overwrite)."""
+    if not (step.sweep and step.together):
+        return [step.argv(plan_dir)]
+    _, todo = _groups(step, plan_dir, results, slug)
+    _, rest = _parse_cut(step)
+    return [["-m", "harness", "sweep", str(plan_dir / step.sweep), "--no-report", *rest,
+             "--models", pts[0].model, "--seq-lens", str(pts[0].seq_len),
+             "--variants", *dict.fromkeys(p.variant for p in pts), *(["--overwrite"] if over else [])]
+            for pts, over in todo]
+
+
 def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "results", dry_run: bool = False) -> int:
     plan = plan_file.load(plan_path)
     plan_dir, results = plan.path.parent, Path(results)
@@ -119,18 +187,21 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
         if remaining < step.estimate_s:
             left.append(step.label)
             continue
-        argv = [sys.executable, *step.argv(plan_dir), "--results", str(results)]
-        if step.sweep:
-            argv += ["--stop-after", f"{max(remaining - step.estimate_s, 0):.0f}"]
-        print(f"run {step.name}: {' '.join(argv[1:])}", file=sys.stderr)
-        if dry_run:
-            left.append(step.label)
-            continue
-        rc = subprocess.run(argv).returncode
-        if rc != 0:
-            print(f"error: {step.name} exited {rc}; its rows so far are kept, a rerun resumes", file=sys.stderr)
-            return 1
-        if pending(step, plan_dir, results, slug):
+        for argv in _commands(step, plan_dir, results, slug):
+            remaining = budget - (time.monotonic() - start)
+            if remaining < step.estimate_s:
+                break
+            argv = [sys.executable, *argv, "--results", str(results)]
+            if step.sweep:
+                argv += ["--stop-after", f"{max(remaining - step.estimate_s, 0):.0f}"]
+            print(f"run {step.name}: {' '.join(argv[1:])}", file=sys.stderr)
+            if dry_run:
+                continue
+            rc = subprocess.run(argv).returncode
+            if rc != 0:
+                print(f"error: {step.name} exited {rc}; its rows so far are kept, a rerun resumes", file=sys.stderr)
+                return 1
+        if dry_run or pending(step, plan_dir, results, slug):
             left.append(step.label)
     if dry_run:
         print(f"dry run: {len(left)} steps would run", file=sys.stderr)

@@ -33,6 +33,10 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
     # the full ablation sweeps come last, after every step the report's figures read
     flags = [s.appendix for s in p.steps]
     assert any(flags) and flags == sorted(flags)
+    # the steps that set stock, Liger-Kernel and enable() side by side hold them to one run
+    assert {s.name for s in p.steps if s.together} == {
+        "user.toml", "user-moe gpt-oss-20b", "user-moe qwen3-30b-a3b", "packing roles",
+        "moe roles gpt-oss-20b", "moe roles qwen3-30b-a3b"}
 
 
 @pytest.mark.parametrize("text, key", [
@@ -48,6 +52,10 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
     ("[blog]\nsources = { moe = 'moe' }\n[blog.gate]\nab = ['x']\n", r"\[blog.gate\] unknown keys \['ab'\]"),
     ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\nappendix = 'yes'\n",
      r"appendix\] must be"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\ntogether = 'yes'\n",
+     r"together\] must be"),
+    ("[blog]\nsources = { moe = 'moe' }\n[[blog.steps]]\nbench = 'moe'\nexperiment = 'moe'\ntogether = true\n",
+     r"together\] applies to a sweep step only"),
 ])
 def test_a_malformed_plan_gets_one_error_naming_its_key(write_toml, text, key):
     with pytest.raises(ExperimentError, match=key):
@@ -74,6 +82,36 @@ def test_roles_come_from_what_rows_record_not_from_variant_names():
     (q,) = data.role_points([_row("stock", 100, role="stock"), _row("user", 1, role="ours-default", stack="user",
                                                                    status="oom")])
     assert q.failed == {"default": "oom", "best": "oom"} and q.speedup("best") is None
+
+
+def _at(row, when, code):
+    row.update(recorded_at=f"2026-11-23T{when}:00+00:00", env={"code_sha": code})
+    return row
+
+
+def test_runs_split_on_the_code_and_on_half_an_hour():
+    from harness.report.runs import split_runs
+
+    a, b, c, d = (_at(_row("v", 1), "10:00", "x"), _at(_row("v", 2), "10:25", "x"),
+                  _at(_row("v", 3), "10:40", "x"), _at(_row("v", 4), "10:05", "y"))
+    assert [[r["step_ms"]["p50"] for r in run] for run in split_runs([c, d, b, a])] == [[1, 2], [4], [3]]
+
+
+def test_a_point_reads_its_roles_from_the_newest_run_that_measured_them_side_by_side():
+    old = [_at(_row("stock", 90, role="stock"), "08:00", "old"),  # faster stock, earlier and other code
+           _at(_row("graph", 30), "08:05", "old")]
+    new = [_at(_row("stock", 100, role="stock"), "11:00", "new"),
+           _at(_row("liger", 95, role="peer", stack="liger"), "11:03", "new"),
+           _at(_row("user", 50, role="ours-default", stack="user"), "11:06", "new")]
+    (p,) = data.role_points(old + new)
+    assert (p.ms("stock"), p.ms("peer"), p.ms("default")) == (100, 95, 50)  # one run, not the fastest repeat
+    assert p.ms("best") == 30 and p.one_run() is False  # that run ran no setting beyond the defaults
+    new.append(_at(_row("graph", 40), "11:09", "new"))
+    (q,) = data.role_points(old + new)
+    assert q.ms("best") == 40 and q.one_run() is True
+    # no run holds all three: each role's variant takes its median repeat over every run, as before
+    (r,) = data.role_points(old + new[:1] + new[2:])
+    assert r.ms("stock") == 90 and r.one_run() is False
 
 
 def _run(ms, experiment, sha, **kw):
@@ -198,13 +236,19 @@ def test_reproduce_on_a_machine_without_a_gpu_refuses_and_dry_runs(tmp_path, cap
     assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b" in err
 
 
+def _tiny_experiment(tmp_path, variants: str = "[variants.a]\nattn_implementation = 'sdpa'\n"
+                                                 "[variants.b]\nattn_implementation = 'eager'\n") -> Path:
+    """experiments file ``e`` beside the plan: a tiny Qwen3 at 64 and 128 tokens on the CPU."""
+    path = tmp_path / "e.toml"
+    path.write_text("[experiment]\nname = 'e'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
+                    "dtype = 'fp32'\nbandwidth = false\n" + variants)
+    return path
+
+
 def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, write_toml, capsys):
     from harness import results as res
 
-    (tmp_path / "e.toml").write_text(
-        "[experiment]\nname = 'e'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
-        "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"
-        "[variants.b]\nattn_implementation = 'eager'\n")
+    _tiny_experiment(tmp_path)
     p = write_toml("[blog]\nsources = { moe = 'e' }\n"
                    "[[blog.steps]]\nname = 'cut'\nsweep = 'e.toml'\nargs = ['--variants', 'a']\n"
                    "[[blog.steps]]\nname = 'big'\nsweep = 'e.toml'\nmin_gpu_gib = 100\n"
@@ -223,6 +267,67 @@ def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, wr
     reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
     out = capsys.readouterr().out
     assert "the report's figures: 1 of 2 points left" in out and "the appendix's tables: 3 of 4 points left" in out
+
+
+def test_a_together_group_is_done_only_when_its_rows_come_from_one_run():
+    from datetime import datetime, timezone
+    from types import SimpleNamespace as P
+
+    pts = [P(point_id=v, variant=v, model="m", seq_len=8192) for v in ("stock", "liger", "user")]
+    now = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc).timestamp()
+
+    def rows(*spec):  # (variant, minutes before now, code)
+        return {v: {"point_id": v, "recorded_at": datetime.fromtimestamp(now - 60 * ago, timezone.utc).isoformat(),
+                    "env": {"code_sha": code}} for v, ago, code in spec}
+
+    todo = reproduce.group_todo
+    assert todo(pts, {}, "c", now, 60) == (pts, False)  # nothing yet: run them all, nothing to overwrite
+    assert todo(pts, rows(("stock", 50, "c"), ("liger", 45, "c"), ("user", 40, "c")), "c", now, 60) == ([], False)
+    # stock ran minutes ago with this code: the other two join its run
+    assert todo(pts, rows(("stock", 5, "c")), "c", now, 60) == (pts[1:], False)
+    # ...but not when they could not finish within the half hour, or the code has changed since
+    assert todo(pts, rows(("stock", 29, "c")), "c", now, 60) == (pts, True)  # 29 + 2 x 1 min > 30
+    assert todo(pts, rows(("stock", 5, "old")), "c", now, 60) == (pts, True)
+    # all three there, but stock from a day earlier: the three again, side by side
+    assert todo(pts, rows(("stock", 1440, "c"), ("liger", 5, "c"), ("user", 4, "c")), "c", now, 60) == (pts, True)
+
+
+def test_a_together_step_runs_each_group_cut_to_its_model_and_length(tmp_path, write_toml, capsys):
+    from harness import results as res
+
+    _tiny_experiment(tmp_path)
+    p = write_toml("[blog]\nsources = { moe = 'e' }\n"
+                   "[[blog.steps]]\nname = 'roles'\nsweep = 'e.toml'\ntogether = true\nestimate_s = 1\n", "plan.toml")
+    step = plan.load(p).steps[0]
+    pt = experiment.load(tmp_path / "e.toml").points()[0]  # T=64, variant a: a day old
+    res.append_row(res.results_path(tmp_path / "r", "e", "cpu"),
+                   {"kind": "step", "status": "ok", "point_id": pt.point_id, "variant": "a",
+                    "recorded_at": "2026-01-01T00:00:00+00:00", "env": {"code_sha": "old"}})
+    assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (4, 4)
+    cmds = reproduce._commands(step, tmp_path, tmp_path / "r", "cpu")
+    assert [c[c.index("--seq-lens") + 1] for c in cmds] == ["64", "128"]
+    assert cmds[0][-4:] == ["--variants", "a", "b", "--overwrite"] and cmds[1][-3:] == ["--variants", "a", "b"]
+    assert reproduce.run(p, results=tmp_path / "r", dry_run=True) == 0
+    assert capsys.readouterr().err.count("run roles") == 2
+
+
+def test_a_together_step_holds_only_stock_the_peer_and_enable_to_one_run(tmp_path, write_toml):
+    from harness import results as res
+
+    _tiny_experiment(tmp_path, "baseline = 'a'\n[variants.a]\nrole = 'stock'\n[variants.b]\nrole = 'ours'\n"
+                     "attn_implementation = 'eager'\n[variants.u]\nrole = 'ours-default'\nstack = 'user'\n")
+    p = write_toml("[blog]\nsources = { moe = 'e' }\n"
+                   "[[blog.steps]]\nname = 'roles'\nsweep = 'e.toml'\ntogether = true\nestimate_s = 1\n", "plan.toml")
+    step = plan.load(p).steps[0]
+    path = res.results_path(tmp_path / "r", "e", "cpu")
+    for pt in experiment.load(tmp_path / "e.toml").points():
+        if pt.seq_len == 64:  # stock and enable() a day apart; ours' setting ran once, whenever
+            when = {"a": "2026-01-01T00:00:00", "b": "2026-01-01T00:00:00", "u": "2026-01-02T00:00:00"}[pt.variant]
+            res.append_row(path, {"kind": "step", "status": "ok", "point_id": pt.point_id, "variant": pt.variant,
+                                  "recorded_at": when + "+00:00", "env": {"code_sha": "old"}})
+    cmds = [c[c.index("--seq-lens") + 1:] for c in reproduce._commands(step, tmp_path, tmp_path / "r", "cpu")]
+    assert cmds == [["64", "--variants", "a", "u", "--overwrite"],  # b keeps its row
+                    ["128", "--variants", "a", "u"], ["128", "--variants", "b"]]
 
 
 def test_a_bench_step_is_done_once_its_command_wrote_rows(tmp_path):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from harness import results as res
 from harness.report.fmt import _f, _natural, _stat
-from harness.report.runs import _one_run
+from harness.report.runs import _one_run, split_runs
 from harness.report.blog.style import gpu_short
 
 OURS = ("ours", "ours-default")
@@ -49,7 +49,8 @@ def _median_repeat(rows: list[dict]) -> dict | None:
     return ok[(len(ok) - 1) // 2] if ok else None
 
 
-def _role_of(r: dict) -> set[str]:
+def role_of(r: dict) -> set[str]:
+    """The roles (stock, peer, default, best) a row, or a point's fields, plays in the report."""
     roles = set()
     if r.get("role") == "stock" and r.get("variant") == r.get("baseline_variant"):
         roles.add("stock")
@@ -62,9 +63,25 @@ def _role_of(r: dict) -> set[str]:
     return roles
 
 
+SIDE_BY_SIDE = ("stock", "peer", "default")  # what a reader compares: measured in one run where one has all three
+
+
+def _side_by_side(here: list[dict]) -> list[dict] | None:
+    """The newest run (``split_runs``) whose ok rows hold stock, the peer and enable() at this point,
+    where there is one."""
+    for run in reversed(split_runs([r for r in here if r.get("status") == "ok"])):
+        roles = set().union(*(role_of(r) for r in run))
+        if all(role in roles for role in SIDE_BY_SIDE):
+            return run
+    return None
+
+
 def role_points(rows: list[dict]) -> list[RolePoint]:
     """One point per (GPU, model, length) on one GPU, with the row of each role it measured. Best is
-    the fastest ok variant of ours (its median repeat); the others are their one variant."""
+    the fastest ok variant of ours (its median repeat); the others are their one variant. Where one
+    run measured stock, the peer and enable() side by side, each role is read from the newest such
+    run (best too, when that run ran a setting of ours beyond the defaults), so the ratios compare rows of one run;
+    elsewhere each role's variant takes its median repeat over every run."""
     steps = [r for r in rows if r.get("kind") == "step" and int(_f(r.get("gpus")) or 1) == 1]
     keys = sorted({(r.get("gpu_slug") or "unknown", str(r.get("model")), int(_f(r.get("seq_len")) or 0))
                    for r in steps}, key=lambda k: (k[0], _natural(k[1]), k[2]))
@@ -73,8 +90,12 @@ def role_points(rows: list[dict]) -> list[RolePoint]:
         here = [r for r in steps if (r.get("gpu_slug") or "unknown", str(r.get("model")),
                                      int(_f(r.get("seq_len")) or 0)) == (gpu, model, t)]
         pt = RolePoint(gpu=gpu, device=str(here[0].get("device_name") or gpu), model=model, seq_len=t)
+        run = _side_by_side(here)
         for role in ("stock", "peer", "default", "best"):
-            cand = [r for r in here if role in _role_of(r)]
+            cand = [r for r in here if role in role_of(r)]
+            if run is not None and (any(r.get("role") == "ours" for r in run) if role == "best"
+                                    else any(role in role_of(r) for r in run)):
+                cand = [r for r in run if role in role_of(r)]
             by_variant: dict[str, list[dict]] = {}
             for r in cand:
                 by_variant.setdefault(str(r.get("variant")), []).append(r)

@@ -26,6 +26,9 @@ class Step:
     min_gpu_gib: float = 0.0  # skipped on GPUs with less memory (Qwen3-32B needs the H200)
     estimate_s: float = 300.0  # the longest a single point or bench takes: no start with less left
     appendix: bool = False  # only the per-experiment tables read it: the report's figures do not wait on it
+    # the cut's variants at each (model, length) are compared side by side: done only when their rows
+    # come from one run, else run again together (reproduce.group_todo)
+    together: bool = False
 
     @property
     def label(self) -> str:
@@ -89,7 +92,8 @@ def load(path: Path | str) -> Plan:
         key = f"blog.steps[{i}]"
         if not isinstance(s, dict) or (("sweep" in s) == ("bench" in s)):
             raise ExperimentError(path, key, "needs exactly one of sweep = \"<file>.toml\" or bench = \"<module>\"")
-        extra = set(s) - {"name", "sweep", "bench", "args", "experiment", "min_gpu_gib", "estimate_s", "appendix"}
+        extra = set(s) - {"name", "sweep", "bench", "args", "experiment", "min_gpu_gib", "estimate_s", "appendix",
+                          "together"}
         if extra:
             raise ExperimentError(path, key, f"unknown keys {sorted(extra)}")
         if "sweep" in s and not (path.parent / s["sweep"]).is_file():
@@ -99,14 +103,18 @@ def load(path: Path | str) -> Plan:
         args = s.get("args", [])
         if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) for a in args):
             raise ExperimentError(path, f"{key}.args", f"must be a list of command-line words, not {args!r}")
-        if not isinstance(s.get("appendix", False), bool):
-            raise ExperimentError(path, f"{key}.appendix", f"must be true or false, not {s['appendix']!r}")
+        for flag in ("appendix", "together"):
+            if not isinstance(s.get(flag, False), bool):
+                raise ExperimentError(path, f"{key}.{flag}", f"must be true or false, not {s[flag]!r}")
+        if s.get("together") and "sweep" not in s:
+            raise ExperimentError(path, f"{key}.together", "applies to a sweep step only")
         name = str(s.get("name") or s.get("sweep") or s.get("bench"))
         if name in seen:
             raise ExperimentError(path, f"{key}.name", f"{name!r} names two steps: give each a distinct name")
         seen.add(name)
         steps.append(Step(name=name, sweep=s.get("sweep"), bench=s.get("bench"), args=tuple(map(str, args)),
                           experiment=s.get("experiment"), min_gpu_gib=float(s.get("min_gpu_gib", 0)),
-                          estimate_s=float(s.get("estimate_s", 300)), appendix=s.get("appendix", False)))
+                          estimate_s=float(s.get("estimate_s", 300)), appendix=s.get("appendix", False),
+                          together=s.get("together", False)))
     return Plan(path=path, title=str(blog.get("title") or "Benchmark report"), sources=sources,
                 seeds=blog.get("seeds") or {}, steps=tuple(steps), gate=gate)
