@@ -53,23 +53,21 @@ def _latest_finished(path: Path) -> dict[str, dict]:
 
 
 def group_todo(points: list, latest: dict[str, dict], code: str | None, now: float, estimate_s: float):
-    """What a ``together`` step still runs of one (model, length) group's side-by-side points:
-    ``([], False)`` when the
-    newest finished rows of all its points come from one run; the missing points alone when the
-    rows there are this code's and recent enough that the rest can join their run (within
-    SAME_RUN_MINUTES, each point taking up to ``estimate_s``); else every point again, overwriting
-    (``(points, True)``), so that stock, the peer and ours are measured side by side."""
+    """What a ``together`` step still runs of one (model, length) group's side-by-side points, as
+    ``(points, overwrite)``: nothing when the newest finished rows of all of them come from one run;
+    the points outside the newest run when that run is this code's and recent enough that they can
+    still join it (within SAME_RUN_MINUTES, each taking up to ``estimate_s``); else all of them
+    again. ``overwrite`` when a point to run already has a row (the sweep skips it otherwise)."""
     have = [latest[p.point_id] for p in points if p.point_id in latest]
-    if not have:
-        return list(points), False
-    one = runs._one_run(have)
-    if len(have) == len(points) and one is not False:
+    if len(have) == len(points) and runs._one_run(have) is not False:
         return [], False
-    times = [runs._when(r) for r in have]
-    missing = [p for p in points if p.point_id not in latest]
-    fresh = (one is not False and None not in times and runs._code_ids(have) <= {code}
-             and now - min(t.timestamp() for t in times) + len(missing) * estimate_s <= runs.SAME_RUN_MINUTES * 60)
-    return (missing, False) if fresh else (list(points), True)
+    newest = runs.split_runs(have)[-1] if have else []
+    ids = {r.get("point_id") for r in newest}
+    rest = [p for p in points if p.point_id not in ids]
+    fresh = bool(newest) and runs._code_ids(newest) <= {code} and \
+        now - runs._when(newest[0]).timestamp() + len(rest) * estimate_s <= runs.SAME_RUN_MINUTES * 60
+    todo = rest if fresh else list(points)
+    return todo, any(p.point_id in latest for p in todo)
 
 
 def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):

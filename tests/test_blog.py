@@ -288,8 +288,14 @@ def test_a_together_group_is_done_only_when_its_rows_come_from_one_run():
     # ...but not when they could not finish within the half hour, or the code has changed since
     assert todo(pts, rows(("stock", 29, "c")), "c", now, 60) == (pts, True)  # 29 + 2 x 1 min > 30
     assert todo(pts, rows(("stock", 5, "old")), "c", now, 60) == (pts, True)
-    # all three there, but stock from a day earlier: the three again, side by side
-    assert todo(pts, rows(("stock", 1440, "c"), ("liger", 5, "c"), ("user", 4, "c")), "c", now, 60) == (pts, True)
+    # all three there, but stock from a day earlier: stock again, to join the other two's run
+    assert todo(pts, rows(("stock", 1440, "c"), ("liger", 5, "c"), ("user", 4, "c")), "c", now, 60) == (pts[:1], True)
+    # a re-run stopped after its first point: the next call finishes that run, not a new one
+    assert todo(pts, rows(("stock", 3, "c"), ("liger", 1440, "old"), ("user", 1440, "old")), "c", now, 60) == \
+        (pts[1:], True)
+    # all three stale: all three again
+    assert todo(pts, rows(("stock", 1440, "c"), ("liger", 1440, "old"), ("user", 1440, "old")), "c", now, 60) == \
+        (pts, True)
 
 
 def test_a_together_step_runs_each_group_cut_to_its_model_and_length(tmp_path, write_toml, capsys):
