@@ -61,11 +61,11 @@ def group_todo(points: list, latest: dict[str, dict], code: str | None, now: flo
     have = [latest[p.point_id] for p in points if p.point_id in latest]
     if len(have) == len(points) and runs._one_run(have) is not False:
         return [], False
-    newest = runs.split_runs(have)[-1] if have else []
-    ids = {r.get("point_id") for r in newest}
-    rest = [p for p in points if p.point_id not in ids]
-    fresh = bool(newest) and runs._code_ids(newest) <= {code} and \
-        now - runs._when(newest[0]).timestamp() + len(rest) * estimate_s <= runs.SAME_RUN_MINUTES * 60
+    newest = runs._runs(have)[-1] if have else []
+    started = runs._when(newest[0]) if newest else None  # None: rows without a recording time
+    rest = [p for p in points if p.point_id not in {r.get("point_id") for r in newest}]
+    fresh = started is not None and runs._code_ids(newest) <= {code} and \
+        now - started.timestamp() + len(rest) * estimate_s <= runs.SAME_RUN_MINUTES * 60
     todo = rest if fresh else list(points)
     return todo, any(p.point_id in latest for p in todo)
 

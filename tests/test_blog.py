@@ -89,14 +89,6 @@ def _at(row, when, code):
     return row
 
 
-def test_runs_split_on_the_code_and_on_half_an_hour():
-    from harness.report.runs import split_runs
-
-    a, b, c, d = (_at(_row("v", 1), "10:00", "x"), _at(_row("v", 2), "10:25", "x"),
-                  _at(_row("v", 3), "10:40", "x"), _at(_row("v", 4), "10:05", "y"))
-    assert [[r["step_ms"]["p50"] for r in run] for run in split_runs([c, d, b, a])] == [[1, 2], [4], [3]]
-
-
 def test_a_point_reads_its_roles_from_the_newest_run_that_measured_them_side_by_side():
     old = [_at(_row("stock", 90, role="stock"), "08:00", "old"),  # faster stock, earlier and other code
            _at(_row("graph", 30), "08:05", "old")]

@@ -92,21 +92,3 @@ def _runs(rows: list[dict]) -> list[list[dict]]:
 def _run_label(run: list[dict]) -> str:
     t = _when(run[0]) if run else None
     return t.strftime("%m-%d %H:%M") if t else "unknown"
-
-
-
-
-def split_runs(rows: list[dict]) -> list[list[dict]]:
-    """The rows grouped into runs, oldest first: one code (``_code_ids``) and recorded within
-    SAME_RUN_MINUTES of the run's first row. Rows without a recording time are left out."""
-    timed = sorted(((t, r) for r in rows if (t := _when(r)) is not None), key=lambda tr: tr[0])
-    runs: list[tuple] = []  # (first time, code id, rows)
-    for t, r in timed:
-        code = next(iter(_code_ids([r])), None)
-        for start, c, members in reversed(runs):
-            if c == code and (t - start).total_seconds() <= SAME_RUN_MINUTES * 60:
-                members.append(r)
-                break
-        else:
-            runs.append((t, code, [r]))
-    return [members for _, _, members in runs]

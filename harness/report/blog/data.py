@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from harness import results as res
 from harness.report.fmt import _f, _natural, _stat
-from harness.report.runs import _one_run, split_runs
+from harness.report.runs import _one_run, _runs, _when
 from harness.report.blog.style import gpu_short
 
 OURS = ("ours", "ours-default")
@@ -67,9 +67,9 @@ SIDE_BY_SIDE = ("stock", "peer", "default")  # what a reader compares: measured 
 
 
 def _side_by_side(here: list[dict]) -> list[dict] | None:
-    """The newest run (``split_runs``) whose ok rows hold stock, the peer and enable() at this point,
-    where there is one."""
-    for run in reversed(split_runs([r for r in here if r.get("status") == "ok"])):
+    """The newest run (``runs._runs``, rows with a recording time) whose ok rows hold stock, the peer
+    and enable() at this point, where there is one."""
+    for run in reversed([run for run in _runs([r for r in here if r.get("status") == "ok"]) if _when(run[0])]):
         roles = set().union(*(role_of(r) for r in run))
         if all(role in roles for role in SIDE_BY_SIDE):
             return run
