@@ -38,6 +38,7 @@ into the compiled layers 220.1 ms.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,10 +211,17 @@ def _graphs(model: nn.Module) -> int | None:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:
         return None
-    codes = set()
-    for m in decoder_layers(model):
-        codes.add(type(m).forward.__code__)
-        body = _checkpointed_body(m)
-        if body is not None:
-            codes.add(body.__code__)
+    codes = set().union(*(layer_codes(m) for m in decoder_layers(model)))
     return sum(len(_debug_get_cache_entry_list(code)) for code in codes)
+
+
+def layer_codes(layer: nn.Module) -> set:
+    """The code objects dynamo caches a layer's compiled graphs on: its forward and, where
+    transformers checkpoints inside it, the body's own function. A decorator around the body (5.24's
+    ``deprecate_kwarg``) is left out: its one code object is shared by every function it wraps,
+    attention's forward included, so its cache entries are not this layer's alone."""
+    codes = {type(layer).forward.__code__}
+    body = _checkpointed_body(layer)
+    if body is not None:
+        codes.add(inspect.unwrap(body).__code__)
+    return codes

@@ -74,10 +74,7 @@ def test_compiled_layers_match_eager(name, moe_backend):
 def _graphs_per_layer_code(model) -> int:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    layer = R.decoder_layers(model)[0]
-    codes = [type(layer).forward.__code__, torch.nn.Module._call_impl.__code__]
-    if R._checkpointed_body(layer) is not None:
-        codes.append(R._checkpointed_body(layer).__code__)
+    codes = R.layer_codes(R.decoder_layers(model)[0]) | {torch.nn.Module._call_impl.__code__}
     return max(len(_debug_get_cache_entry_list(c)) for c in codes)
 
 
