@@ -178,7 +178,8 @@ def cmd_reproduce(args) -> int:
     try:
         if args.status:
             return reproduce.status(args.plan, args.status, args.gpu_gib, results=args.results)
-        return reproduce.run(args.plan, minutes=args.minutes, results=args.results, dry_run=args.dry_run)
+        return reproduce.run(args.plan, minutes=args.minutes, results=args.results, dry_run=args.dry_run,
+                             steps=args.step)
     except ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start nothing that the steps' estimates say would end later than this (default: 9)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    p.add_argument("--step", action="append", metavar="NAME",
+                   help="run only this step of the plan (its name as --status lists it, without \"(appendix)\"); "
+                        "repeat for more, in the plan's order")
     p.add_argument("--status", metavar="GPU", help="what is left on this GPU type (its results/ name, "
                    "e.g. nvidia-h200), from the rows alone; runs nothing and needs no GPU")
     p.add_argument("--gpu-gib", type=float, help="with --status: the GPU's memory (default: what its rows recorded)")

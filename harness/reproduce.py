@@ -6,7 +6,8 @@ by itself and is told to start no point after the budget minus its estimate. A b
 when its experiment's results on this GPU hold a row its command wrote. A step whose
 ``min_gpu_gib`` is above this GPU's memory is skipped, and says so. Rerun the same command until
 it prints "done"; each call ends within about ``--minutes``. ``--status SLUG`` says what is left
-on a GPU type from the rows alone, on any machine."""
+on a GPU type from the rows alone, on any machine; ``--step NAME`` (repeatable) runs only those
+steps, for a reader who wants one section's rows first."""
 
 from __future__ import annotations
 
@@ -164,9 +165,23 @@ def _commands(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) ->
             for pts, over in todo]
 
 
-def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "results", dry_run: bool = False) -> int:
+def _chosen(plan: plan_file.Plan, names) -> list[plan_file.Step]:
+    """The plan's steps named in ``names`` (all of them when none), in the plan's order."""
+    if not names:
+        return list(plan.steps)
+    known = {s.name for s in plan.steps}
+    if unknown := [n for n in names if n not in known]:
+        raise experiment.ExperimentError(plan.path, "blog.steps", f"no step named {', '.join(map(repr, unknown))} "
+                                         f"(the plan's steps: {', '.join(repr(s.name) for s in plan.steps)})")
+    return [s for s in plan.steps if s.name in set(names)]
+
+
+def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "results", dry_run: bool = False,
+        steps=None) -> int:
+    """Run the plan's pending steps (only those named in ``steps``, if given) within ``minutes``."""
     plan = plan_file.load(plan_path)
     plan_dir, results = plan.path.parent, Path(results)
+    chosen = _chosen(plan, steps)
     name, gib = _gpu()
     if name == "cpu" and not dry_run:
         print("error: the plan's sweeps and benches need a CUDA GPU (--dry-run lists them)", file=sys.stderr)
@@ -174,7 +189,7 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
     slug = res.gpu_slug(name)
     start, budget = time.monotonic(), minutes * 60
     left = []
-    for step in plan.steps:
+    for step in chosen:
         if step.min_gpu_gib and gib < step.min_gpu_gib:
             print(f"skip {step.name}: needs a GPU of {step.min_gpu_gib:g} GiB, this one has {gib:.0f}", file=sys.stderr)
             continue
@@ -207,5 +222,6 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
     if left:
         print(f"not finished within {minutes:g} min: {', '.join(left)}; run the same command again", file=sys.stderr)
         return 3
-    print(f"done: every step of {plan.path.name} has its rows on {name}", file=sys.stderr)
+    what = "every step" if len(chosen) == len(plan.steps) else ", ".join(s.label for s in chosen)
+    print(f"done: {what} of {plan.path.name} has its rows on {name}", file=sys.stderr)
     return 0

@@ -228,6 +228,19 @@ def test_reproduce_on_a_machine_without_a_gpu_refuses_and_dry_runs(tmp_path, cap
     assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b" in err
 
 
+def test_reproduce_runs_only_the_named_steps_and_names_the_plans_steps_when_one_is_unknown(tmp_path, capsys):
+    assert reproduce.run(PLAN, results=tmp_path, dry_run=True, steps=["moe", "packing cache pairs"]) == 0
+    err = capsys.readouterr().err
+    ran = [ln.split(":")[0] for ln in err.splitlines() if ln.startswith("run ")]
+    assert ran == ["run packing cache pairs", "run moe"], err  # the plan's order, not the arguments'
+    with pytest.raises(ExperimentError, match=r"no step named 'packing cash pairs'.*'packing cache pairs'"):
+        reproduce.run(PLAN, results=tmp_path, dry_run=True, steps=["packing cash pairs"])
+    from harness import cli
+
+    assert cli.main(["reproduce", str(PLAN), "--dry-run", "--step", "nope"]) == 2
+    assert "no step named 'nope'" in capsys.readouterr().err
+
+
 def _tiny_experiment(tmp_path, variants: str = "[variants.a]\nattn_implementation = 'sdpa'\n"
                                                  "[variants.b]\nattn_implementation = 'eager'\n") -> Path:
     """experiments file ``e`` beside the plan: a tiny Qwen3 at 64 and 128 tokens on the CPU."""
