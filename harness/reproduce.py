@@ -3,7 +3,8 @@ of ``experiments/blog.toml``) on this GPU, in order, resumably, and stop before 
 
 A sweep step is done when every point of its (cut) experiment has a finished row here; it resumes
 by itself and is told to start no point after the budget minus its estimate. A bench step is done
-when its experiment's results on this GPU hold a row its command wrote. A step whose
+when its experiment's results on this GPU hold rows its command wrote, for every model and length
+it names. A step whose
 ``min_gpu_gib`` is above this GPU's memory is skipped, and says so. Rerun the same command until
 it prints "done"; each call ends within about ``--minutes``. ``--status SLUG`` says what is left
 on a GPU type from the rows alone, on any machine; ``--step NAME`` (repeatable) runs only those
@@ -104,7 +105,27 @@ def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) 
         ids = [p.point_id for p in exp.points()]
         return sum(i not in done for i in ids), len(ids)
     rows = res.read_rows(res.results_path(results, str(step.experiment), slug))
-    return int(not any(_ran(step, str(r.get("command") or "")) for r in rows)), 1
+    return int(not _covered(step, [r for r in rows if _ran(step, str(r.get("command") or ""))])), 1
+
+
+# a bench's options that name what it measures, and the row field that records each value
+_NAMES = {"--model": "model", "--models": "model", "--seq-len": "length", "--lengths": "length", "--tokens": "length"}
+
+
+def _covered(step: plan_file.Step, rows: list[dict]) -> bool:
+    """Whether the rows a bench step's command wrote hold every model and length its arguments
+    name: a bench writes each model's or length's rows as it finishes them, so one stopped halfway
+    (out of time, killed) has rows for part of what it was asked, and is not done."""
+    named: dict[str, set] = {}
+    field = None
+    for word in step.args:
+        if word.startswith("--"):
+            field = _NAMES.get(word)
+        elif field:
+            named.setdefault(field, set()).add(int(word) if field == "length" else word)
+    have = {"model": {r.get("model") for r in rows},
+            "length": {r.get(k) for r in rows for k in ("seq_len", "tokens")}}
+    return bool(rows) and all(values <= have[f] for f, values in named.items())
 
 
 def pending(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> bool:

@@ -29,7 +29,7 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
         else:
             assert (ROOT / "harness" / "bench" / f"{step.bench}.py").is_file()
     # what does not fit in 80 GB runs on the H200 only
-    assert {s.name for s in p.steps if s.min_gpu_gib > 80} >= {"user-moe qwen3-30b-a3b", "offload bench qwen3-32b"}
+    assert {s.name for s in p.steps if s.min_gpu_gib > 80} >= {"user-moe qwen3-30b-a3b", "offload bench qwen3-32b 2048"}
     # the full ablation sweeps come last, after every step the report's figures read
     flags = [s.appendix for s in p.steps]
     assert any(flags) and flags == sorted(flags)
@@ -225,7 +225,7 @@ def test_reproduce_on_a_machine_without_a_gpu_refuses_and_dry_runs(tmp_path, cap
     assert "need a CUDA GPU" in capsys.readouterr().err
     assert reproduce.run(PLAN, results=tmp_path, dry_run=True) == 0
     err = capsys.readouterr().err
-    assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b" in err
+    assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b 8192" in err
 
 
 def test_reproduce_runs_only_the_named_steps_and_names_the_plans_steps_when_one_is_unknown(tmp_path, capsys):
@@ -341,14 +341,25 @@ def test_a_together_step_holds_only_stock_the_peer_and_enable_to_one_run(tmp_pat
                     ["128", "--variants", "a", "u"], ["128", "--variants", "b"]]
 
 
-def test_a_bench_step_is_done_once_its_command_wrote_rows(tmp_path):
+def test_a_bench_step_is_done_once_its_command_wrote_rows_for_all_it_names(tmp_path):
     from harness import results as res
 
     step = plan.Step(name="b", bench="moe", experiment="moe", args=("--model", "gpt-oss-20b"))
     assert reproduce.pending(step, PLAN.parent, tmp_path, "cpu")
-    res.write_bench_rows(tmp_path, "moe", [{"kind": "moe_syncs", "gpu_slug": "cpu", "device_name": "cpu"}], env={},
+    res.write_bench_rows(tmp_path, "moe", [{"kind": "moe_syncs", "model": "gpt-oss-20b", "tokens": 2048}], env={},
                          command="python -m harness.bench.moe --experiment moe --model gpt-oss-20b --results /x")
     assert not reproduce.pending(step, PLAN.parent, tmp_path, "cpu")
+    # an offload bench killed after its first length wrote that length's rows only: not done;
+    # a step asking for that length alone is
+    cmd = "python -m harness.bench.offload --experiment offload --model qwen3-8b --seq-len 2048 --seq-len 8192"
+    res.write_bench_rows(tmp_path, "offload", [{"kind": "offload_summary", "model": "qwen3-8b", "seq_len": 2048}],
+                         env={}, command=cmd)
+    both = plan.Step(name="o", bench="offload", experiment="offload",
+                     args=("--model", "qwen3-8b", "--seq-len", "2048", "--seq-len", "8192"))
+    assert reproduce.pending(both, PLAN.parent, tmp_path, "cpu")
+    first = plan.Step(name="o1", bench="offload", experiment="offload", args=("--model", "qwen3-8b", "--seq-len", "2048"))
+    second = plan.Step(name="o2", bench="offload", experiment="offload", args=("--model", "qwen3-8b", "--seq-len", "8192"))
+    assert not reproduce.pending(first, PLAN.parent, tmp_path, "cpu") and reproduce.pending(second, PLAN.parent, tmp_path, "cpu")
 
 
 def test_a_sweep_past_its_stop_after_starts_nothing_and_leaves_the_rest_to_a_rerun(tmp_path, write_toml):
