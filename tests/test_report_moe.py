@@ -148,3 +148,32 @@ def test_sides_follow_roles_not_names():
     rows = [{"variant": "baseline-a", "role": "stock"}, {"variant": "mine", "role": "ours"},
             {"variant": "mine-default", "role": "ours-default"}, {"variant": "x-merged", "role": "ablation"}]
     assert moe._moe_sides(rows) == (["baseline-a"], ["mine", "mine-default"])
+
+
+def test_the_blogs_moe_tables_keep_two_gpus_bench_rows_apart(tmp_path):
+    """The bench keys its rows by model and tokens: with an H100's and an H200's rows together
+    (as reports/README.md reads them), each table row names its GPU and neither GPU's rows hide the
+    other's."""
+    from harness.report.blog import moe as blog_moe
+
+    def on(gpu: str, scale: float) -> list[dict]:
+        out = []
+        for r in _moe_rows():
+            r = {**r, "gpu_slug": gpu.lower().replace(" ", "-"), "device_name": gpu}
+            for k in ("forward_ms", "backward_ms"):
+                if isinstance(r.get(k), dict):
+                    r[k] = {q: v * scale for q, v in r[k].items()}
+            out.append(r)
+        return out
+
+    rows = on("NVIDIA H100 80GB HBM3", 1.0) + on("NVIDIA H200", 0.5)
+    text, _ = blog_moe.section(rows, SPEC, {}, tmp_path, tmp_path)
+    # loop → sorted: the H100's 10.0 → 8.00 forward and the H200's, at half the time
+    assert "| H100 | gpt-oss-20b | 2048 | 10.0 → 8.00 | 5.00 → 4.50 |" in text
+    assert "| H200 | gpt-oss-20b | 2048 | 5.00 → 4.00 | 2.50 → 2.25 |" in text
+    assert "| H100 | gpt-oss-20b | 2048 | 64 | 15,480 / 11,610 | 90.0 → 15.0 | 12.0 → 5.00 (grouped_mm) | 2.40× |" in text
+    assert "| H200 | gpt-oss-20b | 2048 | 64 | 15,480 / 11,610 | 90.0 → 15.0 | 6.00 → 2.50 (grouped_mm) | 2.40× |" in text
+    targets = moe.moe_targets_md(rows, SPEC)
+    assert "(gpt-oss-20b T=2048, NVIDIA H100 80GB HBM3)" in targets and "(gpt-oss-20b T=2048, NVIDIA H200)" in targets
+    assert "T=2048)" not in targets  # one GPU's rows alone carry no GPU, two always do
+    assert "(gpt-oss-20b T=2048)" in moe.moe_targets_md(on("NVIDIA H200", 1.0), SPEC)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.report.fmt import _f, _natural, _stat, _table
-from harness.report.moe import moe_crossover_md, moe_gap_md, moe_routing
+from harness.report.moe import CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_gap_md, moe_routing
 from harness.report.blog import figures
 from harness.report.blog.common import Headline, cell, ms, split_table, stock_caveats, times
 from harness.report.blog.data import RolePoint, role_points
@@ -32,20 +32,35 @@ def _gain(pct) -> str:
     return "–" if pct is None else f"{pct:+.0f} %" if pct < 100 else times(1 + pct / 100)
 
 
+def _per_gpu(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The rows split by GPU (the microbenchmarks key their rows by model and tokens alone, so two
+    GPUs' rows must not meet in one table without the GPU beside them)."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(str(r.get("gpu_slug")), []).append(r)
+    return [(gpu_short(rs[0].get("device_name")), rs) for _, rs in sorted(by.items())]
+
+
 def _routing_md(rows: list[dict], seeds: dict) -> str:
-    pts = moe_routing(rows)
-    if not pts:
-        return ""
-    body = [[p["model"], p["tokens"],
+    body = [[gpu, p["model"], p["tokens"],
              f"{ms(_stat(p['backends'].get('loop'), 'forward_ms'))} → {ms(_stat(p['backends'].get('sorted'), 'forward_ms'))}",
              f"{ms(_stat(p['backends'].get('loop'), 'backward_ms'))} → {ms(_stat(p['backends'].get('sorted'), 'backward_ms'))}",
              _gain(p["sorted_over_loop_forward_ms"]), _gain(p["sorted_over_loop_backward_ms"])]
-            for p in pts]
+            for gpu, rs in _per_gpu(rows) for p in moe_routing(rs)]
+    if not body:
+        return ""
     claim = (f" The seeds measured +{seeds.get('forward_ms'):g} % forward and +{seeds.get('backward_ms'):g} % "
              "backward on the routing path (B200).") if seeds else ""
     return ("**The routing path alone** (gather rows per expert, weight, scatter back; no expert GEMMs), "
             "loop → sorted, p50 ms." + claim + "\n\n"
-            + _table(["model", "tokens", "forward ms", "backward ms", "forward gain", "backward gain"], body))
+            + _table(["GPU", "model", "tokens", "forward ms", "backward ms", "forward gain", "backward gain"], body))
+
+
+def _crossover_md(rows: list[dict]) -> str:
+    body = [[gpu, *line] for gpu, rs in _per_gpu(rows) for line in moe_crossover_body(rs)]
+    if not body:
+        return ""
+    return "**Split LoRA's crossover.**\n\n" + _table(["GPU", *CROSSOVER_HEADER], body) + "\n\n" + CROSSOVER_NOTE
 
 
 def _seeds_table(points: list[RolePoint], model: str, seeds: dict) -> str:
@@ -90,8 +105,8 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
                      "queries costs c = (loop − sorted)/(E − 1) on the routing path; (E − 1)·c predicts the "
                      "saving per layer at each token count.\n\n"
                      + embed(fig, "MoE routing: predicted against measured saving", readme_dir))
-    if cross := moe_crossover_md(rows):
-        parts.append(cross.replace("#### Split LoRA crossover", "**Split LoRA's crossover.**"))
+    if cross := _crossover_md(rows):
+        parts.append(cross)
     rp = role_points(rows)
     for model in sorted({p.model for p in rp}, key=_natural):
         parts.append(_seeds_table(rp, model, seeds_ms.get(model, {})))
