@@ -383,3 +383,17 @@ def test_bandwidth_on_a_third_gpu_type_keeps_within_the_line_budget(tmp_path):
             ax.plot(*zip(*pts), label=f"{g}, {kind}")
         ax.axhline(63.0, label="ceiling")
         style.legend_outside(fig, [ax])
+
+
+def test_the_peers_table_claims_no_run_where_one_role_alone_was_measured():
+    from harness.report.blog.common import peers_table
+
+    def row(variant: str, p50: float, when: str) -> dict:
+        return {"variant": variant, "status": "ok", "step_ms": {"p20": p50, "p50": p50, "p80": p50},
+                "recorded_at": when, "env": {"code_sha": "c"}}
+
+    alone = data.RolePoint("gpu-x", "NVIDIA H200", "m", 16384, rows={"best": row("packed-flex", 615.9, "2026-01-01T00:00:00+00:00")})
+    pair = data.RolePoint("gpu-x", "NVIDIA H200", "m", 2048, rows={"stock": row("s", 400.0, "2026-01-01T00:00:00+00:00"),
+                                                                "best": row("o", 200.0, "2026-01-01T00:05:00+00:00")})
+    lines = peers_table([alone, pair]).splitlines()
+    assert lines[2].endswith("| `packed-flex` | – |") and lines[3].endswith("| `o` | yes |"), lines

@@ -35,13 +35,14 @@ def cell(p: RolePoint, role: str) -> str:
 
 def peers_table(points: list[RolePoint]) -> str:
     """Per GPU, model and length: each role's median step (and its speed-up over stock), the best
-    variant's name, and whether the four come from one run."""
+    variant's name, and whether the four come from one run ("–" where one role alone was measured:
+    nothing to compare)."""
     body = []
     for p in points:
         best = p.rows.get("best")
+        together = "–" if len(p.rows) < 2 else {True: "yes", False: "no", None: "?"}[p.one_run()]
         body.append([p.gpu_name, p.model, p.seq_len, *(cell(p, r) for r in ROLES),
-                     f"`{best.get('variant')}`" if best else "–",
-                     {True: "yes", False: "no", None: "?"}[p.one_run()]])
+                     f"`{best.get('variant')}`" if best else "–", together])
     return _table(["GPU", "model", "tokens", *(f"{ROLE_LABEL[r]} ms" for r in ROLES), "best variant", "one run"], body)
 
 
