@@ -407,6 +407,26 @@ def test_step_time_plot_has_its_legend_below_the_axes_inside_the_figure_and_a_lo
     assert all(ax.get_legend() is None for ax in fig.axes)
 
 
+def test_the_speedup_bars_keep_each_variants_colour_from_the_step_time_plot(tmp_path, monkeypatch):
+    import pandas as pd
+    from matplotlib.colors import to_hex
+
+    from harness.report import plots
+
+    seen = []
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: seen.append(fig) or path)
+    steps = _many_variant_steps(4)  # variant-00, the baseline, sorts first: without it the rest shift
+    plots.plot_step_time(steps, tmp_path / "s.png")
+    sp = pd.DataFrame([{"model": "gpt-oss-20b", "seq_len": 1024, "variant": f"variant-{i:02d}", "speedup": 1.0 + i,
+                        "baseline_variant": "variant-00",
+                        "gpus": 1} for i in (1, 2, 3)])
+    plots.plot_speedup(sp, tmp_path / "b.png", steps)
+    line_colour = {c.get_label(): to_hex(c.lines[0].get_color()) for c in seen[0].axes[0].containers}
+    bar_colour = {c.get_label(): to_hex(c.patches[0].get_facecolor()) for c in seen[1].axes[0].containers}
+    assert set(bar_colour) == {"variant-01", "variant-02", "variant-03"}
+    assert all(bar_colour[v] == line_colour[v] for v in bar_colour), (bar_colour, line_colour)
+
+
 def test_a_narrow_range_keeps_a_linear_axis_and_log_minor_ticks_name_2_3_5_only():
     from matplotlib.figure import Figure
 

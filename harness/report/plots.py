@@ -101,8 +101,13 @@ def by_gpus(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _timed(df_steps: pd.DataFrame) -> pd.DataFrame:
+    """The step-time rows the step-time plot draws: whose variants set every plot's styles."""
+    return by_gpus(df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"]))
+
+
 def plot_step_time(df_steps: pd.DataFrame, path: Path) -> Path | None:
-    df = by_gpus(df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"]))
+    df = _timed(df_steps)
     if df.empty:
         return None
     # Repeats of one point collapse to their median so each (variant, T) is one marker.
@@ -184,13 +189,15 @@ def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_speedup(df_speedup: pd.DataFrame, path: Path) -> Path | None:
+def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | None = None) -> Path | None:
+    """Bars of each variant's speed-up over the baseline; given the step rows (``df_steps``), each
+    variant keeps the colour it has in the step-time plot, the baseline's left unused."""
     if df_speedup.empty:
         return None
     df = by_gpus(df_speedup).groupby(["model", "seq_len", "variant"], as_index=False)["speedup"].median()
     groups = sorted({(m, t) for m, t in zip(df["model"], df["seq_len"])})
     variants = sorted(df["variant"].unique())
-    styles = variant_styles(variants)
+    styles = variant_styles(variants if df_steps is None else {*variants, *_timed(df_steps)["variant"]})
     fig = Figure(figsize=(max(6, 2 + 0.4 * len(groups) * max(1, len(variants))), 4.5))  # 0.4 in a bar
     ax = fig.subplots()
     width = 0.8 / len(variants)

@@ -87,7 +87,7 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
     sp = speedup_frame(df_steps)
     if sp.empty:
         return "### Speedup vs baseline\n\nNo variant has a matching ok baseline point."
-    path = plot_speedup(sp, out_dir / f"{_slug(rows)}-speedup.png")
+    path = plot_speedup(sp, out_dir / f"{_slug(rows)}-speedup.png", df_steps)
     multi = _multi_gpu(sp)
     body = [[r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.repeat, r.baseline_variant, r.variant,
              fmt_ms(r.baseline_step_ms_p50), fmt_ms(r.step_ms_p50), f"{r.speedup:.2f}×"] for r in sp.itertuples()]
