@@ -44,7 +44,8 @@ def test_two_ranks_train_as_one_process_accumulating_both_ranks_batches(tmp_path
     exp = experiment.load(write_toml(EXP.replace("gpus = [2]", "gpus = [1, 2]")))
     sweep.run(exp, tmp_path / "results", progress=False)
     one, row = sorted(_rows(tmp_path), key=lambda r: r["gpus"])
-    assert one["status"] == row["status"] == "ok", (one.get("message"), row.get("message"))
+    # a failed point keeps its log's tail: shown here so that a CI failure says why, not only "exited"
+    assert one["status"] == row["status"] == "ok", [(r.get("message"), r.get("log_tail")) for r in (one, row)]
     assert "scaling_efficiency" not in one
     assert row["scaling_efficiency"] == pytest.approx(row["tokens_per_s_per_gpu"] / one["tokens_per_s"])
     assert row["world_size"] == 2 and [r["rank"] for r in row["per_rank"]] == [0, 1]
