@@ -177,3 +177,32 @@ def test_the_blogs_moe_tables_keep_two_gpus_bench_rows_apart(tmp_path):
     assert "(gpt-oss-20b T=2048, NVIDIA H100 80GB HBM3)" in targets and "(gpt-oss-20b T=2048, NVIDIA H200)" in targets
     assert "T=2048)" not in targets  # one GPU's rows alone carry no GPU, two always do
     assert "(gpt-oss-20b T=2048)" in moe.moe_targets_md(on("NVIDIA H200", 1.0), SPEC)
+
+
+def test_the_blog_checks_split_loras_crossover_by_flops_against_the_measured_one(tmp_path):
+    """By FLOPs split stops paying at tokens·merged/split (2048·90/15 = 12,288 for these rows);
+    measured, the first length where split is no faster, or none."""
+    from harness.report.blog.moe import _crossover_check
+
+    def at(tokens: int, merged_ms: float, split_ms: float) -> list[dict]:
+        out = []
+        for r in _moe_rows():
+            if r["kind"] not in ("moe_split_crossover", "moe_experts"):
+                continue
+            r = {**r, "tokens": tokens, "gpu_slug": "nvidia-h200", "device_name": "NVIDIA H200"}
+            if r["kind"] == "moe_split_crossover":
+                r["split_lora_flops"] *= tokens / 2048  # split's FLOPs grow with the routed tokens
+            else:
+                t = merged_ms if r["lora"] == "merged" else split_ms
+                r["forward_ms"], r["backward_ms"] = ({"p20": t / 2, "p50": t / 2, "p80": t / 2},) * 2
+            out.append(r)
+        return out
+
+    ahead = _crossover_check(at(2048, 12.0, 5.0) + at(16384, 30.0, 25.0))
+    assert "- gpt-oss-20b, H200: predicted 12,288 tokens; measured: split faster at every length run, up to " \
+           "16,384 tokens (30.0 → 25.0 ms, 90.0 → 120.0 GFLOP, merged → split)." in ahead
+    assert "Split kept its lead past the FLOP crossover" in ahead
+    behind = _crossover_check(at(2048, 12.0, 5.0) + at(8192, 20.0, 21.0) + at(16384, 30.0, 45.0))
+    assert "measured: split no faster from 8,192 tokens (21.0 against 20.0 ms)." in behind
+    assert "kept its lead" not in behind
+    assert _crossover_check([r for r in _moe_rows() if r["kind"] != "moe_experts"]) == ""  # nothing timed

@@ -116,23 +116,18 @@ def moe_crossover_md(rows: list[dict]) -> str:
     return "#### Split LoRA crossover\n\n" + _table(CROSSOVER_HEADER, body) + "\n\n" + CROSSOVER_NOTE
 
 
-def moe_crossover_body(rows: list[dict]) -> list[list]:
-    """One row per (model, tokens): s*, the LoRA FLOPs and the experts layer's time, merged against split."""
+def moe_crossover_points(rows: list[dict]) -> list[dict]:
+    """Per (model, tokens): s* per projection, the LoRA FLOPs and the experts layer's fwd+bwd ms,
+    merged against split, on the fastest backend that ran split."""
     cross = _kind(rows, "moe_split_crossover")
-    if not cross:
-        return []
     experts = {(r.get("model"), r.get("tokens"), r.get("backend"), r.get("lora")): r for r in _kind(rows, "moe_experts")}
     groups: dict[tuple, dict] = {}
     for r in cross:
         groups.setdefault((str(r.get("model") or "unknown"), int(_f(r.get("tokens")) or 0)), {})[r.get("projection")] = r
-    body = []
+    out = []
     for (model, tokens), projs in sorted(groups.items(), key=lambda kv: (_natural(kv[0][0]), kv[0][1])):
-        s_star = " / ".join(f"{_num(projs.get(p, {}).get('crossover_tokens'), ',.0f')}"
-                            for p in ("gate_up_proj", "down_proj"))
         merged = [_f(r.get("merged_lora_flops")) for r in projs.values()]
         split = [_f(r.get("split_lora_flops")) for r in projs.values()]
-        fl_m = sum(merged) if None not in merged else None
-        fl_s = sum(split) if None not in split else None
         backend = next((b for b in reversed(MOE_BACKENDS) if (model, tokens, b, "split") in experts), None)
 
         def total(lora):
@@ -140,11 +135,24 @@ def moe_crossover_body(rows: list[dict]) -> list[list]:
             f, b = _stat(r, "forward_ms"), _stat(r, "backward_ms")
             return f + b if f is not None and b is not None else None
 
-        ms_m, ms_s = total("merged"), total("split")
-        rank = next((r.get("lora_rank") for r in projs.values() if r.get("lora_rank") is not None), None)
-        body.append([model, tokens, rank if rank is not None else DASH, s_star,
+        out.append({"model": model, "tokens": tokens, "backend": backend,
+                    "rank": next((r.get("lora_rank") for r in projs.values() if r.get("lora_rank") is not None), None),
+                    "s_star": {p: _f(projs.get(p, {}).get("crossover_tokens")) for p in ("gate_up_proj", "down_proj")},
+                    "flops_merged": sum(merged) if None not in merged else None,
+                    "flops_split": sum(split) if None not in split else None,
+                    "ms_merged": total("merged"), "ms_split": total("split")})
+    return out
+
+
+def moe_crossover_body(rows: list[dict]) -> list[list]:
+    """One table row per moe_crossover_points point (CROSSOVER_HEADER's columns)."""
+    body = []
+    for p in moe_crossover_points(rows):
+        fl_m, fl_s, ms_m, ms_s = p["flops_merged"], p["flops_split"], p["ms_merged"], p["ms_split"]
+        body.append([p["model"], p["tokens"], p["rank"] if p["rank"] is not None else DASH,
+                     " / ".join(_num(v, ",.0f") for v in p["s_star"].values()),
                      f"{_num(fl_m and fl_m / 1e9, ',.1f')} → {_num(fl_s and fl_s / 1e9, ',.1f')}",
-                     f"{_ms(ms_m)} → {_ms(ms_s)} ({backend or DASH})",
+                     f"{_ms(ms_m)} → {_ms(ms_s)} ({p['backend'] or DASH})",
                      _num(ms_m / ms_s if ms_m is not None and ms_s else None, ".2f") + ("×" if ms_m and ms_s else "")])
     return body
 
