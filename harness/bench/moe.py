@@ -178,14 +178,14 @@ def bench_model(name, args, device, dtype, emit):
                 # "none": disable the adapters (peft calls the bare experts with our backend)
                 ctx = _adapters_off(layer) if lora == "none" else _nullctx()
 
-                def fwd():
+                def layer_fwd():
                     h = hidden.detach().requires_grad_(True)
                     return layer(h, idx, wts)
 
                 with ctx:
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
-                    f, b = _guarded(lambda: time_fwd_bwd(fwd, device, args.warmup, args.iters))
+                    f, b = _guarded(lambda: time_fwd_bwd(layer_fwd, device, args.warmup, args.iters))
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
                 emit({**base, "kind": "moe_experts", "backend": backend, "lora": lora,
                       "lora_rank": args.rank, "tokens": T, "forward_ms": f, "backward_ms": b,

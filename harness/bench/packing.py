@@ -97,7 +97,6 @@ def count_step(name: str, seq_len: int, backend: str, cache: bool, *, data: Data
     c = P.counters()
     builds = {k: c.get(k, 0) for k in ("metadata", "sdpa_mask", "flex_block_mask", "varlen_args")}
     structure = {"sdpa": "sdpa_mask", "flex": "flex_block_mask", "varlen": "varlen_args"}[backend]
-    del model
     return {
         "model": name, "seq_len": seq_len, "backend": backend, "cache": cache,
         "with_metadata": with_metadata, "num_layers": spec.num_hidden_layers,
