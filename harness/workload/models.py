@@ -218,12 +218,14 @@ def build(
         kwargs = {"use_reentrant": False}
         if not checkpoint_preserve_rng:  # a CUDA-graph capture cannot read the RNG state
             kwargs["preserve_rng_state"] = False
-        if checkpoint_fn is not None:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            # transformers routes every layer through this function
-            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_fn)
+        # transformers 5.23 renamed it activation_checkpointing_enable (the old name warns)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if checkpoint_fn is not None:  # transformers routes every layer through this function
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_fn)
     if before_lora is not None:
         before_lora(model)
     if lora_rank:
