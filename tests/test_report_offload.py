@@ -88,3 +88,22 @@ def test_offload_bound_reachable_everywhere():
     (gain,) = [t for t in offload.offload_targets(points, spec("offload")["seeds"]) if t["target"].startswith("double over single")]
     assert gain["ok"] is True and gain["note"] == ""
     assert "reachable in principle" in offload.offload_bound_paragraph(points, spec("offload")["seeds"])
+
+
+def test_two_gpus_offload_rows_stay_two_points_each_named():
+    """The bench keys its rows by model, length and batch: the README reads both GPUs' rows at
+    once, and an H100's point must not take the H200's modes (or hide behind them)."""
+    def on(gpu: str, double_ms: float) -> list[dict]:
+        rows = _offload_point("qwen3-8b", 2048, 4, 64 * MIB, {"single": 2000.0, "double": double_ms},
+                              {"single": 1.0, "double": 1.0}, {"layers_reloaded": 33, "c_ms": 20.0, "g_ms": 30.0})
+        return [{**r, "gpu_slug": gpu.lower().replace(" ", "-"), "device_name": gpu} for r in rows]
+
+    points = offload.offload_points(on("NVIDIA H100 80GB HBM3", 1900.0) + on("NVIDIA H200", 1600.0))
+    assert [p["modes"]["double"]["device_name"] for p in points] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    gains = {t["target"]: t["measured"] for t in offload.offload_targets(points, spec("offload")["seeds"])
+             if t["target"].startswith("double over single")}
+    # 2000/1900 − 1 = +5.3 % on the one, 2000/1600 − 1 = +25.0 % on the other
+    assert gains["double over single ≥ +8.4% (qwen3-8b T=2048 B=4, NVIDIA H100 80GB HBM3)"].startswith("+5.3%")
+    assert gains["double over single ≥ +8.4% (qwen3-8b T=2048 B=4, NVIDIA H200)"].startswith("+25.0%")
+    (alone,) = offload.offload_points(on("NVIDIA H200", 1600.0))
+    assert not alone["named_gpu"]  # one GPU's rows: labels as before

@@ -44,13 +44,16 @@ def _seed_key(model: str, seeds: dict) -> str | None:
 
 
 def offload_points(rows: list[dict]) -> list[dict]:
-    """One dict per (model, seq_len, batch) with its mode rows, its summary and derived numbers."""
+    """One dict per (model, seq_len, batch, GPU) with its mode rows, its summary and derived
+    numbers; where the rows hold more than one GPU, each point's label names its GPU."""
     points: dict[tuple, dict] = {}
     for r in rows:
         if r["kind"] not in ("offload", "offload_summary"):
             continue
-        key = (str(r.get("model") or "unknown"), int(_f(r.get("seq_len")) or 0), int(_f(r.get("batch_size")) or 0))
-        pt = points.setdefault(key, {"model": key[0], "seq_len": key[1], "batch": key[2], "modes": {},
+        key = (str(r.get("model") or "unknown"), int(_f(r.get("seq_len")) or 0), int(_f(r.get("batch_size")) or 0),
+               str(r.get("gpu_slug") or ""))
+        pt = points.setdefault(key, {"model": key[0], "seq_len": key[1], "batch": key[2], "gpu": key[3],
+                                     "device_name": r.get("device_name"), "modes": {},
                                      "summary": {}, "failed": [], "layer_bytes": None, "num_layers": None})
         pt["layer_bytes"] = _first(r.get("layer_input_bytes"), pt["layer_bytes"])
         pt["num_layers"] = _first(r.get("num_layers"), pt["num_layers"])
@@ -60,8 +63,10 @@ def offload_points(rows: list[dict]) -> list[dict]:
             pt["modes"][r["mode"]] = r
         if r.get("status") not in (None, "ok"):
             pt["failed"].append(r)
+    several = len({k[3] for k in points}) > 1
     for pt in points.values():
         pt.update(_offload_derived(pt))
+        pt["named_gpu"] = several
     return [points[k] for k in sorted(points, key=lambda k: (_natural(k[0]), k[1:]))]
 
 
@@ -97,7 +102,8 @@ def _offload_derived(pt: dict) -> dict:
 
 
 def _point(pt: dict) -> str:
-    return f"{pt['model']} T={pt['seq_len']} B={pt['batch']}"
+    where = f", {pt.get('device_name') or pt.get('gpu')}" if pt.get("named_gpu") else ""
+    return f"{pt['model']} T={pt['seq_len']} B={pt['batch']}{where}"
 
 
 def _ratio_cell(ratio) -> str:
