@@ -397,3 +397,15 @@ def test_the_peers_table_claims_no_run_where_one_role_alone_was_measured():
                                                                 "best": row("o", 200.0, "2026-01-01T00:05:00+00:00")})
     lines = peers_table([alone, pair]).splitlines()
     assert lines[2].endswith("| `packed-flex` | – |") and lines[3].endswith("| `o` | yes |"), lines
+
+
+def test_the_targets_keep_the_heading_that_names_their_gpu():
+    from harness.report.blog.appendix import _target_tables
+
+    md = ("### NVIDIA H100 (`h100`): ours vs stock\n\n| model | ms |\n|---|---|\n| m | 1 |\n\n"
+          "#### End-to-end targets on NVIDIA H100\n\n| target | measured | met? |\n|---|---|---|\n| a | 1 | yes |\n\n"
+          "#### End-to-end targets on NVIDIA H200\n\n| target | measured | met? |\n|---|---|---|\n| a | 2 | no |\n")
+    one, two = _target_tables(md)  # the table of numbers stays behind
+    assert one.startswith("**End-to-end targets on NVIDIA H100**\n\n| target |") and one.endswith("| a | 1 | yes |")
+    assert two.startswith("**End-to-end targets on NVIDIA H200**\n\n") and two.endswith("| a | 2 | no |")
+    assert _target_tables("| target | measured |\n|---|---|\n| b | 3 |") == ["| target | measured |\n|---|---|\n| b | 3 |"]

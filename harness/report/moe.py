@@ -370,7 +370,7 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                   "run covered: each side's best over all runs, and no ratio.")
         out += notes
         if targets:
-            out.append("#### End-to-end targets\n\n" + _table(["target", "measured", "met?"], targets)
+            out.append(f"#### End-to-end targets on {device}\n\n" + _table(["target", "measured", "met?"], targets)
                        + "\n\nA target whose points were not all run shows `–` (not judged) rather than no.")
     return "\n\n".join(out)
 

@@ -84,8 +84,14 @@ def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "", 
 
 def _target_tables(md: str) -> list[str]:
     """The tables of a per-experiment section whose first column is the target: the verdicts,
-    without the tables of numbers they were judged from (those stay in the experiment's report)."""
-    out, cur = [], None
+    without the tables of numbers they were judged from (those stay in the experiment's report),
+    each under the heading it had there, in bold (it names the GPU where there are several)."""
+    out, cur, heading = [], None, ""
+
+    def close():
+        if cur:
+            out.append((f"**{heading}**\n\n" if heading else "") + "\n".join(cur))
+
     for line in md.splitlines():
         if line.startswith("|"):
             if cur is None:
@@ -93,11 +99,11 @@ def _target_tables(md: str) -> list[str]:
             if cur is not False:
                 cur.append(line)
         else:
-            if cur:
-                out.append("\n".join(cur))
+            close()
             cur = None
-    if cur:
-        out.append("\n".join(cur))
+            if line.startswith("#"):
+                heading = line.lstrip("#").strip()
+    close()
     return out
 
 
