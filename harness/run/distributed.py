@@ -113,3 +113,13 @@ def teardown() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def finish() -> None:
+    """Every rank waits for the others (rank 0 has written the point's row by then), then leaves
+    the group: no rank's exit can stop another that still has work."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    teardown()

@@ -565,8 +565,8 @@ def main(spec_path: str, out_path: str) -> int:
     row = run_point(point, Timeline(float(spawned_at) if spawned_at else None))
     failed = row["status"] != "ok"
     if world is not None and world.rank != 0:
-        if not failed:  # rank 0 writes the point's row
-            distributed.teardown()
+        if not failed:  # rank 0 writes the point's row; wait until it has (see below)
+            distributed.finish()
             return 0
         out_path = rank_result_path(out_path, world.rank)
         row["message"] = f"rank {world.rank}: {row['message']}"
@@ -577,7 +577,11 @@ def main(spec_path: str, out_path: str) -> int:
         if failed:  # exit at once: torchrun then stops the ranks still waiting in a collective
             sys.stdout.flush()
             os._exit(1)
-        distributed.teardown()
+        # The other ranks leave only after this row is on disk. They used to tear the group down
+        # while rank 0 was still collecting its environment; one of them then died in gloo's
+        # teardown (std::terminate, SIGSEGV), torchrun killed rank 0 before it wrote, and a point
+        # that had finished was recorded as "exited with code 1 without a result".
+        distributed.finish()
     return 0
 
 
