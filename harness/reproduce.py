@@ -94,8 +94,8 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
 
 def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[int, int]:
     """(points without a finished row on ``slug``, points in all) of a sweep step (of a together
-    step: the points its groups still run); a bench step is one point, done once a row its command
-    wrote is there."""
+    step: the points its groups still run); a bench step is one point, done once the rows its
+    command wrote cover every model and length it names (``_covered``)."""
     if step.sweep and step.together:
         exp, todo = _groups(step, plan_dir, results, slug)
         return sum(len(pts) for pts, _ in todo), len(exp.points())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.report import bench
 from harness.report.fmt import _f, _natural, _stat, _table
 from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
                                 moe_gap_md, moe_routing)
@@ -34,12 +35,9 @@ def _gain(pct) -> str:
 
 
 def _per_gpu(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    """The rows split by GPU (the microbenchmarks key their rows by model and tokens alone, so two
-    GPUs' rows must not meet in one table without the GPU beside them)."""
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        by.setdefault(str(r.get("gpu_slug")), []).append(r)
-    return [(gpu_short(rs[0].get("device_name")), rs) for _, rs in sorted(by.items())]
+    """(GPU, its bench rows) per GPU: the benches key their rows by model and tokens alone, so two
+    GPUs' rows must not meet in one table without the GPU beside them."""
+    return [(gpu_short(g.env.get("device_name") or g.rows[0].get("device_name")), g.rows) for g in bench.groups(rows)]
 
 
 def _routing_md(rows: list[dict], seeds: dict) -> str:
