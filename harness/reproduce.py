@@ -142,6 +142,11 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
         mems = [float(m) for exp in plan.experiments() for r in res.read_rows(res.results_path(results, exp, slug))
                 if isinstance(m := (r.get("env") or {}).get("memory_total_gib"), (int, float))]
         gib = max(mems) if mems else None
+    if not any(res.results_path(results, exp, slug).exists() for exp in plan.experiments()):
+        others = sorted({f.stem for exp in plan.experiments() for f in (results / exp).glob("*.jsonl")})
+        if others:  # a misspelt GPU type would otherwise read as "nothing has run"
+            print(f"no rows for {slug} under {results}/; the GPU types with rows: {', '.join(others)}",
+                  file=sys.stderr)
     lines, totals = [], {False: [0, 0], True: [0, 0]}  # per appendix: [left, all]
     for step in plan.steps:
         if step.min_gpu_gib and gib is not None and gib < step.min_gpu_gib:

@@ -272,6 +272,12 @@ def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, wr
     reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
     out = capsys.readouterr().out
     assert "the report's figures: 1 of 2 points left" in out and "the appendix's tables: 3 of 4 points left" in out
+    # a GPU type with no rows, where another has some, is named as such (a misspelt slug)
+    reproduce.status(p, "gpu", 80, results=tmp_path / "r")
+    err = capsys.readouterr().err
+    assert "no rows for gpu under" in err and err.rstrip().endswith("with rows: gpu-x")
+    reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
+    assert "no rows" not in capsys.readouterr().err
 
 
 def test_a_together_group_is_done_only_when_its_rows_come_from_one_run():
