@@ -31,6 +31,7 @@ def _check(stock: dict, ours: dict) -> None:
 @pytest.mark.parametrize("mode", ["padding_free", "packing"])
 def test_sft_trainer_50_steps_beside_stock(tmp_path, mode):
     pytest.importorskip("trl")
+    pytest.importorskip("datasets")  # TRL's own dependency: a trl wheel installed without its deps lacks it
     docs = documents(STEPS * 8, 151936, 64, 1024)
     # padding-free: 8 documents (~4.4k tokens) per step; BFD packing: 2 rows of 4096 tokens
     kw = dict(mode=mode, steps=STEPS, batch_size=8 if mode == "padding_free" else 2, docs=docs, max_length=4096,
