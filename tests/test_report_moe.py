@@ -64,6 +64,10 @@ def test_moe_end_to_end_targets_from_sweep_rows():
             "| 293 (B200) | yes |") in md
     assert "| best ours ≥ 3× best stock at 2048 tokens (gpt-oss-20b) | 3.10× | yes |" in md
     assert "ours 1700.0, stock stock-grouped_mm: oom | yes |" in md
+    # on a GPU where stock fits too, the target has no premise to judge: no verdict, and it says why
+    fits = [r if r["seq_len"] != 16384 or r["role"] != "stock" else row(16384, "stock-grouped_mm", 2300) for r in rows]
+    assert ("ours 1700.0, stock 2300.0; stock fits on this GPU, so the target has nothing to judge here | – |"
+            in moe_e2e_targets_md(fits, SPEC))
     assert "+20.0% (3600.0 → 3000.0 ms) | yes |" in md
     # 4096 and 8192 were not run: the every-length target is not judged
     assert "1024: yes, 2048: yes, 16384: yes | – |" in md

@@ -336,10 +336,16 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                     # the loss, not the experts, may decide what fits: say so beside the verdict
                     caveat = (f" (ours with the {loss_of([ov16], True)} loss, stock's failure with the "
                               f"{loss_of(stock, False)} loss)")
+                if o16 is not None and s16 is not None:
+                    # both fit (a larger GPU): the target's premise does not hold here, so no verdict
+                    caveat += "; stock fits on this GPU, so the target has nothing to judge here"
+                    verdict = None
+                else:
+                    verdict = None if o16 is None and not of16 else (o16 is not None and s16 is None and bool(sf16))
                 targets.append([f"ours completes {t16} tokens where stock runs out of memory ({model})",
                                 f"ours {_ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
                                 f"stock {_ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
-                                _met(None if o16 is None and not of16 else (o16 is not None and s16 is None and bool(sf16)))])
+                                _met(verdict)])
             sol = spec.get("sorted_over_loop")
             if sol and sol.get("model") == model and spec.get("loop") and spec.get("sorted"):
                 t0, want = int(sol["seq_len"]), float(sol["min_gain_pct"])
