@@ -120,10 +120,11 @@ def cmd_sweep(args) -> int:
                               progress=not args.quiet, command=args.command, resources=args.ray_resources)
     else:
         summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command,
-                            stop_after_s=args.stop_after)
+                            stop_after_s=args.stop_after, deadline_s=args.deadline,
+                            point_estimate_s=args.point_estimate)
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
     if summary.left:
-        print(f"stopped after {args.stop_after:g} s with {summary.left} points left: the same command resumes", file=sys.stderr)
+        print(f"stopped with {summary.left} points left (--stop-after/--deadline): the same command resumes", file=sys.stderr)
     if not args.no_report:
         from harness import report
 
@@ -332,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-report", action="store_true", help="do not rebuild the report afterwards")
     p.add_argument("--stop-after", type=float, metavar="S",
                    help="start no point once S seconds have passed; the rest is left to a rerun (which resumes)")
+    p.add_argument("--deadline", type=float, metavar="S",
+                   help="start no point that would end after S seconds by its estimate: the longest wall time "
+                        "its earlier rows on this GPU type recorded, else --point-estimate; a shorter point "
+                        "after it may still start")
+    p.add_argument("--point-estimate", type=float, metavar="S",
+                   help="with --deadline: what a point never run on this GPU type is expected to take")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--models", nargs="+", help="run only these of the file's models")
     p.add_argument("--seq-lens", nargs="+", type=int, help="run only these of the file's sequence lengths")

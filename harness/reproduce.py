@@ -2,7 +2,9 @@
 of ``experiments/blog.toml``) on this GPU, in order, resumably, and stop before the budget.
 
 A sweep step is done when every point of its (cut) experiment has a finished row here; it resumes
-by itself and is told to start no point after the budget minus its estimate. A bench step is done
+by itself and is told to start no point that would end past the budget by its estimate: the
+point's own longest earlier wall time on this GPU type where it has one, else the step's
+``estimate_s``. A bench step is done
 when its experiment's results on this GPU hold rows its command wrote, for every model and length
 it names. A step whose
 ``min_gpu_gib`` is above this GPU's memory is skipped, and says so. Rerun the same command until
@@ -178,17 +180,30 @@ def _ran(step: plan_file.Step, command: str) -> bool:
     return not args or any(words[i:i + len(args)] == args for i in range(len(words)))
 
 
-def _commands(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[list[str]]:
-    """The step's command lines: one, or for a together step one per group with work, cut to that
-    model and length (and to its missing variants, or all of them with --overwrite)."""
-    if not (step.sweep and step.together):
-        return [step.argv(plan_dir)]
+def _work(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[tuple[list[str], list]]:
+    """The step's command lines, each with the points it will run (none for a bench): one, or for
+    a together step one per group with work, cut to that model and length (and to its missing
+    variants, or all of them with --overwrite)."""
+    if not step.sweep:
+        return [(step.argv(plan_dir), [])]
+    if not step.together:
+        exp = _cut(step, plan_dir)
+        done = res.finished_point_ids(res.results_path(results, exp.name, slug))
+        return [(step.argv(plan_dir), [p for p in exp.points() if p.point_id not in done])]
     _, todo = _groups(step, plan_dir, results, slug)
     _, rest = _parse_cut(step)
-    return [["-m", "harness", "sweep", str(plan_dir / step.sweep), "--no-report", *rest,
-             "--models", pts[0].model, "--seq-lens", str(pts[0].seq_len),
-             "--variants", *dict.fromkeys(p.variant for p in pts), *(["--overwrite"] if over else [])]
+    return [(["-m", "harness", "sweep", str(plan_dir / step.sweep), "--no-report", *rest,
+              "--models", pts[0].model, "--seq-lens", str(pts[0].seq_len),
+              "--variants", *dict.fromkeys(p.variant for p in pts), *(["--overwrite"] if over else [])], pts)
             for pts, over in todo]
+
+
+def _commands(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[list[str]]:
+    return [argv for argv, _ in _work(step, plan_dir, results, slug)]
+
+
+# what a sweep process spends before its clock starts (interpreter, torch and transformers imports)
+_START_S = 10.0
 
 
 def _chosen(plan: plan_file.Plan, names) -> list[plan_file.Step]:
@@ -222,17 +237,20 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
         if not pending(step, plan_dir, results, slug):
             print(f"done {step.name}", file=sys.stderr)
             continue
-        remaining = budget - (time.monotonic() - start)
-        if remaining < step.estimate_s:
-            left.append(step.label)
-            continue
-        for argv in _commands(step, plan_dir, results, slug):
-            remaining = budget - (time.monotonic() - start)
-            if remaining < step.estimate_s:
-                break
+        history = res.point_wall_s(res.read_rows(res.results_path(results, _cut(step, plan_dir).name, slug))) \
+            if step.sweep else {}
+        for argv, pts in _work(step, plan_dir, results, slug):
+            remaining = budget - (time.monotonic() - start) - (_START_S if step.sweep else 0.0)
+            # a point's estimate is its own longest earlier wall time on this GPU type, else the step's
+            # estimate_s (the longest any of its points or its bench takes): start a command only if
+            # its shortest point fits, and let the sweep start each point only if that one fits
+            shortest = min((res.point_estimate_s(history, p.point_id, step.estimate_s) for p in pts),
+                           default=step.estimate_s)
+            if remaining < shortest:
+                continue
             argv = [sys.executable, *argv, "--results", str(results)]
             if step.sweep:
-                argv += ["--stop-after", f"{max(remaining - step.estimate_s, 0):.0f}"]
+                argv += ["--deadline", f"{remaining:.0f}", "--point-estimate", f"{step.estimate_s:g}"]
             print(f"run {step.name}: {' '.join(argv[1:])}", file=sys.stderr)
             if dry_run:
                 continue

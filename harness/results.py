@@ -166,6 +166,24 @@ def finished_point_ids(path: str | Path) -> set[str]:
     return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED}
 
 
+def point_wall_s(rows: list[dict]) -> dict[str, float]:
+    """point id -> the longest wall time (process start to row) its rows recorded, whatever their
+    status: what the next run of that point on the same GPU type should be expected to take."""
+    out: dict[str, float] = {}
+    for r in rows:
+        if r.get("kind") == "step" and r.get("point_id") and isinstance(w := r.get("wall_s"), (int, float)):
+            out[r["point_id"]] = max(out.get(r["point_id"], 0.0), float(w))
+    return out
+
+
+def point_estimate_s(history: dict[str, float], point_id: str, default: float | None) -> float | None:
+    """How long to expect a point to take: its longest recorded wall time with a 10 % + 5 s margin,
+    else ``default`` (None: unknown)."""
+    if point_id in history:
+        return history[point_id] * 1.1 + 5
+    return default
+
+
 def load_experiment_rows(root: str | Path, experiment: str) -> list[dict]:
     """Every row of every GPU type for one experiment."""
     rows = []

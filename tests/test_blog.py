@@ -171,6 +171,8 @@ def test_the_report_from_the_committed_results(tmp_path):
     ("python -m harness sweep experiments/moe.toml --no-report --quiet --stop-after 470 --models gpt-oss-20b "
      "--results /work/x/results --overwrite", "python -m harness sweep experiments/moe.toml --models gpt-oss-20b"),
     ("python -m harness.bench.moe --results=/tmp/r --experiment moe", "python -m harness.bench.moe --experiment moe"),
+    ("python -m harness sweep experiments/moe.toml --no-report --models gpt-oss-20b --results /r --deadline 480 "
+     "--point-estimate 300", "python -m harness sweep experiments/moe.toml --models gpt-oss-20b"),
     ("python -m harness sweep 'experiments/a b.toml' --launcher preloaded",
      "python -m harness sweep 'experiments/a b.toml' --launcher preloaded"),
     ("python -m harness sweep 'unbalanced", "python -m harness sweep 'unbalanced"),
@@ -225,7 +227,7 @@ def test_reproduce_on_a_machine_without_a_gpu_refuses_and_dry_runs(tmp_path, cap
     assert "need a CUDA GPU" in capsys.readouterr().err
     assert reproduce.run(PLAN, results=tmp_path, dry_run=True) == 0
     err = capsys.readouterr().err
-    assert "run user.toml" in err and "--stop-after" in err and "skip offload bench qwen3-32b 8192" in err
+    assert "run user.toml" in err and "--deadline" in err and "skip offload bench qwen3-32b 8192" in err
 
 
 def test_reproduce_runs_only_the_named_steps_and_names_the_plans_steps_when_one_is_unknown(tmp_path, capsys):
@@ -374,6 +376,47 @@ def test_a_sweep_past_its_stop_after_starts_nothing_and_leaves_the_rest_to_a_rer
         "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"))
     summary = sweep.run(exp, tmp_path / "results", progress=False, stop_after_s=-1)
     assert summary.ran == 0 and summary.left == 2
+
+
+def test_a_sweep_with_a_deadline_starts_only_the_points_whose_estimate_fits(tmp_path, write_toml):
+    from harness import results as res
+
+    exp = experiment.load(write_toml(
+        "[experiment]\nname = 's'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
+        "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"))
+    first, second = exp.points()
+    # the first point failed last time after 1000 s: it would not end within the deadline; the
+    # second has no history and no default estimate, so it starts (the deadline has not passed)
+    path = res.results_path(tmp_path / "results", "s", "cpu")
+    res.append_row(path, {"kind": "step", "status": "error", "point_id": first.point_id, "wall_s": 1000.0})
+    summary = sweep.run(exp, tmp_path / "results", progress=False, deadline_s=600)
+    assert summary.ran == 1 and summary.left == 1
+    assert res.finished_point_ids(path) == {second.point_id}
+    # a default estimate past the deadline holds back a point never run here
+    assert sweep.run(exp, tmp_path / "results", progress=False, deadline_s=600, point_estimate_s=700).left == 1
+    assert res.point_estimate_s({"x": 100.0}, "x", 5) == pytest.approx(115.0)
+    assert res.point_estimate_s({}, "x", 5) == 5 and res.point_estimate_s({}, "x", None) is None
+
+
+def test_reproduce_estimates_a_point_by_its_own_earlier_wall_time(tmp_path, write_toml, capsys):
+    from harness import results as res
+
+    _tiny_experiment(tmp_path)
+    # the step's estimate (1000 s) says nothing fits in a minute, but every point ran here in 2 s
+    p = write_toml("[blog]\nsources = { moe = 'e' }\n"
+                   "[[blog.steps]]\nname = 'cut'\nsweep = 'e.toml'\nestimate_s = 1000\n", "plan.toml")
+    path = res.results_path(tmp_path / "r", "e", "cpu")
+    pts = experiment.load(tmp_path / "e.toml").points()
+    for pt in pts:
+        res.append_row(path, {"kind": "step", "status": "error", "point_id": pt.point_id, "wall_s": 2.0})
+    assert reproduce.run(p, minutes=1, results=tmp_path / "r", dry_run=True) == 0
+    err = capsys.readouterr().err
+    assert "run cut" in err and "--deadline 50 --point-estimate 1000" in err, err
+    # and the other way: points that took 1000 s here are not started with a minute left
+    for pt in pts:
+        res.append_row(path, {"kind": "step", "status": "error", "point_id": pt.point_id, "wall_s": 1000.0})
+    reproduce.run(p, minutes=1, results=tmp_path / "r", dry_run=True)
+    assert "run cut" not in capsys.readouterr().err
 
 
 def test_bandwidth_on_a_third_gpu_type_keeps_within_the_line_budget(tmp_path):

@@ -23,7 +23,8 @@ def md_table(header: list[str], body: list[list]) -> str:
 
 # Options that say where rows go or how a run is paced, not what it measures: a reader's rerun
 # of the command needs none of them, and --results would name a path of the machine that ran it.
-_LOGISTICS = {"--results": 1, "--stop-after": 1, "--no-report": 0, "--quiet": 0, "--overwrite": 0}
+_LOGISTICS = {"--results": 1, "--stop-after": 1, "--deadline": 1, "--point-estimate": 1, "--no-report": 0,
+              "--quiet": 0, "--overwrite": 0}
 
 
 def command(cmd: str) -> str:

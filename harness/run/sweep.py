@@ -29,7 +29,7 @@ class SweepSummary:
     results_path: Path
     ran: int = 0
     skipped: int = 0
-    left: int = 0  # points not started because --stop-after had passed
+    left: int = 0  # points not started: past --stop-after, or their estimate would end past --deadline
     statuses: dict[str, int] = field(default_factory=dict)
 
 
@@ -166,10 +166,14 @@ def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | No
 
 
 def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, progress: bool = True,
-        command: str = "", stop_after_s: float | None = None) -> SweepSummary:
+        command: str = "", stop_after_s: float | None = None, deadline_s: float | None = None,
+        point_estimate_s: float | None = None) -> SweepSummary:
     """Run ``exp``'s unfinished points; ``command`` (the command line that started the sweep) is
     recorded in every row. With ``stop_after_s``, no point starts once that many seconds have
-    passed: the rest stay unfinished for a rerun (``summary.left``)."""
+    passed; with ``deadline_s``, no point starts that its estimate says would end later than that
+    (its longest earlier wall time on this GPU type, else ``point_estimate_s``, else it starts if
+    the deadline has not passed), and a shorter point after it still may. The points not started
+    stay unfinished for a rerun (``summary.left``)."""
     started = time.monotonic()
     device_name = detect_device_name(exp.device)
     slug = res.gpu_slug(device_name)
@@ -195,10 +199,16 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     bar = Progress(len(todo)) if progress else None
     if bar and summary.skipped:
         sys.stderr.write(f"resuming: {summary.skipped} of {len(points)} points already in {path}\n")
+    history = res.point_wall_s(existing)
     for i, point in enumerate(todo, 1):
-        if stop_after_s is not None and time.monotonic() - started > stop_after_s:
-            summary.left = len(todo) - i + 1
+        elapsed = time.monotonic() - started
+        if stop_after_s is not None and elapsed > stop_after_s:
+            summary.left += len(todo) - i + 1
             break
+        if deadline_s is not None and \
+                elapsed + (res.point_estimate_s(history, point.point_id, point_estimate_s) or 0.0) > deadline_s:
+            summary.left += 1
+            continue
         if bar:
             bar.start(i, point.label())
         launched_s = process_age_s()
