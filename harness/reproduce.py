@@ -50,18 +50,20 @@ def _cut(step: plan_file.Step, plan_dir: Path):
     return experiment.subset(exp, models=known.models, seq_lens=known.seq_lens, variants=known.variants)
 
 
-def _latest_finished(path: Path) -> dict[str, dict]:
+def _latest_finished(rows: list[dict]) -> dict[str, dict]:
     """point id -> its newest finished row (rows are appended in the order they were written)."""
-    return {r["point_id"]: r for r in res.read_rows(path)
+    return {r["point_id"]: r for r in rows
             if r.get("kind") == "step" and r.get("status") in res.FINISHED and r.get("point_id")}
 
 
-def group_todo(points: list, latest: dict[str, dict], code: str | None, now: float, estimate_s: float):
+def group_todo(points: list, latest: dict[str, dict], code: str | None, now: float, estimate_s: float,
+               history: dict[str, float] | None = None):
     """What a ``together`` step still runs of one (model, length) group's side-by-side points, as
     ``(points, overwrite)``: nothing when the newest finished rows of all of them come from one run;
     the points outside the newest run when that run is this code's and recent enough that they can
-    still join it (within SAME_RUN_MINUTES, each taking up to ``estimate_s``); else all of them
-    again. ``overwrite`` when a point to run already has a row (the sweep skips it otherwise)."""
+    still join it (within SAME_RUN_MINUTES, each taking its own longest earlier wall time from
+    ``history``, else ``estimate_s``); else all of them again. ``overwrite`` when a point to run
+    already has a row (the sweep skips it otherwise)."""
     have = [latest[p.point_id] for p in points if p.point_id in latest]
     if len(have) == len(points) and runs._one_run(have) is not False:
         return [], False
@@ -69,7 +71,8 @@ def group_todo(points: list, latest: dict[str, dict], code: str | None, now: flo
     started = runs._when(newest[0]) if newest else None  # None: rows without a recording time
     rest = [p for p in points if p.point_id not in {r.get("point_id") for r in newest}]
     fresh = started is not None and runs._code_ids(newest) <= {code} and \
-        now - started.timestamp() + len(rest) * estimate_s <= runs.SAME_RUN_MINUTES * 60
+        now - started.timestamp() + sum(res.point_estimate_s(history or {}, p.point_id, estimate_s) for p in rest) \
+        <= runs.SAME_RUN_MINUTES * 60
     todo = rest if fresh else list(points)
     return todo, any(p.point_id in latest for p in todo)
 
@@ -79,7 +82,9 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
     from harness.measure.env import code_sha
 
     exp = _cut(step, plan_dir)
-    latest = _latest_finished(res.results_path(results, exp.name, slug))
+    rows = res.read_rows(res.results_path(results, exp.name, slug))
+    latest = _latest_finished(rows)
+    history = res.point_wall_s(rows)
     by_group: dict[tuple, list] = {}
     for p in exp.points():
         by_group.setdefault((p.model, p.seq_len), []).append(p)
@@ -89,7 +94,7 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
         # what a reader compares side by side (stock, the peer, enable()) must come from one run;
         # the step's other variants (ours' settings, ablations) need only a finished row each
         side = [p for p in pts if data.role_of(vars(p)) & set(data.SIDE_BY_SIDE)] or pts
-        todo.append(group_todo(side, latest, code, now, step.estimate_s))
+        todo.append(group_todo(side, latest, code, now, step.estimate_s, history))
         todo.append(([p for p in pts if p not in side and p.point_id not in latest], False))
     return exp, [(pts, over) for pts, over in todo if pts]
 

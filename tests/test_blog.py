@@ -300,6 +300,9 @@ def test_a_together_group_is_done_only_when_its_rows_come_from_one_run():
     assert todo(pts, rows(("stock", 5, "c")), "c", now, 60) == (pts[1:], False)
     # ...but not when they could not finish within the half hour, or the code has changed since
     assert todo(pts, rows(("stock", 29, "c")), "c", now, 60) == (pts, True)  # 29 + 2 x 1 min > 30
+    # unless the two ran here before in 20 s each: 29 min + 2 x (20 s + 10 % + 5 s) fits in 30
+    assert todo(pts, rows(("stock", 29, "c")), "c", now, 60, {"liger": 20.0, "user": 20.0}) == (pts[1:], False)
+    assert todo(pts, rows(("stock", 29, "c")), "c", now, 60, {"liger": 20.0}) == (pts, True)  # user: 60 s
     assert todo(pts, rows(("stock", 5, "old")), "c", now, 60) == (pts, True)
     # all three there, but stock from a day earlier: stock again, to join the other two's run
     assert todo(pts, rows(("stock", 1440, "c"), ("liger", 5, "c"), ("user", 4, "c")), "c", now, 60) == (pts[:1], True)
