@@ -437,6 +437,21 @@ def test_bandwidth_on_a_third_gpu_type_keeps_within_the_line_budget(tmp_path):
         style.legend_outside(fig, [ax])
 
 
+def test_predicted_vs_measured_draws_a_gain_within_the_noise_hollow(tmp_path, monkeypatch):
+    from harness.report.blog import figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "save_png", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    figures.predicted_vs_measured([("H100", 50.0, 40.0, False), ("H100", 57.0, -103.0, True), ("H200", 60.0, 55.0),
+                                   ("H200", None, 3.0, True)], tmp_path / "s.png", "saving (ms)")
+    ax = drawn["fig"].axes[0]
+    marks = {c.get_label(): c for c in ax.collections}
+    assert set(marks) == {"H100", "H100, within the noise", "H200"}
+    assert marks["H100, within the noise"].get_offsets().tolist() == [[57.0, -103.0]]
+    assert marks["H100, within the noise"].get_facecolors().size == 0  # hollow
+    assert marks["H100"].get_facecolors().size and marks["H200"].get_offsets().tolist() == [[60.0, 55.0]]
+
+
 def test_the_peers_table_claims_no_run_where_one_role_alone_was_measured():
     from harness.report.blog.common import peers_table
 

@@ -57,9 +57,12 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
     return save_png(fig, path)
 
 
-def predicted_vs_measured(pairs: list[tuple[str, float, float]], path: Path, quantity: str) -> Path | None:
-    """(GPU, predicted, measured) per point, one marker per GPU, and the y = x line."""
-    pairs = [(g, p, m) for g, p, m in pairs if p is not None and m is not None]
+def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path | None:
+    """(GPU, predicted, measured[, within noise]) per point, one marker per GPU, and the y = x
+    line; a point whose measured gain is within its step-time spread is drawn hollow."""
+    noisy = {i for i, t in enumerate(pairs) if len(t) > 3 and t[3]}
+    flags = [i in noisy for i, t in enumerate(pairs) if t[1] is not None and t[2] is not None]
+    pairs = [tuple(t[:3]) for t in pairs if t[1] is not None and t[2] is not None]
     if not pairs:
         return None
     fig, (ax,) = style.figure(1, width=5.2, height=4.4)
@@ -68,17 +71,22 @@ def predicted_vs_measured(pairs: list[tuple[str, float, float]], path: Path, qua
     log = all(v > 0 for v in values) and hi / min(values) >= 20  # else a negative gain would vanish
     lo = min(values) / 1.5 if log else min(values + [0.0])
     ax.plot([lo, hi * 1.1], [lo, hi * 1.1], color="black", lw=1, ls="--", label="y = x (the model holds)")
+    color = style.ROLE_COLOR["best"]
     for gi, gpu in enumerate(sorted({g for g, _, _ in pairs})):
-        xs, ys = zip(*[(p, m) for g, p, m in pairs if g == gpu])
-        ax.scatter(xs, ys, color=style.ROLE_COLOR["best"], marker=style.GPU_MARKERS[gi % 4], s=28,
-                   alpha=0.8, label=gpu)
+        for hollow in (False, True):
+            xy = [(p, m) for (g, p, m), f in zip(pairs, flags) if g == gpu and f == hollow]
+            if xy:
+                xs, ys = zip(*xy)
+                ax.scatter(xs, ys, marker=style.GPU_MARKERS[gi % 4], s=28, alpha=0.8,
+                           facecolors="none" if hollow else color, edgecolors=color,
+                           label=f"{gpu}, within the noise" if hollow else gpu)
     if log:
         ax.set_xscale("log")
         ax.set_yscale("log")
     ax.set_xlabel(f"predicted {quantity}")
     ax.set_ylabel(f"measured {quantity}")
     ax.grid(True, alpha=0.3)
-    style.legend_outside(fig, [ax])
+    style.legend_outside(fig, [ax], ncol=2)
     return save_png(fig, path)
 
 

@@ -30,15 +30,16 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
 
 
-def legend_outside(fig: Figure, axes) -> None:
-    """One legend for the figure, below the axes, so it never covers data."""
+def legend_outside(fig: Figure, axes, ncol: int = 3) -> None:
+    """One legend for the figure, below the axes, so it never covers data; ``ncol`` entries a row
+    (fewer for a narrow figure with long labels)."""
     handles, labels = legend_entries(axes)
     if len(handles) > MAX_LINES + 1:  # the y = x or 1.0 reference line may come on top
         raise ValueError(f"a blog figure draws at most {MAX_LINES} lines, not {len(handles)}: {labels}")
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), frameon=False,
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), ncol), frameon=False,
                    bbox_to_anchor=(0.5, 0.0))
-        fig.tight_layout(rect=(0, 0.08 + 0.05 * ((len(labels) - 1) // 3), 1, 1))
+        fig.tight_layout(rect=(0, 0.08 + 0.05 * ((len(labels) - 1) // ncol), 1, 1))
     else:
         fig.tight_layout()
 
