@@ -115,6 +115,23 @@ def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) 
     return int(not _covered(step, [r for r in rows if _ran(step, str(r.get("command") or ""))])), 1
 
 
+def seconds_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> float:
+    """What the step's work left on ``slug`` should take: each point its own longest earlier wall
+    time there (+10 % + 5 s), else on another GPU type, else the step's ``estimate_s``; a pending
+    bench its estimate_s."""
+    if not step.sweep:
+        return step.estimate_s if pending(step, plan_dir, results, slug) else 0.0
+    name = _cut(step, plan_dir).name
+    here = res.point_wall_s(res.read_rows(res.results_path(results, name, slug)))
+    elsewhere = res.point_wall_s([r for r in res.load_experiment_rows(results, name) if r.get("gpu_slug") != slug])
+    return sum(res.point_estimate_s(here, p.point_id, res.point_estimate_s(elsewhere, p.point_id, step.estimate_s))
+               for _, pts in _work(step, plan_dir, results, slug) for p in pts)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 # a bench's options that name what it measures, and the row field that records each value
 _NAMES = {"--model": "model", "--models": "model", "--seq-len": "length", "--lengths": "length", "--tokens": "length"}
 
@@ -154,25 +171,30 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
         if others:  # a misspelt GPU type would otherwise read as "nothing has run"
             print(f"no rows for {slug} under {results}/; the GPU types with rows: {', '.join(others)}",
                   file=sys.stderr)
-    lines, totals = [], {False: [0, 0], True: [0, 0]}  # per appendix: [left, all]
+    lines, totals = [], {False: [0, 0, 0.0], True: [0, 0, 0.0]}  # per appendix: [left, all, seconds]
     for step in plan.steps:
         if step.min_gpu_gib and gib is not None and gib < step.min_gpu_gib:
             lines.append((step.label, f"skipped: needs {step.min_gpu_gib:g} GiB, {slug} has {gib:.0f}"))
             continue
         n_left, n = points_left(step, plan_dir, results, slug)
+        secs = seconds_left(step, plan_dir, results, slug) if n_left else 0.0
         totals[step.appendix][0] += n_left
         totals[step.appendix][1] += n
+        totals[step.appendix][2] += secs
         lines.append((step.label, "done" if not n_left else
-                      (f"{n_left} of {n} points left" if step.sweep else "bench not run")))
+                      (f"{n_left} of {n} points left" if step.sweep else "bench not run") + f", ~{_minutes(secs)}"))
     width = max(len(name) for name, _ in lines) if lines else 0
     print(f"{plan.path.name} on {slug}" + (f" ({gib:.0f} GiB)" if gib is not None else " (memory unknown: "
                                              "every step counted; --gpu-gib decides the large-GPU steps)"))
     for name, text in lines:
         print(f"  {name:<{width}}  {text}")
     for appendix, what in ((False, "the report's figures"), (True, "the appendix's tables")):
-        n_left, n = totals[appendix]
+        n_left, n, secs = totals[appendix]
         if n:
-            print(f"  {what}: " + (f"{n_left} of {n} points left" if n_left else "done"))
+            print(f"  {what}: " + (f"{n_left} of {n} points left, ~{_minutes(secs)} of GPU time" if n_left else "done"))
+    if totals[False][0] + totals[True][0]:
+        print("  (~: each point's own longest wall time where it ran before, on this GPU type or else another, "
+              "else its step's estimate_s, the longest any of its points takes)")
     return 0 if not totals[False][0] + totals[True][0] else 3
 
 

@@ -263,9 +263,11 @@ def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, wr
     assert reproduce.status(p, "gpu-x", 80, results=tmp_path / "r") == 3
     out = capsys.readouterr().out
     lines = {ln.split()[0]: ln for ln in out.splitlines()[1:] if ln.startswith("  ")}
-    assert lines["cut"].endswith("2 of 2 points left") and lines["all"].endswith("4 of 4 points left")
+    # nothing ran anywhere: each point is expected to take its step's estimate_s (300 s by default)
+    assert lines["cut"].endswith("2 of 2 points left, ~10 min") and lines["all"].endswith("4 of 4 points left, ~20 min")
     assert "big" in out and "skipped: needs 100 GiB" in out
-    assert "the report's figures: 2 of 2 points left" in out and "the appendix's tables: 4 of 4 points left" in out
+    assert "the report's figures: 2 of 2 points left, ~10 min of GPU time" in out
+    assert "the appendix's tables: 4 of 4 points left, ~20 min of GPU time" in out
     # one finished row of the cut: one point left there, and three in the appendix
     exp = experiment.subset(experiment.load(tmp_path / "e.toml"), variants=["a"])
     point = exp.points()[0]
@@ -274,10 +276,17 @@ def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, wr
     reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
     out = capsys.readouterr().out
     assert "the report's figures: 1 of 2 points left" in out and "the appendix's tables: 3 of 4 points left" in out
+    # a point that ran on another GPU type in 50 s is expected to take 60 s here (+10 % + 5 s)
+    other = exp.points()[1]
+    res.append_row(res.results_path(tmp_path / "r", "e", "gpu-y"), {"kind": "step", "status": "ok",
+                   "point_id": other.point_id, "variant": "a", "gpu_slug": "gpu-y", "wall_s": 50.0})
+    reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
+    out = capsys.readouterr().out
+    assert "the report's figures: 1 of 2 points left, ~1 min of GPU time" in out, out
     # a GPU type with no rows, where another has some, is named as such (a misspelt slug)
     reproduce.status(p, "gpu", 80, results=tmp_path / "r")
     err = capsys.readouterr().err
-    assert "no rows for gpu under" in err and err.rstrip().endswith("with rows: gpu-x")
+    assert "no rows for gpu under" in err and err.rstrip().endswith("with rows: gpu-x, gpu-y")
     reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
     assert "no rows" not in capsys.readouterr().err
 
