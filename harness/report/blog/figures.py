@@ -60,21 +60,19 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
 def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path | None:
     """(GPU, predicted, measured[, within noise]) per point, one marker per GPU, and the y = x
     line; a point whose measured gain is within its step-time spread is drawn hollow."""
-    noisy = {i for i, t in enumerate(pairs) if len(t) > 3 and t[3]}
-    flags = [i in noisy for i, t in enumerate(pairs) if t[1] is not None and t[2] is not None]
-    pairs = [tuple(t[:3]) for t in pairs if t[1] is not None and t[2] is not None]
+    pairs = [(t[0], t[1], t[2], len(t) > 3 and bool(t[3])) for t in pairs if t[1] is not None and t[2] is not None]
     if not pairs:
         return None
     fig, (ax,) = style.figure(1, width=5.2, height=4.4)
-    values = [v for _, p, m in pairs for v in (p, m)]
+    values = [v for _, p, m, _ in pairs for v in (p, m)]
     hi = max(values)
     log = all(v > 0 for v in values) and hi / min(values) >= 20  # else a negative gain would vanish
     lo = min(values) / 1.5 if log else min(values + [0.0])
     ax.plot([lo, hi * 1.1], [lo, hi * 1.1], color="black", lw=1, ls="--", label="y = x (the model holds)")
     color = style.ROLE_COLOR["best"]
-    for gi, gpu in enumerate(sorted({g for g, _, _ in pairs})):
+    for gi, gpu in enumerate(sorted({t[0] for t in pairs})):
         for hollow in (False, True):
-            xy = [(p, m) for (g, p, m), f in zip(pairs, flags) if g == gpu and f == hollow]
+            xy = [(p, m) for g, p, m, f in pairs if g == gpu and f == hollow]
             if xy:
                 xs, ys = zip(*xy)
                 ax.scatter(xs, ys, marker=style.GPU_MARKERS[gi % 4], s=28, alpha=0.8,
