@@ -57,12 +57,13 @@ def _latest_finished(rows: list[dict]) -> dict[str, dict]:
 
 
 def group_todo(points: list, latest: dict[str, dict], code: str | None, now: float, estimate_s: float,
-               history: dict[str, float] | None = None):
+               history: dict[str, float] | None = None, elsewhere: dict[str, float] | None = None):
     """What a ``together`` step still runs of one (model, length) group's side-by-side points, as
     ``(points, overwrite)``: nothing when the newest finished rows of all of them come from one run;
     the points outside the newest run when that run is this code's and recent enough that they can
     still join it (within SAME_RUN_MINUTES, each taking its own longest earlier wall time from
-    ``history``, else ``estimate_s``); else all of them again. ``overwrite`` when a point to run
+    ``history``, else a margin over its time on another GPU type from ``elsewhere``, else
+    ``estimate_s``); else all of them again. ``overwrite`` when a point to run
     already has a row (the sweep skips it otherwise)."""
     have = [latest[p.point_id] for p in points if p.point_id in latest]
     if len(have) == len(points) and runs._one_run(have) is not False:
@@ -71,7 +72,7 @@ def group_todo(points: list, latest: dict[str, dict], code: str | None, now: flo
     started = runs._when(newest[0]) if newest else None  # None: rows without a recording time
     rest = [p for p in points if p.point_id not in {r.get("point_id") for r in newest}]
     fresh = started is not None and runs._code_ids(newest) <= {code} and \
-        now - started.timestamp() + sum(res.point_estimate_s(history or {}, p.point_id, estimate_s) for p in rest) \
+        now - started.timestamp() + sum(res.point_estimate_s(history or {}, p.point_id, estimate_s, elsewhere) for p in rest) \
         <= runs.SAME_RUN_MINUTES * 60
     todo = rest if fresh else list(points)
     return todo, any(p.point_id in latest for p in todo)
@@ -84,7 +85,7 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
     exp = _cut(step, plan_dir)
     rows = res.read_rows(res.results_path(results, exp.name, slug))
     latest = _latest_finished(rows)
-    history = res.point_wall_s(rows)
+    history, elsewhere = res.wall_history(results, exp.name, slug)
     by_group: dict[tuple, list] = {}
     for p in exp.points():
         by_group.setdefault((p.model, p.seq_len), []).append(p)
@@ -94,7 +95,7 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
         # what a reader compares side by side (stock, the peer, enable()) must come from one run;
         # the step's other variants (ours' settings, ablations) need only a finished row each
         side = [p for p in pts if data.role_of(vars(p)) & set(data.SIDE_BY_SIDE)] or pts
-        todo.append(group_todo(side, latest, code, now, step.estimate_s, history))
+        todo.append(group_todo(side, latest, code, now, step.estimate_s, history, elsewhere))
         todo.append(([p for p in pts if p not in side and p.point_id not in latest], False))
     return exp, [(pts, over) for pts, over in todo if pts]
 
@@ -116,15 +117,13 @@ def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) 
 
 
 def seconds_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> float:
-    """What the step's work left on ``slug`` should take: each point its own longest earlier wall
-    time there (+10 % + 5 s), else on another GPU type, else the step's ``estimate_s``; a pending
-    bench its estimate_s."""
+    """What the step's work left on ``slug`` should take: each point as ``res.point_estimate_s``
+    expects it (its own longest earlier wall time there, else a margin over its time on another GPU
+    type, else the step's ``estimate_s``); a pending bench its estimate_s."""
     if not step.sweep:
         return step.estimate_s if pending(step, plan_dir, results, slug) else 0.0
-    name = _cut(step, plan_dir).name
-    here = res.point_wall_s(res.read_rows(res.results_path(results, name, slug)))
-    elsewhere = res.point_wall_s([r for r in res.load_experiment_rows(results, name) if r.get("gpu_slug") != slug])
-    return sum(res.point_estimate_s(here, p.point_id, res.point_estimate_s(elsewhere, p.point_id, step.estimate_s))
+    here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug)
+    return sum(res.point_estimate_s(here, p.point_id, step.estimate_s, elsewhere)
                for _, pts in _work(step, plan_dir, results, slug) for p in pts)
 
 
@@ -193,8 +192,8 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
         if n:
             print(f"  {what}: " + (f"{n_left} of {n} points left, ~{_minutes(secs)} of GPU time" if n_left else "done"))
     if totals[False][0] + totals[True][0]:
-        print("  (~: each point's own longest wall time where it ran before, on this GPU type or else another, "
-              "else its step's estimate_s, the longest any of its points takes)")
+        print("  (~: each point's own longest wall time on this GPU type, else half as long again as on another "
+              "(at most its step's estimate_s), else its step's estimate_s, the longest any of its points takes)")
     return 0 if not totals[False][0] + totals[True][0] else 3
 
 
@@ -264,14 +263,14 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
         if not pending(step, plan_dir, results, slug):
             print(f"done {step.name}", file=sys.stderr)
             continue
-        history = res.point_wall_s(res.read_rows(res.results_path(results, _cut(step, plan_dir).name, slug))) \
-            if step.sweep else {}
+        here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug) if step.sweep else ({}, {})
         for argv, pts in _work(step, plan_dir, results, slug):
             remaining = budget - (time.monotonic() - start) - (_START_S if step.sweep else 0.0)
-            # a point's estimate is its own longest earlier wall time on this GPU type, else the step's
-            # estimate_s (the longest any of its points or its bench takes): start a command only if
-            # its shortest point fits, and let the sweep start each point only if that one fits
-            shortest = min((res.point_estimate_s(history, p.point_id, step.estimate_s) for p in pts),
+            # a point's estimate is its own longest earlier wall time on this GPU type, else a margin
+            # over its time on another, else the step's estimate_s (the longest any of its points or
+            # its bench takes): start a command only if its shortest point fits, and let the sweep
+            # start each point only if that one fits
+            shortest = min((res.point_estimate_s(here, p.point_id, step.estimate_s, elsewhere) for p in pts),
                            default=step.estimate_s)
             if remaining < shortest:
                 continue

@@ -176,12 +176,31 @@ def point_wall_s(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def point_estimate_s(history: dict[str, float], point_id: str, default: float | None) -> float | None:
-    """How long to expect a point to take: its longest recorded wall time with a 10 % + 5 s margin,
-    else ``default`` (None: unknown)."""
+# a point timed on another GPU type only: that one may be the faster, so allow half as long again
+ELSEWHERE_FACTOR = 1.5
+
+
+def point_estimate_s(history: dict[str, float], point_id: str, default: float | None,
+                     elsewhere: dict[str, float] | None = None) -> float | None:
+    """How long to expect a point to take: its longest recorded wall time on this GPU type with a
+    10 % + 5 s margin; else its longest on another GPU type (``elsewhere``) times ELSEWHERE_FACTOR
+    + 5 s, but no more than ``default`` (the longest any point of its kind takes); else ``default``
+    (None: unknown)."""
     if point_id in history:
         return history[point_id] * 1.1 + 5
+    if elsewhere and point_id in elsewhere:
+        guess = elsewhere[point_id] * ELSEWHERE_FACTOR + 5
+        return guess if default is None else min(guess, default)
     return default
+
+
+def wall_history(root: str | Path, experiment: str, slug: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(point id -> longest wall time on ``slug``, the same over every other GPU type's rows) of one
+    experiment: what ``point_estimate_s`` takes."""
+    here = results_path(root, experiment, slug)
+    others = [r for path in sorted((Path(root) / experiment).glob("*.jsonl")) if path != here
+              for r in read_rows(path)]
+    return point_wall_s(read_rows(here)), point_wall_s(others)
 
 
 def load_experiment_rows(root: str | Path, experiment: str) -> list[dict]:

@@ -410,6 +410,33 @@ def test_a_sweep_with_a_deadline_starts_only_the_points_whose_estimate_fits(tmp_
     assert res.point_estimate_s({}, "x", 5) == 5 and res.point_estimate_s({}, "x", None) is None
 
 
+
+def test_a_point_timed_only_on_another_gpu_type_is_expected_to_take_half_as_long_again(tmp_path, write_toml):
+    from harness import results as res
+
+    exp = experiment.load(write_toml(
+        "[experiment]\nname = 's'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
+        "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"))
+    first, second = exp.points()
+    root = tmp_path / "results"
+    # on another GPU type the first took 500 s (here: 755 s, capped at the default 700, past the
+    # deadline), the second 100 s (here: 155 s, within it); neither has run on this one
+    other = res.results_path(root, "s", "nvidia-h200")
+    res.append_row(other, {"kind": "step", "status": "ok", "point_id": first.point_id, "wall_s": 500.0})
+    res.append_row(other, {"kind": "step", "status": "ok", "point_id": second.point_id, "wall_s": 100.0})
+    here, elsewhere = res.wall_history(root, "s", "cpu")
+    assert here == {} and elsewhere == {first.point_id: 500.0, second.point_id: 100.0}
+    assert res.point_estimate_s(here, first.point_id, 700, elsewhere) == 700
+    assert res.point_estimate_s(here, second.point_id, 700, elsewhere) == pytest.approx(155.0)
+    assert res.point_estimate_s(here, second.point_id, None, elsewhere) == pytest.approx(155.0)
+    summary = sweep.run(exp, root, progress=False, deadline_s=600, point_estimate_s=700)
+    assert summary.ran == 1 and summary.left == 1
+    assert res.finished_point_ids(res.results_path(root, "s", "cpu")) == {second.point_id}
+    # once it has run here, its own time counts, not the other GPU type's
+    mine = res.read_rows(res.results_path(root, "s", "cpu"))[-1]["wall_s"]
+    here, elsewhere = res.wall_history(root, "s", "cpu")
+    assert res.point_estimate_s(here, second.point_id, 700, elsewhere) == pytest.approx(mine * 1.1 + 5)
+
 def test_reproduce_estimates_a_point_by_its_own_earlier_wall_time(tmp_path, write_toml, capsys):
     from harness import results as res
 

@@ -171,8 +171,9 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     """Run ``exp``'s unfinished points; ``command`` (the command line that started the sweep) is
     recorded in every row. With ``stop_after_s``, no point starts once that many seconds have
     passed; with ``deadline_s``, no point starts that its estimate says would end later than that
-    (its longest earlier wall time on this GPU type, else ``point_estimate_s``, else it starts if
-    the deadline has not passed), and a shorter point after it still may. The points not started
+    (``res.point_estimate_s``: its longest earlier wall time on this GPU type, else a margin over
+    its wall time on another, at most ``point_estimate_s``, else ``point_estimate_s``, else it
+    starts if the deadline has not passed), and a shorter point after it still may. The points not started
     stay unfinished for a rerun (``summary.left``)."""
     started = time.monotonic()
     device_name = detect_device_name(exp.device)
@@ -200,13 +201,14 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     if bar and summary.skipped:
         sys.stderr.write(f"resuming: {summary.skipped} of {len(points)} points already in {path}\n")
     history = res.point_wall_s(existing)
+    elsewhere = res.wall_history(results_root, exp.name, slug)[1] if deadline_s is not None else {}
     for i, point in enumerate(todo, 1):
         elapsed = time.monotonic() - started
         if stop_after_s is not None and elapsed > stop_after_s:
             summary.left += len(todo) - i + 1
             break
         if deadline_s is not None and \
-                elapsed + (res.point_estimate_s(history, point.point_id, point_estimate_s) or 0.0) > deadline_s:
+                elapsed + (res.point_estimate_s(history, point.point_id, point_estimate_s, elsewhere) or 0.0) > deadline_s:
             summary.left += 1
             continue
         if bar:
