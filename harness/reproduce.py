@@ -232,6 +232,18 @@ def _commands(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) ->
 _START_S = 10.0
 
 
+def _needs(step: plan_file.Step, pts: list, here: dict, elsewhere: dict, budget: float) -> float:
+    """The seconds a command must have left to start. A point's estimate is its own longest earlier
+    wall time on this GPU type, else a margin over its time on another, else the step's estimate_s
+    (the longest any of its points or its bench takes). A together step's side-by-side group (stock,
+    the peer, enable()) needs all of its points to fit, since its rows count only from one run,
+    unless they would not fit in a whole call; any other command needs its shortest point to fit,
+    and the sweep then starts each point only if that one fits."""
+    est = [res.point_estimate_s(here, p.point_id, step.estimate_s, elsewhere) for p in pts] or [step.estimate_s]
+    side = step.together and all(data.role_of(vars(p)) & set(data.SIDE_BY_SIDE) for p in pts)
+    return sum(est) if side and sum(est) <= budget else min(est)
+
+
 def _chosen(plan: plan_file.Plan, names) -> list[plan_file.Step]:
     """The plan's steps named in ``names`` (all of them when none), in the plan's order."""
     if not names:
@@ -266,13 +278,7 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
         here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug) if step.sweep else ({}, {})
         for argv, pts in _work(step, plan_dir, results, slug):
             remaining = budget - (time.monotonic() - start) - (_START_S if step.sweep else 0.0)
-            # a point's estimate is its own longest earlier wall time on this GPU type, else a margin
-            # over its time on another, else the step's estimate_s (the longest any of its points or
-            # its bench takes): start a command only if its shortest point fits, and let the sweep
-            # start each point only if that one fits
-            shortest = min((res.point_estimate_s(here, p.point_id, step.estimate_s, elsewhere) for p in pts),
-                           default=step.estimate_s)
-            if remaining < shortest:
+            if remaining < _needs(step, pts, here, elsewhere, budget):
                 continue
             argv = [sys.executable, *argv, "--results", str(results)]
             if step.sweep:
