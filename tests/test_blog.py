@@ -458,6 +458,27 @@ def test_reproduce_estimates_a_point_by_its_own_earlier_wall_time(tmp_path, writ
     assert "run cut" not in capsys.readouterr().err
 
 
+
+def test_a_side_by_side_group_starts_only_when_all_of_it_fits_unless_no_call_could_hold_it():
+    from types import SimpleNamespace as P
+
+    step = plan.Step(name="roles", sweep="e.toml", estimate_s=300, together=True)
+    stock = P(point_id="s", role="stock", variant="stock", baseline_variant="stock", stack="")
+    peer = P(point_id="l", role="peer", variant="liger", baseline_variant="stock", stack="liger")
+    user = P(point_id="u", role="ours-default", variant="user", baseline_variant="stock", stack="user")
+    graph = P(point_id="g", role="ours", variant="graph", baseline_variant="stock", stack="")
+    here = {"s": 45.0, "l": 250.0, "u": 45.0, "g": 50.0}  # estimates 54.5, 280, 54.5 and 60 s
+    # stock, Liger and enable() count only from one run: all three must fit (389 s), not the shortest
+    assert reproduce._needs(step, [stock, peer, user], here, {}, budget=552) == pytest.approx(389.0)
+    # a group no call could hold (Liger at 600 s) starts when its shortest fits, and is joined by the next call
+    assert reproduce._needs(step, [stock, peer, user], {**here, "l": 600.0}, {}, budget=552) == pytest.approx(54.5)
+    # ours' other settings need a finished row each, not one run
+    assert reproduce._needs(step, [graph, stock], here, {}, budget=552) == pytest.approx(54.5)
+    assert reproduce._needs(step, [graph], here, {}, budget=552) == pytest.approx(60.0)
+    apart = plan.Step(name="cut", sweep="e.toml", estimate_s=300)
+    assert reproduce._needs(apart, [stock, peer, user], here, {}, budget=552) == pytest.approx(54.5)
+    assert reproduce._needs(apart, [], here, {}, budget=552) == 300
+
 def test_bandwidth_on_a_third_gpu_type_keeps_within_the_line_budget(tmp_path):
     from harness.report.blog import figures
 
@@ -501,6 +522,26 @@ def test_the_peers_table_claims_no_run_where_one_role_alone_was_measured():
     lines = peers_table([alone, pair]).splitlines()
     assert lines[2].endswith("| `packed-flex` | – |") and lines[3].endswith("| `o` | yes |"), lines
 
+
+
+def test_a_cell_from_another_run_than_its_stock_carries_a_dagger_and_the_table_says_why():
+    from harness.report.blog.common import peers_table
+
+    def row(variant: str, p50: float, when: str, code: str = "c") -> dict:
+        return {"variant": variant, "status": "ok", "step_ms": {"p20": p50, "p50": p50, "p80": p50},
+                "recorded_at": f"2026-01-01T{when}:00+00:00", "env": {"code_sha": code}}
+
+    # the peer came from a run hours earlier, enable() from the stock's own run, best from other code
+    p = data.RolePoint("gpu-x", "NVIDIA H200", "m", 2048,
+                       rows={"stock": row("s", 800.0, "10:00"), "peer": row("liger", 1200.0, "02:00"),
+                             "default": row("user", 400.0, "10:03"), "best": row("o", 300.0, "10:06", code="d")})
+    line = peers_table([p]).splitlines()[2]
+    assert "| 800.0 |" in line and "1200.0 (0.67×) † |" in line and "400.0 (2.00×) |" in line, line
+    assert "300.0 (2.67×) † |" in line, line
+    assert peers_table([p]).endswith("† measured by another run than the stock beside it: its ratio compares two runs.")
+    p.rows["peer"] = row("liger", 1200.0, "10:01")
+    p.rows["best"] = row("o", 300.0, "10:06")
+    assert "†" not in peers_table([p])
 
 def test_the_targets_keep_the_heading_that_names_their_gpu():
     from harness.report.blog.appendix import _target_tables

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from harness.report.fmt import _f, _stat, _table
 from harness.report.fmt import _ms as ms, _times as times  # noqa: F401  (the sections' cell formats)
 from harness.report.blog.data import RolePoint
+from harness.report.runs import _one_run
 from harness.report.blog.style import ROLE_LABEL, ROLES
 
 
@@ -30,7 +31,22 @@ def cell(p: RolePoint, role: str) -> str:
     if r is None:
         return p.failed.get(role, "not run").upper() if role in p.failed else "not run"
     s = p.speedup(role) if role != "stock" else None
-    return ms(p.ms(role)) + (f" ({times(s)})" if s else "")
+    return ms(p.ms(role)) + (f" ({times(s)})" if s else "") + (OTHER_RUN if _apart(p, role) else "")
+
+
+# marks a role measured by another run than the stock row beside it: its ratio compares two runs
+OTHER_RUN = " †"
+
+
+def _apart(p: RolePoint, role: str) -> bool:
+    stock, r = p.rows.get("stock"), p.rows.get(role)
+    return role != "stock" and stock is not None and r is not None and _one_run([stock, r]) is False
+
+
+def other_run_note(table: str) -> str:
+    """The table, with a line under it saying what † means where a cell carries one."""
+    return table + (f"\n\n{OTHER_RUN.strip()} measured by another run than the stock beside it: "
+                    "its ratio compares two runs." if OTHER_RUN in table else "")
 
 
 def peers_table(points: list[RolePoint]) -> str:
@@ -43,7 +59,8 @@ def peers_table(points: list[RolePoint]) -> str:
         together = "–" if len(p.rows) < 2 else {True: "yes", False: "no", None: "?"}[p.one_run()]
         body.append([p.gpu_name, p.model, p.seq_len, *(cell(p, r) for r in ROLES),
                      f"`{best.get('variant')}`" if best else "–", together])
-    return _table(["GPU", "model", "tokens", *(f"{ROLE_LABEL[r]} ms" for r in ROLES), "best variant", "one run"], body)
+    return other_run_note(_table(["GPU", "model", "tokens", *(f"{ROLE_LABEL[r]} ms" for r in ROLES), "best variant",
+                                  "one run"], body))
 
 
 def split_table(points: list[RolePoint]) -> str:

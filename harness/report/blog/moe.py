@@ -10,7 +10,7 @@ from harness.report.fmt import _f, _natural, _stat, _table
 from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
                                 moe_gap_md, moe_routing)
 from harness.report.blog import figures
-from harness.report.blog.common import Headline, cell, ms, split_table, stock_caveats, times
+from harness.report.blog.common import Headline, cell, ms, other_run_note, split_table, stock_caveats, times
 from harness.report.blog.data import RolePoint, role_points
 from harness.report.blog.style import ROLE_LABEL, ROLES, embed, gpu_short
 
@@ -116,7 +116,7 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict) -> str:
     sg = seeds.get("gpu", "?")
     header = ["tokens", f"seeds' Unsloth ({sg})", f"seeds' Transformers v5 ({sg})", "seeds' ratio"]
     header += [f"{ROLE_LABEL[r]}, {gpu}" for gpu in gpus for r in ROLES]
-    return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + _table(header, body)
+    return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + other_run_note(_table(header, body))
 
 
 def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir: Path) -> tuple[str, Headline]:
