@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this step of the plan (its name as --status lists it, without \"(appendix)\"); "
                         "repeat for more, in the plan's order")
     p.add_argument("--status", metavar="GPU", help="what is left on this GPU type (its results/ name, "
-                   "e.g. nvidia-h200), from the rows alone; runs nothing and needs no GPU")
+                   "e.g. nvidia-h200, or part of one, e.g. h100), from the rows alone; runs nothing and needs no GPU")
     p.add_argument("--gpu-gib", type=float, help="with --status: the GPU's memory (default: what its rows recorded)")
     p.set_defaults(func=cmd_reproduce)
 

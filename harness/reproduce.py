@@ -161,15 +161,18 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
     steps that need a larger GPU."""
     plan = plan_file.load(plan_path)
     plan_dir, results = plan.path.parent, Path(results)
+    if not any(res.results_path(results, exp, slug).exists() for exp in plan.experiments()):
+        others = sorted({f.stem for exp in plan.experiments() for f in (results / exp).glob("*.jsonl")})
+        if len(named := [o for o in others if slug.lower() in o]) == 1:  # "h100" for nvidia-h100-80gb-hbm3
+            print(f"{slug}: the GPU type with rows whose name holds it is {named[0]}", file=sys.stderr)
+            slug = named[0]
+        elif others:  # a misspelt GPU type would otherwise read as "nothing has run"
+            print(f"no rows for {slug} under {results}/; the GPU types with rows: {', '.join(others)}",
+                  file=sys.stderr)
     if gib is None:
         mems = [float(m) for exp in plan.experiments() for r in res.read_rows(res.results_path(results, exp, slug))
                 if isinstance(m := (r.get("env") or {}).get("memory_total_gib"), (int, float))]
         gib = max(mems) if mems else None
-    if not any(res.results_path(results, exp, slug).exists() for exp in plan.experiments()):
-        others = sorted({f.stem for exp in plan.experiments() for f in (results / exp).glob("*.jsonl")})
-        if others:  # a misspelt GPU type would otherwise read as "nothing has run"
-            print(f"no rows for {slug} under {results}/; the GPU types with rows: {', '.join(others)}",
-                  file=sys.stderr)
     lines, totals = [], {False: [0, 0, 0.0], True: [0, 0, 0.0]}  # per appendix: [left, all, seconds]
     for step in plan.steps:
         if step.min_gpu_gib and gib is not None and gib < step.min_gpu_gib:

@@ -289,6 +289,10 @@ def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, wr
     assert "no rows for gpu under" in err and err.rstrip().endswith("with rows: gpu-x, gpu-y")
     reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
     assert "no rows" not in capsys.readouterr().err
+    # part of one GPU type's name, as a reader types it ("h100"), is that GPU type
+    reproduce.status(p, "Y", 80, results=tmp_path / "r")
+    out, err = capsys.readouterr()
+    assert "no rows" not in err and "is gpu-y" in err and out.startswith("plan.toml on gpu-y"), (out, err)
 
 
 def test_a_together_group_is_done_only_when_its_rows_come_from_one_run():
