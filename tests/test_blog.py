@@ -557,3 +557,17 @@ def test_the_targets_keep_the_heading_that_names_their_gpu():
     assert one.startswith("**End-to-end targets on NVIDIA H100**\n\n| target |") and one.endswith("| a | 1 | yes |")
     assert two.startswith("**End-to-end targets on NVIDIA H200**\n\n") and two.endswith("| a | 2 | no |")
     assert _target_tables("| target | measured |\n|---|---|\n| b | 3 |") == ["| target | measured |\n|---|---|\n| b | 3 |"]
+
+
+def test_the_blog_reads_offload_from_the_benches_alone_so_the_offload_sweep_is_appendix():
+    """experiments/blog.toml runs offload.toml as an appendix step: the report's offload section
+    must not read its rows, or the report's figures would wait on a step --status calls appendix."""
+    from harness.report.blog import offload
+
+    sweep_rows = [{"kind": "step", "experiment": "offload", "gpu_slug": "nvidia-h200", "device_name": "NVIDIA H200",
+                   "model": "qwen3-8b", "seq_len": 2048, "variant": mode, "status": "ok",
+                   "step_ms": {"p20": 900.0, "p50": 1000.0, "p80": 1100.0}} for mode in ("none", "single", "double")]
+    md, head = offload.section(sweep_rows, {}, Path("/nonexistent"), Path("/nonexistent"))
+    assert md == "" and head.measured == {}
+    steps = {s.sweep: s for s in plan.load(PLAN).steps if s.sweep}
+    assert steps["offload.toml"].appendix
