@@ -46,6 +46,10 @@ with the same ``bench_key``.
 A ``bandwidth`` row adds:
     direction ("h2d"), memory ("pinned" | "pageable"), size_bytes, gbps {"p20","p50","p80","samples"},
     pcie_ceiling_gbps (None if unknown), pcie_gen, pcie_width.
+A ``stopped`` row (``harness.run.sweep.stopped_row``) says a sweep was stopped while one of its
+points ran: point_id, model, seq_len, variant, wall_s (how long the point had run) and message. No
+table, gate or resume reads it as a result; ``point_wall_s`` does, and the point's next finished row
+replaces it.
 """
 
 from __future__ import annotations
@@ -168,10 +172,11 @@ def finished_point_ids(path: str | Path) -> set[str]:
 
 def point_wall_s(rows: list[dict]) -> dict[str, float]:
     """point id -> the longest wall time (process start to row) its rows recorded, whatever their
-    status: what the next run of that point on the same GPU type should be expected to take."""
+    status, and the time it had run where a sweep stopped while it ran (kind "stopped"): what the
+    next run of that point on the same GPU type should be expected to take."""
     out: dict[str, float] = {}
     for r in rows:
-        if r.get("kind") == "step" and r.get("point_id") and isinstance(w := r.get("wall_s"), (int, float)):
+        if r.get("kind") in ("step", "stopped") and r.get("point_id") and isinstance(w := r.get("wall_s"), (int, float)):
             out[r["point_id"]] = max(out.get(r["point_id"], 0.0), float(w))
     return out
 

@@ -571,3 +571,47 @@ def test_the_blog_reads_offload_from_the_benches_alone_so_the_offload_sweep_is_a
     assert md == "" and head.measured == {}
     steps = {s.sweep: s for s in plan.load(PLAN).steps if s.sweep}
     assert steps["offload.toml"].appendix
+
+
+def test_a_sweep_stopped_halfway_through_a_point_keeps_how_long_it_ran_and_nothing_reads_it_as_a_result(
+        tmp_path, write_toml, monkeypatch):
+    """`timeout` stopping reproduce mid-point left no trace: the next call expected the point to
+    take its old 72 s and was stopped in it again. The stopped row tells it otherwise."""
+    import time as _time
+
+    from harness import results as res
+    from harness.report import build_report
+    from harness.run import launchers
+
+    exp = experiment.load(write_toml(
+        "[experiment]\nname = 's'\nmodels = ['qwen3-0.6b-tiny']\nseq_lens = [64, 128]\ndevice = 'cpu'\n"
+        "dtype = 'fp32'\nbandwidth = false\n[variants.a]\nattn_implementation = 'sdpa'\n"))
+    first, second = exp.points()
+    root = tmp_path / "results"
+    assert sweep.run(exp, root, progress=False).ran == 2
+    path = res.results_path(root, "s", "cpu")
+    before = res.read_rows(path)
+
+    real = launchers.for_point
+
+    class Stopped:
+        def run(self, point, log_path, on_progress=None):
+            _time.sleep(0.3)
+            raise KeyboardInterrupt  # what the SIGTERM handler's SystemExit does too
+
+    monkeypatch.setattr(sweep, "for_point", lambda p: Stopped() if p.point_id == second.point_id else real(p))
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(exp, root, progress=False, overwrite=True)
+    rows = res.read_rows(path)
+    (stop,) = [r for r in rows if r.get("kind") == "stopped"]
+    assert stop["point_id"] == second.point_id and stop["wall_s"] >= 0.3 and "stopped" in stop["message"]
+    # the earlier finished row of that point is kept: the stop loses nothing, and is not its result
+    assert res.finished_point_ids(path) == {first.point_id, second.point_id}
+    assert [r for r in rows if r.get("kind") == "step" and r["point_id"] == second.point_id] == \
+        [r for r in before if r["point_id"] == second.point_id]
+    assert res.point_wall_s(rows)[second.point_id] == max(stop["wall_s"], before[-1]["wall_s"])
+    build_report(root, "s", tmp_path / "reports")  # the reports read past it
+    # the next finished run of the point replaces the stopped row with its own
+    monkeypatch.setattr(sweep, "for_point", real)
+    sweep.run(exp, root, progress=False, overwrite=True)
+    assert not [r for r in res.read_rows(path) if r.get("kind") == "stopped"]

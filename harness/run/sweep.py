@@ -151,6 +151,17 @@ def append_point_row(path: Path, row: dict) -> None:
     res.append_row(path, row, replace_point=True)
 
 
+def stopped_row(point, ran_s: float, slug: str, device_name: str) -> dict:
+    """What a sweep stopped halfway through a point keeps of it: how long it had run, as a row of
+    kind "stopped" that no table, gate or resume reads as the point's result (it runs again, and
+    its finished row replaces this one), but that ``res.point_wall_s`` reads, so the next run
+    expects the point to take at least that long."""
+    return {"kind": "stopped", "point_id": point.point_id, "experiment": point.experiment, "model": point.model,
+            "seq_len": point.seq_len, "variant": point.variant, "wall_s": round(ran_s, 3), "gpu_slug": slug,
+            "device_name": device_name, "recorded_at": res.now(),
+            "message": f"the sweep stopped {ran_s:.0f} s into this point; a rerun runs it again"}
+
+
 def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | None:
     """The experiment file as it was read, under results/<experiment>/experiments/<sha>.toml, so
     rows (which record ``experiment_sha256``) and reports need nothing outside results/."""
@@ -213,8 +224,12 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
             continue
         if bar:
             bar.start(i, point.label())
-        launched_s = process_age_s()
-        row = for_point(point).run(point, log_dir / f"{point.point_id}.log", bar.step if bar else None)
+        launched_s, began = process_age_s(), time.monotonic()
+        try:
+            row = for_point(point).run(point, log_dir / f"{point.point_id}.log", bar.step if bar else None)
+        except BaseException:  # the sweep is stopping (SIGTERM from `timeout`, Ctrl-C) with this point running
+            res.append_row(path, stopped_row(point, time.monotonic() - began, slug, device_name))
+            raise
         if launched_s is not None:  # where the sweep's start-up and earlier points end
             row["launched_s"] = round(launched_s, 3)
         row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
