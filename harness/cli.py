@@ -335,8 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no point once S seconds have passed; the rest is left to a rerun (which resumes)")
     p.add_argument("--deadline", type=float, metavar="S",
                    help="start no point that would end after S seconds by its estimate: the longest wall time "
-                        "its earlier rows on this GPU type recorded, else --point-estimate; a shorter point "
-                        "after it may still start")
+                        "its earlier rows on this GPU type recorded, else half as long again as on another "
+                        "(at most --point-estimate), else --point-estimate; a shorter point after it may still start")
     p.add_argument("--point-estimate", type=float, metavar="S",
                    help="with --deadline: what a point never run on this GPU type is expected to take")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

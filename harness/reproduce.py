@@ -2,9 +2,9 @@
 of ``experiments/blog.toml``) on this GPU, in order, resumably, and stop before the budget.
 
 A sweep step is done when every point of its (cut) experiment has a finished row here; it resumes
-by itself and is told to start no point that would end past the budget by its estimate: the
-point's own longest earlier wall time on this GPU type where it has one, else the step's
-``estimate_s``. A bench step is done
+by itself and is told to start no point that would end past the budget by its estimate
+(``results.point_estimate_s``: the point's own longest earlier wall time on this GPU type where it
+has one, else half as long again as on another, else the step's ``estimate_s``). A bench step is done
 when its experiment's results on this GPU hold rows its command wrote, for every model and length
 it names. A step whose
 ``min_gpu_gib`` is above this GPU's memory is skipped, and says so. Rerun the same command until
@@ -72,8 +72,8 @@ def group_todo(points: list, latest: dict[str, dict], code: str | None, now: flo
     started = runs._when(newest[0]) if newest else None  # None: rows without a recording time
     rest = [p for p in points if p.point_id not in {r.get("point_id") for r in newest}]
     fresh = started is not None and runs._code_ids(newest) <= {code} and \
-        now - started.timestamp() + sum(res.point_estimate_s(history or {}, p.point_id, estimate_s, elsewhere) for p in rest) \
-        <= runs.SAME_RUN_MINUTES * 60
+        now - started.timestamp() + sum(res.point_estimate_s(history or {}, p.point_id, estimate_s, elsewhere)
+                                        for p in rest) <= runs.SAME_RUN_MINUTES * 60
     todo = rest if fresh else list(points)
     return todo, any(p.point_id in latest for p in todo)
 

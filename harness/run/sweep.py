@@ -184,8 +184,9 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     passed; with ``deadline_s``, no point starts that its estimate says would end later than that
     (``res.point_estimate_s``: its longest earlier wall time on this GPU type, else a margin over
     its wall time on another, at most ``point_estimate_s``, else ``point_estimate_s``, else it
-    starts if the deadline has not passed), and a shorter point after it still may. The points not started
-    stay unfinished for a rerun (``summary.left``)."""
+    starts if the deadline has not passed), and a shorter point after it still may. The points not
+    started stay unfinished for a rerun (``summary.left``); a point the sweep was stopped in leaves
+    a ``stopped_row``."""
     started = time.monotonic()
     device_name = detect_device_name(exp.device)
     slug = res.gpu_slug(device_name)
@@ -211,8 +212,7 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     bar = Progress(len(todo)) if progress else None
     if bar and summary.skipped:
         sys.stderr.write(f"resuming: {summary.skipped} of {len(points)} points already in {path}\n")
-    history = res.point_wall_s(existing)
-    elsewhere = res.wall_history(results_root, exp.name, slug)[1] if deadline_s is not None else {}
+    history, elsewhere = res.wall_history(results_root, exp.name, slug) if deadline_s is not None else ({}, {})
     for i, point in enumerate(todo, 1):
         elapsed = time.monotonic() - started
         if stop_after_s is not None and elapsed > stop_after_s:
