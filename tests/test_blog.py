@@ -599,6 +599,16 @@ def test_a_sweep_stopped_halfway_through_a_point_keeps_how_long_it_ran_and_nothi
             _time.sleep(0.3)
             raise KeyboardInterrupt  # what the SIGTERM handler's SystemExit does too
 
+    class Crashed:
+        def run(self, point, log_path, on_progress=None):
+            raise RuntimeError("a bug in the runner")
+
+    # a crash is not a stop: it raises as itself and leaves no stopped row behind
+    monkeypatch.setattr(sweep, "for_point", lambda p: Crashed() if p.point_id == second.point_id else real(p))
+    with pytest.raises(RuntimeError, match="a bug in the runner"):
+        sweep.run(exp, root, progress=False, overwrite=True)
+    assert not [r for r in res.read_rows(path) if r.get("kind") == "stopped"]
+
     monkeypatch.setattr(sweep, "for_point", lambda p: Stopped() if p.point_id == second.point_id else real(p))
     with pytest.raises(KeyboardInterrupt):
         sweep.run(exp, root, progress=False, overwrite=True)

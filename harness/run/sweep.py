@@ -227,7 +227,8 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
         launched_s, began = process_age_s(), time.monotonic()
         try:
             row = for_point(point).run(point, log_dir / f"{point.point_id}.log", bar.step if bar else None)
-        except BaseException:  # the sweep is stopping (SIGTERM from `timeout`, Ctrl-C) with this point running
+        except (KeyboardInterrupt, SystemExit):  # the sweep is stopping (Ctrl-C; SIGTERM from `timeout`, which
+            # harness.cli turns into SystemExit) with this point running; a crash is not a stop, and says so itself
             res.append_row(path, stopped_row(point, time.monotonic() - began, slug, device_name))
             raise
         if launched_s is not None:  # where the sweep's start-up and earlier points end
