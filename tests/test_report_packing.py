@@ -121,6 +121,23 @@ def test_packing_best_packed_vs_stock_flex_met():
     assert "10 minutes apart running the same code, so they likely come from one run." in md
 
 
+def test_best_packed_path_counts_optim_enable_defaults():
+    """optim.enable() picks its packing backend itself, so its row names none: what ran (optim's packed
+    attention) makes it a packed path. A peer on stock attention is never one."""
+    from harness.report.packing import packing_vs_stock_points
+
+    base = _packing_row("packed-flex", 0.0)
+    user = {**base, "variant": "user", "step_ms": {"p20": 190.0, "p50": 190.0, "p80": 190.0},
+            "switches": {"gradient_checkpointing": True}, "role": "ours-default",
+            "attn_implementation_used": "optim_packed"}
+    liger = {**base, "variant": "liger", "step_ms": {"p20": 150.0, "p50": 150.0, "p80": 150.0},
+             "switches": {}, "role": "peer", "attn_implementation_used": "flex_attention"}
+    rows = [_packing_row("stock-flex", 430.0), _packing_row("packed-flex-compiled", 220.0), user, liger]
+    (p,) = packing_vs_stock_points(rows, SPEC)
+    assert (p["best_variant"], p["best_ms"]) == ("user", 190.0)
+    assert p["ratio"] == pytest.approx(430.0 / 190.0)
+
+
 def test_packing_comparisons_follow_the_experiment_file():
     from harness.report.packing import packing_vs_stock_points
 

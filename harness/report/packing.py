@@ -234,9 +234,11 @@ def _missing_m_note(pts: list[dict]) -> str:
 
 
 def _packed_variants(rows: list[dict]) -> list[str]:
-    """Variants whose rows run an optim.packing backend (any cache or compile setting)."""
+    """Variants whose rows run an optim.packing backend (any cache or compile setting), named by the
+    switch or, for optim.enable()'s defaults, which pick the backend themselves, by what ran."""
     return sorted({str(r["variant"]) for r in rows if r.get("variant") is not None
-                   and (r.get("switches") or {}).get("packing_backend") in STRUCTURE_COUNTER})
+                   and ((r.get("switches") or {}).get("packing_backend") in STRUCTURE_COUNTER
+                        or r.get("attn_implementation_used") == "optim_packed")})
 
 
 def _ok_rows(rows: list[dict], model, seq_len, variant) -> list[dict]:
@@ -351,7 +353,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
             ["GPU", "model", "tokens", f"{stock_v} ms p50", "best packed ms p50 (variant)", f"{stock_v} / best",
              f"{compiled_v} ms p50", f"{compiled_v} / best"], body)
             + "\n\nBest packed = the lowest step p50 among variants with packing_backend sdpa, flex or "
-              f"varlen, with any cache or compile setting. {compiled_v} is {stock_v} with "
+              f"varlen, with any cache or compile setting, and optim.enable()'s defaults. {compiled_v} is {stock_v} with "
               "the same per-layer torch.compile (optim.regional), so its ratio shows what packing adds on "
               "top of compilation. Each ratio divides two rows of the same sweep file "
               "(`results/<experiment>/<gpu>.jsonl`).")
