@@ -625,3 +625,25 @@ def test_a_sweep_stopped_halfway_through_a_point_keeps_how_long_it_ran_and_nothi
     monkeypatch.setattr(sweep, "for_point", real)
     sweep.run(exp, root, progress=False, overwrite=True)
     assert not [r for r in res.read_rows(path) if r.get("kind") == "stopped"]
+
+
+def test_the_offload_section_gives_one_answer_per_length_the_newest_bench_run():
+    """A bench rerun sizes its batch from the layer-input target: older code's point at another
+    batch stayed in the results, and the report listed both (qwen3-14b 2048×10 and 2048×13) as if
+    they were two measurements of the optimization. The section reads the newest run per length."""
+    from harness.report.blog import offload
+
+    def bench(batch, recorded_at, single, double):
+        base = {"experiment": "offload", "gpu_slug": "nvidia-h100-80gb-hbm3", "device_name": "NVIDIA H100 80GB HBM3",
+                "model": "qwen3-14b", "seq_len": 2048, "batch_size": batch}
+        if recorded_at:
+            base["recorded_at"] = recorded_at
+        modes = [{**base, "kind": "offload", "mode": m, "status": "ok", "step_ms": {"p20": v, "p50": v, "p80": v}}
+                 for m, v in (("none", double), ("single", single), ("double", double), ("save_on_cpu", single))]
+        return [*modes, {**base, "kind": "offload_summary", "c_ms": 5.0, "g_ms": 100.0, "layers_reloaded": 38}]
+
+    old, new = bench(10, None, 1100.0, 1000.0), bench(13, "2026-11-25T10:46:41+00:00", 1040.0, 1000.0)
+    for rows in (old + new, new + old):  # file order does not decide it
+        md, head = offload.section(rows, {}, Path("/nonexistent"), Path("/nonexistent"))
+        assert "2048×13" in md and "2048×10" not in md
+        assert head.measured["H100"] == "qwen3-14b 2048×13 +4.0 % steps/s over single"
