@@ -437,3 +437,69 @@ def test_a_narrow_range_keeps_a_linear_axis_and_log_minor_ticks_name_2_3_5_only(
     assert ax.get_yscale() == "linear"
     assert [_minor_label(v) for v in (200.0, 300.0, 400.0, 500.0, 600.0, 3000.0, 0.0)] == \
         ["200", "300", "", "500", "", "3000", ""]
+
+
+def _role_rows(extra_ours: int = 5) -> list[dict]:
+    """Step rows of one GPU: stock (the baseline), Liger, enable() and ``extra_ours`` settings of ours,
+    where ours-01 is fastest at 1024 tokens and ours-02 at 4096, and enable() is slowest of ours."""
+    rows = []
+    variants = {"stock": ("stock", 1000.0), "liger": ("peer", 900.0), "user": ("ours-default", 600.0),
+                **{f"ours-{i:02d}": ("ours", 700.0 - 10 * i) for i in range(extra_ours)}}
+    for t in (1024, 4096):
+        for variant, (role, ms) in variants.items():
+            if variant == "ours-01" and t == 1024:
+                ms = 100.0
+            if variant == "ours-02" and t == 4096:
+                ms = 200.0
+            for repeat, scale in enumerate((1.0, 1.02, 0.98)):
+                p50 = ms * scale * t / 1024
+                rows.append({"kind": "step", "status": "ok", "gpu_slug": "nvidia-h100-80gb-hbm3",
+                             "device_name": "NVIDIA H100 80GB HBM3", "model": "qwen3-0.6b", "seq_len": t,
+                             "batch_size": 1, "variant": variant, "baseline_variant": "stock", "role": role,
+                             "repeat": repeat, "point_id": f"{variant}-{t}-{repeat}",
+                             "step_ms": {"p20": 0.95 * p50, "p50": p50, "p80": 1.05 * p50},
+                             "forward_ms": {"p20": p50 / 3, "p50": p50 / 3, "p80": p50 / 3}})
+    return rows
+
+
+def test_past_five_variants_the_plots_draw_the_four_roles_each_played_by_its_fastest_variant():
+    """The MoE report's step-time plot drew 17 variants in ten repeating colours. Past five, an
+    experiment's plots draw the roles the blog's do, in the blog's colours; its tables keep every variant."""
+    from harness.report.palette import ROLE_LABEL
+
+    df = frames.steps_frame(_role_rows())
+    frame, picks = frames.role_frame(df)
+    best = picks[picks["series"] == "best"].set_index("seq_len")["variant"].to_dict()
+    assert best == {1024: "ours-01", 4096: "ours-02"}  # per point, not one variant for every length
+    assert set(picks["series"]) == {"stock", "peer", "default", "best"}
+    assert set(frame["variant"]) == set(ROLE_LABEL.values()) and set(frame["baseline_variant"]) == {ROLE_LABEL["stock"]}
+    # every repeat of the chosen variant comes along, so the spread is the variant's own
+    assert len(frame[(frame["variant"] == ROLE_LABEL["best"]) & (frame["metric"] == "step_ms")]) == 6
+    sp = frames.speedup_frame(frame)
+    at_1024 = sp[(sp["seq_len"] == 1024) & (sp["variant"] == ROLE_LABEL["best"])]["speedup"]
+    assert at_1024.round(6).tolist() == [10.0, 10.0, 10.0]
+
+    assert frames.role_frame(frames.steps_frame(_role_rows(extra_ours=2))) is None  # five variants: all drawn
+    no_roles = [{**r, "role": None} for r in _role_rows()]
+    assert frames.role_frame(frames.steps_frame(no_roles)) is None  # nothing says who plays what: all drawn
+
+
+def test_the_role_plots_name_which_variant_played_each_role_and_keep_the_roles_order(tmp_path, monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from harness.report import plots
+    from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLES
+
+    seen = []
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: seen.append(fig) or path)
+    rows = _role_rows()
+    df = frames.steps_frame(rows)
+    md = sections.section_step_time(df, None, rows, tmp_path)
+    assert "8 variants ran" in md and "ours, best setting: `ours-01` at qwen3-0.6b 1024; `ours-02` at qwen3-0.6b 4096" in md
+    (legend,) = seen[-1].legends
+    assert [t.get_text() for t in legend.get_texts()] == [ROLE_LABEL[r] for r in ROLES]
+    colours = {c.get_label(): to_hex(c.lines[0].get_color()) for c in seen[-1].axes[0].containers}
+    assert colours == {ROLE_LABEL[r]: ROLE_COLOR[r] for r in ROLES}
+    sections.section_speedup(df, None, rows, tmp_path)
+    bars = [c.get_label() for c in seen[-1].axes[0].containers if c.get_label() and not c.get_label().startswith("_")]
+    assert bars == [ROLE_LABEL[r] for r in ("peer", "default", "best")]

@@ -7,10 +7,12 @@ from typing import Callable
 
 import pandas as pd
 
+from harness.report.palette import ROLE_LABEL
+
 # Identity of one measured point. Only these columns (all filled, never None) index the frames,
 # because pandas silently drops NaN keys when grouping.
 ID_COLUMNS = ["gpu_slug", "device_name", "model", "family", "seq_len", "batch_size", "gpus", "variant",
-              "baseline_variant", "repeat", "point_id", "mfu_note"]
+              "baseline_variant", "role", "repeat", "point_id", "mfu_note"]
 TIMED_METRICS = ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")
 # Single-valued metrics get p20 = p50 = p80 so the long frame has one shape for everything.
 SCALAR_METRICS = ("steps_per_s", "tokens_per_s", "peak_allocated_gib", "peak_reserved_gib", "mfu", "hfu")
@@ -38,6 +40,7 @@ def _identity(row: dict) -> dict:
         "gpus": int(row.get("gpus") or 1),
         "variant": row.get("variant") or "",
         "baseline_variant": row.get("baseline_variant") or "",
+        "role": row.get("role") or "",
         "repeat": int(row.get("repeat") or 0),
         "point_id": row.get("point_id") or "",
         "mfu_note": row.get("mfu_note") or "",
@@ -118,3 +121,40 @@ def speedup_frame(df_steps: pd.DataFrame) -> pd.DataFrame:
     return merged[cols].sort_values(["model", "seq_len", "batch_size", "gpus", "variant", "repeat"]).reset_index(drop=True)
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The roles a plot draws where an experiment ran more variants than a plot can tell apart
+
+PLOT_VARIANTS = 5
+_POINT = ["gpu_slug", "model", "seq_len", "batch_size", "gpus"]
+# plot role -> which of a point's variants may play it (by the role each row records)
+_PLAYS = {
+    "stock": lambda d: (d["role"] == "stock") & (d["variant"] == d["baseline_variant"]),
+    "peer": lambda d: d["role"] == "peer",
+    "default": lambda d: d["role"] == "ours-default",
+    "best": lambda d: d["role"].isin(["ours", "ours-default"]),
+}
+
+
+def role_frame(df_steps: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """Where more than ``PLOT_VARIANTS`` variants ran and the rows name at least two of the roles
+    (stock: the baseline; the peer; optim.enable()'s defaults; ours at its best): the long frame the
+    plots draw instead, one series per role, each point's role played by its fastest variant (the
+    median over repeats of step p50) under the role's label, with stock's as every series'
+    baseline; and the picks (the point, ``series``, ``variant``, ``p50``) the report names under
+    the plots. None where the plots can draw every variant."""
+    if df_steps.empty or df_steps["variant"].nunique() <= PLOT_VARIANTS:
+        return None
+    step = df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"])
+    med = step.groupby([*_POINT, "variant", "baseline_variant", "role"], as_index=False)["p50"].median()
+    picks = [cand.loc[cand.groupby(_POINT)["p50"].idxmin()].assign(series=series)
+             for series, plays in _PLAYS.items() if not (cand := med[plays(med)]).empty]
+    if len(picks) < 2:
+        return None
+    picks = pd.concat(picks, ignore_index=True)[[*_POINT, "series", "variant", "p50"]]
+    frame = df_steps.merge(picks[[*_POINT, "series", "variant"]], on=[*_POINT, "variant"])
+    frame["variant"] = frame["series"].map(ROLE_LABEL)
+    frame["baseline_variant"] = ROLE_LABEL["stock"]
+    frame["role"] = frame.pop("series")
+    return frame[df_steps.columns].reset_index(drop=True), picks

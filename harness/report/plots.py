@@ -13,6 +13,7 @@ from matplotlib.ticker import FuncFormatter
 from harness.report.fmt import _bytes, _point_label
 from harness.report.frames import PHASE_COLORS, PHASES, STATS, points_frame
 from harness.report.output import save_png
+from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLE_MARKER, ROLES
 
 # ---------------------------------------------------------------------------------------------
 # Plots: one function per figure, each returns the written path or None when there is nothing
@@ -42,6 +43,12 @@ def variant_styles(variants) -> dict[str, dict]:
     return out
 
 
+def role_styles() -> dict[str, dict]:
+    """role label -> matplotlib keywords: the roles of ``frames.role_frame`` in the colours the
+    blog gives them, in the order a reader compares them."""
+    return {ROLE_LABEL[r]: {"color": ROLE_COLOR[r], "linestyle": "-", "marker": ROLE_MARKER[r]} for r in ROLES}
+
+
 def legend_entries(axes) -> tuple[list, list]:
     """(handles, labels) of every axis in ``axes``, each label once, in drawing order."""
     handles, labels = [], []
@@ -53,11 +60,15 @@ def legend_entries(axes) -> tuple[list, list]:
     return handles, labels
 
 
-def legend_below(fig: Figure, axes, ncol: int = 4, *, sort: bool = False) -> None:
+def legend_below(fig: Figure, axes, ncol: int = 4, *, sort: bool = False, order=None) -> None:
     """One legend for the whole figure, below the axes, so it covers no data; each label once,
-    in drawing order or, with ``sort``, by name (the order variant_styles gives its styles in)."""
+    in drawing order, in ``order`` (labels it lacks last) or, with ``sort``, by name (the order
+    variant_styles gives its styles in)."""
     handles, labels = legend_entries(axes)
-    if sort:
+    if order is not None and labels:
+        rank = {label: i for i, label in enumerate(order)}
+        labels, handles = map(list, zip(*sorted(zip(labels, handles), key=lambda lh: rank.get(lh[0], len(rank)))))
+    elif sort:
         labels, handles = map(list, zip(*sorted(zip(labels, handles), key=lambda lh: lh[0]))) if labels else ([], [])
     if not handles:
         fig.tight_layout()
@@ -106,14 +117,17 @@ def _timed(df_steps: pd.DataFrame) -> pd.DataFrame:
     return by_gpus(df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"]))
 
 
-def plot_step_time(df_steps: pd.DataFrame, path: Path) -> Path | None:
+def plot_step_time(df_steps: pd.DataFrame, path: Path, styles: dict | None = None) -> Path | None:
+    """Step time against length, a panel per model, a line per variant; ``styles`` (variant ->
+    look, e.g. ``role_styles()``) fixes the looks and the legend's order, else variant_styles."""
     df = _timed(df_steps)
     if df.empty:
         return None
     # Repeats of one point collapse to their median so each (variant, T) is one marker.
     df = df.groupby(["model", "variant", "seq_len"], as_index=False)[list(STATS)].median()
     models = sorted(df["model"].unique())
-    styles = variant_styles(df["variant"])
+    order = list(styles) if styles else None
+    styles = {**variant_styles(df["variant"]), **(styles or {})}
     fig = Figure(figsize=(5 * len(models), 4))
     axes = fig.subplots(1, len(models), squeeze=False)[0]
     for ax, model in zip(axes, models):
@@ -131,7 +145,7 @@ def plot_step_time(df_steps: pd.DataFrame, path: Path) -> Path | None:
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("step time p50 (ms), bars p20–p80")
         ax.grid(True, which="both", alpha=0.3)
-    legend_below(fig, axes, sort=True)
+    legend_below(fig, axes, sort=True, order=order)
     return _save(fig, path)
 
 
@@ -189,15 +203,21 @@ def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | None = None) -> Path | None:
+def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | None = None,
+                 styles: dict | None = None) -> Path | None:
     """Bars of each variant's speed-up over the baseline; given the step rows (``df_steps``), each
-    variant keeps the colour it has in the step-time plot, the baseline's left unused."""
+    variant keeps the colour it has in the step-time plot, the baseline's left unused; ``styles``
+    as for plot_step_time."""
     if df_speedup.empty:
         return None
     df = by_gpus(df_speedup).groupby(["model", "seq_len", "variant"], as_index=False)["speedup"].median()
     groups = sorted({(m, t) for m, t in zip(df["model"], df["seq_len"])})
     variants = sorted(df["variant"].unique())
-    styles = variant_styles(variants if df_steps is None else {*variants, *_timed(df_steps)["variant"]})
+    order = list(styles) if styles else None
+    if order:
+        variants.sort(key=lambda v: order.index(v) if v in order else len(order))
+    styles = {**variant_styles(variants if df_steps is None else {*variants, *_timed(df_steps)["variant"]}),
+              **(styles or {})}
     fig = Figure(figsize=(max(6, 2 + 0.4 * len(groups) * max(1, len(variants))), 4.5))  # 0.4 in a bar
     ax = fig.subplots()
     width = 0.8 / len(variants)
@@ -215,7 +235,7 @@ def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | 
     ax.set_ylabel(f"speedup vs {baselines} (× of step p50)")
     ax.set_title("speedup vs baseline variant (> 1 is faster)")
     ax.grid(True, axis="y", alpha=0.3)
-    legend_below(fig, [ax], ncol=6, sort=True)
+    legend_below(fig, [ax], ncol=6, sort=True, order=order)
     return _save(fig, path)
 
 

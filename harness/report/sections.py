@@ -15,7 +15,8 @@ from harness.report.fmt import (
     fmt_pct,
     md_table,
 )
-from harness.report.frames import STATISTIC, Section, points_frame, speedup_frame
+from harness.report.frames import PLOT_VARIANTS, STATISTIC, Section, points_frame, role_frame, speedup_frame
+from harness.report.palette import ROLE_LABEL
 from harness.report.plots import (
     _embed,
     plot_bandwidth,
@@ -23,6 +24,7 @@ from harness.report.plots import (
     plot_phase_split,
     plot_speedup,
     plot_step_time,
+    role_styles,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -59,15 +61,48 @@ def _multi_gpu(frame) -> bool:
     return not frame.empty and (frame["gpus"].nunique() > 1 or int(frame["gpus"].max()) > 1)
 
 
+def _plotted(df_steps):
+    """(the frame the plots draw, its styles or None): every variant, or where more ran than a plot
+    tells apart, the roles (``frames.role_frame``)."""
+    roles = role_frame(df_steps)
+    return (df_steps, None) if roles is None else (roles[0], role_styles())
+
+
+def _roles_note(df_steps) -> str:
+    """Under the first plot: which variant played each role, where the plots draw roles."""
+    roles = role_frame(df_steps)
+    if roles is None:
+        return ""
+    picks = roles[1]
+    parts = []
+    for series, label in ROLE_LABEL.items():
+        here = picks[picks["series"] == series]
+        if here.empty:
+            continue
+        by_variant: dict[str, list[str]] = {}
+        for r in here.sort_values(["model", "seq_len", "batch_size", "gpus"]).itertuples():
+            where = f"{r.model} {r.seq_len}" + (f" ×{r.gpus} GPUs" if r.gpus > 1 else "")
+            by_variant.setdefault(r.variant, []).append(where)
+        if len(by_variant) == 1:
+            parts.append(f"{label}: `{next(iter(by_variant))}`")
+        else:
+            parts.append(f"{label}: " + "; ".join(f"`{v}` at {', '.join(w)}" for v, w in by_variant.items()))
+    n = df_steps["variant"].nunique()
+    return (f"\n\n{n} variants ran, more than the {PLOT_VARIANTS} lines a plot tells apart, so the plots draw "
+            "the roles, each point's role played by its fastest variant (median over repeats): "
+            + "; ".join(parts) + ". The tables list every variant.")
+
+
 def section_step_time(df_steps, df_bw, rows, out_dir) -> str:
-    path = plot_step_time(df_steps, out_dir / f"{_slug(rows)}-step-time.png")
+    frame, styles = _plotted(df_steps)
+    path = plot_step_time(frame, out_dir / f"{_slug(rows)}-step-time.png", styles)
     if not path:
         return ""
-    return "### Step time vs sequence length\n\n" + _embed(path, "step time vs sequence length")
+    return "### Step time vs sequence length\n\n" + _embed(path, "step time vs sequence length") + _roles_note(df_steps)
 
 
 def section_phase_split(df_steps, df_bw, rows, out_dir) -> str:
-    path = plot_phase_split(df_steps, out_dir / f"{_slug(rows)}-phase-split.png")
+    path = plot_phase_split(_plotted(df_steps)[0], out_dir / f"{_slug(rows)}-phase-split.png")
     if not path:
         return ""
     return "### Forward / backward / optimizer split\n\n" + _embed(path, "phase split")
@@ -76,7 +111,7 @@ def section_phase_split(df_steps, df_bw, rows, out_dir) -> str:
 def section_memory(df_steps, df_bw, rows, out_dir) -> str:
     if df_steps.empty:
         return ""
-    path = plot_memory(df_steps, out_dir / f"{_slug(rows)}-peak-memory.png")
+    path = plot_memory(_plotted(df_steps)[0], out_dir / f"{_slug(rows)}-peak-memory.png")
     body = _embed(path, "peak VRAM") if path else "No device memory peaks recorded (CPU run)."
     return "### Peak memory\n\n" + body
 
@@ -87,7 +122,9 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
     sp = speedup_frame(df_steps)
     if sp.empty:
         return "### Speedup vs baseline\n\nNo variant has a matching ok baseline point."
-    path = plot_speedup(sp, out_dir / f"{_slug(rows)}-speedup.png", df_steps)
+    frame, styles = _plotted(df_steps)
+    path = plot_speedup(sp if styles is None else speedup_frame(frame), out_dir / f"{_slug(rows)}-speedup.png",
+                        frame, styles)
     multi = _multi_gpu(sp)
     body = [[r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.repeat, r.baseline_variant, r.variant,
              fmt_ms(r.baseline_step_ms_p50), fmt_ms(r.step_ms_p50), f"{r.speedup:.2f}×"] for r in sp.itertuples()]

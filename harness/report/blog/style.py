@@ -7,13 +7,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLES  # noqa: F401 (the blog's modules read them here)
 from harness.report.plots import legend_entries
 
-# The roles a reader follows from plot to plot; the colours never change meaning.
-ROLES = ("stock", "peer", "default", "best")
-ROLE_LABEL = {"stock": "stock transformers + peft", "peer": "Liger-Kernel",
-              "default": "optim.enable() defaults", "best": "ours, best setting"}
-ROLE_COLOR = {"stock": "#7f7f7f", "peer": "#9467bd", "default": "#1f77b4", "best": "#2ca02c"}
 GPU_STYLES = ("-", "--", ":", "-.")
 GPU_MARKERS = ("o", "s", "^", "D")
 MAX_LINES = 5

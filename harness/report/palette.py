@@ -1,0 +1,10 @@
+"""The roles a reader follows from plot to plot, and the colour each keeps in every figure: the
+blog's and, where an experiment ran more variants than a plot can tell apart, its own report's."""
+
+from __future__ import annotations
+
+ROLES = ("stock", "peer", "default", "best")
+ROLE_LABEL = {"stock": "stock transformers + peft", "peer": "Liger-Kernel",
+              "default": "optim.enable() defaults", "best": "ours, best setting"}
+ROLE_COLOR = {"stock": "#7f7f7f", "peer": "#9467bd", "default": "#1f77b4", "best": "#2ca02c"}
+ROLE_MARKER = {"stock": "o", "peer": "s", "default": "^", "best": "D"}
