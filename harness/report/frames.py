@@ -121,8 +121,6 @@ def speedup_frame(df_steps: pd.DataFrame) -> pd.DataFrame:
     return merged[cols].sort_values(["model", "seq_len", "batch_size", "gpus", "variant", "repeat"]).reset_index(drop=True)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # The roles a plot draws where an experiment ran more variants than a plot can tell apart
 
