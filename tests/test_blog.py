@@ -547,6 +547,31 @@ def test_a_cell_from_another_run_than_its_stock_carries_a_dagger_and_the_table_s
     p.rows["best"] = row("o", 300.0, "10:06")
     assert "†" not in peers_table([p])
 
+def test_a_role_the_plan_skips_on_a_smaller_gpu_says_so_where_one_merely_missing_says_not_run():
+    from harness.report.blog import moe
+
+    steps = [plan.Step("a", sweep="moe.toml", args=("--models", "big", "--variants", "x"), min_gpu_gib=100),
+             plan.Step("b", bench="moe", experiment="moe", args=("--model", "big", "--model", "small")),
+             plan.Step("c", sweep="moe.toml", min_gpu_gib=120)]  # every model of its file: names none
+    assert [s.models() for s in steps] == [("big",), ("big", "small"), ()]
+    assert plan.Plan(Path("p.toml"), "t", {}, steps=tuple(steps)).min_gib() == {"big": 100.0}
+
+    def row(gpu, gib, model, variant, role, p50):
+        return {**_row(variant, p50, role=role, gpu=gpu, model=model, t=2048),
+                "device_name": f"NVIDIA {gpu}", "env": {"code_sha": "c", "memory_total_gib": gib}}
+
+    rows = [row("H100", 79.6, "big", "o", "ours", 600.0), row("H200", 140.4, "big", "stock", "stock", 900.0),
+            row("H200", 140.4, "big", "o", "ours", 300.0), row("H100", 79.6, "small", "stock", "stock", 500.0)]
+    short = moe._too_small(rows, {"big": 100.0})
+    assert short == {"big": {"H100": "skipped (GPU < 100 GiB)"}}
+    lines = moe._seeds_table(data.role_points(rows), "big", {}, short["big"]).splitlines()
+    h100, h200 = lines[4].split(" | ")[4:8], lines[4].split(" | ")[8:12]
+    assert h100 == ["skipped (GPU < 100 GiB)"] * 3 + ["600.0"], lines  # the setting that fit is kept
+    assert h200[0] == "900.0" and h200[1:3] == ["not run"] * 2, lines  # the big GPU's gap is just not run
+    small = moe._seeds_table(data.role_points(rows), "small", {}, short.get("small")).splitlines()
+    assert "skipped" not in "\n".join(small) and "not run" in small[4], small
+
+
 def test_the_targets_keep_the_heading_that_names_their_gpu():
     from harness.report.blog.appendix import _target_tables
 

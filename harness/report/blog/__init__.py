@@ -87,7 +87,7 @@ def build_blog(results_root: Path | str, reports_root: Path | str, plan_path: Pa
         for name, make in (("packing", lambda r: packing.section(r, specs.get("packing", {}), fig_dir, reports_root)),
                             ("offload", lambda r: offload.section(r, specs.get("offload", {}), fig_dir, reports_root)),
                             ("moe", lambda r: moe.section(r, specs.get("moe", {}), plan.seeds.get("moe", {}),
-                                                          fig_dir, reports_root))):
+                                                          fig_dir, reports_root, plan.min_gib()))):
             text, head = make(rows.get(name, []))
             heads.append(head)
             if text:

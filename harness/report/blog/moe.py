@@ -97,8 +97,9 @@ def _crossover_check(rows: list[dict]) -> str:
     return text
 
 
-def _seeds_table(points: list[RolePoint], model: str, seeds: dict) -> str:
-    """The seeds' table for one model, rebuilt: their two columns, then ours per GPU."""
+def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[str, str] | None = None) -> str:
+    """The seeds' table for one model, rebuilt: their two columns, then ours per GPU. A role with no
+    row on a GPU the plan skips for the model (``short``: GPU -> why) says why, not "not run"."""
     mine = sorted((p for p in points if p.model == model), key=lambda p: (p.gpu_name, p.seq_len))
     lengths = sorted({p.seq_len for p in mine} | {int(t) for t in (seeds.get("unsloth") or {})})
     if not lengths:
@@ -111,7 +112,8 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict) -> str:
                times(_f(tr) / _f(us)) if _f(tr) and _f(us) else "–"]
         for gpu in gpus:
             p = next((p for p in mine if p.gpu_name == gpu and p.seq_len == t), None)
-            row += [cell(p, r) if p else "not run" for r in ROLES]
+            gap = (short or {}).get(gpu, "not run")
+            row += [cell(p, r) if p and (r in p.rows or r in p.failed) else gap for r in ROLES]
         body.append(row)
     sg = seeds.get("gpu", "?")
     header = ["tokens", f"seeds' Unsloth ({sg})", f"seeds' Transformers v5 ({sg})", "seeds' ratio"]
@@ -119,7 +121,17 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict) -> str:
     return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + other_run_note(_table(header, body))
 
 
-def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir: Path) -> tuple[str, Headline]:
+def _too_small(rows: list[dict], need: dict[str, float]) -> dict[str, dict[str, str]]:
+    """model -> {GPU: why} for the GPUs the rows ran on whose memory is below what the plan's steps
+    for that model ask (``min_gpu_gib``): there those steps are skipped, not pending."""
+    memory = {gpu_short(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib")) for r in rows}
+    return {m: {g: f"skipped (GPU < {gib:.0f} GiB)" for g, have in memory.items() if have and have < gib}
+            for m, gib in need.items()}
+
+
+def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir: Path,
+            min_gib: dict[str, float] | None = None) -> tuple[str, Headline]:
+    """The MoE section. ``min_gib``: model -> the GPU memory the plan's steps for it ask for."""
     head = Headline("MoE: routing grouped once, grouped_mm experts, split LoRA",
                     "a host sync per expert, and peft materializing B·A for all E experts every step")
     seeds_ms = seeds.get("models") or {}
@@ -142,8 +154,9 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
     if cross := _crossover_md(rows):
         parts.append(cross)
     rp = role_points(rows)
+    short = _too_small(rows, min_gib or {})
     for model in sorted({p.model for p in rp}, key=_natural):
-        parts.append(_seeds_table(rp, model, seeds_ms.get(model, {})))
+        parts.append(_seeds_table(rp, model, seeds_ms.get(model, {}), short.get(model)))
     if caveat := stock_caveats(rp):
         parts.append(caveat)
     if fig := figures.speedup_vs_length(rp, fig_dir / "moe-speedup.png", "step time"):

@@ -35,6 +35,18 @@ class Step:
         """The step's name as progress and status print it."""
         return self.name + (" (appendix)" if self.appendix else "")
 
+    def models(self) -> tuple[str, ...]:
+        """The models the step's arguments name (``--models a b`` or ``--model a --model b``); none
+        when it runs every model of its file."""
+        named, flag = [], None
+        for w in self.args:
+            if w.startswith("--"):
+                flag = w
+            elif flag in ("--models", "--model"):
+                named.append(w)
+                flag = None if flag == "--model" else flag
+        return tuple(dict.fromkeys(named))
+
     def argv(self, plan_dir: Path) -> list[str]:
         if self.sweep:
             return ["-m", "harness", "sweep", str(plan_dir / self.sweep), "--no-report", *self.args]
@@ -52,6 +64,14 @@ class Plan:
 
     def experiments(self) -> list[str]:
         return sorted({e for names in self.sources.values() for e in names})
+
+    def min_gib(self) -> dict[str, float]:
+        """model -> the GPU memory the plan's steps naming it ask for (the largest), where any does."""
+        need: dict[str, float] = {}
+        for s in self.steps:
+            for m in s.models() if s.min_gpu_gib else ():
+                need[m] = max(need.get(m, 0.0), s.min_gpu_gib)
+        return need
 
 
 def _strs(path, key, value) -> tuple[str, ...]:
