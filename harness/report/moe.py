@@ -385,6 +385,12 @@ _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GIB = 2**30
 
 
+def gpu_memory_gib(rows: list[dict]) -> dict[str, float]:
+    """device name -> its memory in GiB, as the step rows' env records it."""
+    return {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
+            for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
+
+
 def moe_fit_md(rows: list[dict], model: str) -> str:
     """What would make ``model`` fit on the smallest GPU the rows ran on: its measured peaks split
     into the fixed part (frozen weights; adapters, their grads and AdamW's two states) and the
@@ -392,8 +398,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
     on those measurements."""
     ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
             and _ours(r) and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
-    caps = {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
-            for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
+    caps = gpu_memory_gib(rows)
     # one adapter dtype for the line: peft's default where measured (bf16-adapter rows would lower it)
     dtypes = {r.get("lora_dtype") or "fp32" for r in ours}
     keep = "fp32" if "fp32" in dtypes else min(dtypes, default="fp32")

@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.report import bench
 from harness.report.fmt import _f, _natural, _stat, _table
 from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
-                                moe_gap_md, moe_routing)
+                                gpu_memory_gib, moe_gap_md, moe_routing)
 from harness.report.blog import figures
 from harness.report.blog.common import Headline, cell, ms, other_run_note, split_table, stock_caveats, times
 from harness.report.blog.data import RolePoint, role_points
@@ -124,7 +124,7 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[s
 def _too_small(rows: list[dict], need: dict[str, float]) -> dict[str, dict[str, str]]:
     """model -> {GPU: why} for the GPUs the rows ran on whose memory is below what the plan's steps
     for that model ask (``min_gpu_gib``): there those steps are skipped, not pending."""
-    memory = {gpu_short(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib")) for r in rows}
+    memory = {gpu_short(name): have for name, have in gpu_memory_gib(rows).items()}
     return {m: {g: f"skipped (GPU < {gib:.0f} GiB)" for g, have in memory.items() if have and have < gib}
             for m, gib in need.items()}
 
