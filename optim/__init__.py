@@ -3,6 +3,7 @@
     import optim
     model = optim.enable(model)                    # every optimization on where it helps
     model = optim.enable(model, offload="double")  # or pick per switch (also OPTIM_<NAME> env vars)
+    optim.disable(model)                           # back to stock, every module
 
 - ``optim.packing``: packed-sequence metadata and attention structures built once per batch
   (switches ``packing_backend``, ``packing_cache``). Pass the batch's document lengths with
@@ -21,14 +22,15 @@
   host-bound step runs at the GPU's pace.
 
 ``optim`` imports only torch, transformers and peft; it never imports the benchmark harness.
-Each optimization is one module exposing ``SWITCHES`` and ``enable(model, **settings)``.
+Each optimization is one module exposing ``SWITCHES``, ``enable(model, **settings)`` and
+``disable(model)``.
 """
 
 from __future__ import annotations
 
 from optim.switches import Switch
 
-__all__ = ["Switch", "SWITCHES", "MODULES", "enable", "enabled", "resolved"]
+__all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
 MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.loss", "optim.regional")
@@ -85,15 +87,28 @@ def enable(model, *, only=None, **settings):
             continue  # off by default: enabling "none" would still turn checkpointing on
         mod.enable(model, **own)
         done[name] = (mod, own)
-    applied = {}
-    for name, (mod, own) in done.items():  # described once all are applied: regional changes packing's auto
-        describe = getattr(mod, "describe", None)
-        applied[f"optim.{name}"] = {**(describe(model) if describe else own), "resolved": resolved(mod, **own)}
-    object.__setattr__(model, "_optim_enabled", applied)
+    # merged with earlier calls: a module this call skipped (offload left at "none") still runs
+    applied = {**getattr(model, "_optim_enabled", {}), **{name: own for name, (_, own) in done.items()}}
+    object.__setattr__(model, "_optim_enabled", {n: applied[n] for n in _modules() if n in applied})
     return model
 
 
 def enabled(model) -> dict:
-    """Per module the last ``enable`` applied (in ``MODULES`` order): what it changed (the module's
-    ``describe``, else the settings it got) and ``resolved``, the value each of its switches took."""
-    return dict(getattr(model, "_optim_enabled", {}))
+    """Per module the last ``enable`` applied (in ``MODULES`` order): what it runs now (the
+    module's ``describe``, read at this call, so it counts the forwards so far, else the settings it
+    got) and ``resolved``, the value each of its switches took."""
+    mods = _modules()
+    out = {}
+    for name, own in getattr(model, "_optim_enabled", {}).items():
+        describe = getattr(mods[name], "describe", None)
+        out[f"optim.{name}"] = {**(describe(model) if describe else own), "resolved": resolved(mods[name], **own)}
+    return out
+
+
+def disable(model):
+    """Undo every ``enable`` on ``model``: stock attention, experts, loss and checkpointing, no
+    compiled layers, every hook and wrapped method removed. Returns the model."""
+    for name, mod in reversed(list(_modules().items())):
+        mod.disable(model)
+    object.__setattr__(model, "_optim_enabled", {})
+    return model

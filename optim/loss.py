@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from optim._fallback import passes_through, recompile_limit
+from optim._hf import cache_kwarg, causal_lm, output_cache_field
 from optim.switches import Switch
 
 log = logging.getLogger("optim.loss")
@@ -56,6 +57,7 @@ IGNORE_INDEX = -100
 CHUNK_LOGIT_BYTES = 256 * 2**20
 _ATTR = "_optim_loss_forward"
 _KERNEL = "_optim_loss_kernel"
+_PATHS = "_optim_loss_paths"  # training calls with labels, per loss path
 
 SWITCHES: dict[str, Switch] = {
     s.name: s
@@ -261,14 +263,6 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def causal_lm(model):
-    """The transformers *ForCausalLM inside a peft wrapper (or the model itself), or None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "lm_head") and hasattr(base, "model"):
-        return base
-    return None
-
-
 def _why_not(lm) -> str | None:
     """Why this causal LM must keep the stock loss, or None."""
     head = lm.lm_head
@@ -286,25 +280,45 @@ def _why_not(lm) -> str | None:
 def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     stock = getattr(self, _ATTR)
-    # a caller's own fused head (TRL's fused_lm_head=True) computes what it returns itself
-    if (labels is None or not self.training or kwargs.get("output_router_logits") or "fused_lm_head" in kwargs
-            or getattr(self.config, "output_router_logits", False)):
+    cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
+    why = _stock_reason(self, labels, kwargs)
+    if why is not None:
+        if self.training and labels is not None:
+            self.__dict__[_PATHS][why] = self.__dict__[_PATHS].get(why, 0) + 1
+        if cache is not None:
+            kwargs[cache_kwarg(type(self).forward)] = cache
         return stock(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                     use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+                     inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                     logits_to_keep=logits_to_keep, **kwargs)
+    self.__dict__[_PATHS]["fused"] = self.__dict__[_PATHS].get("fused", 0) + 1
     num_items = kwargs.pop("num_items_in_batch", None)
     shifted = kwargs.pop("shift_labels", None)
+    if cache is not None:  # passed on only when given: the keyword's name moved in transformers 5.24
+        kwargs[cache_kwarg(type(self.model).forward)] = cache
     out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                     **kwargs)
+                     inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = out.last_hidden_state
     loss = linear_cross_entropy(hidden, self.lm_head.weight,
                                 shifted if shifted is not None else shift_labels(labels),
                                 num_items_in_batch=num_items, kernel=self.__dict__[_KERNEL])
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
-                                  hidden_states=out.hidden_states, attentions=out.attentions)
+    field = output_cache_field(CausalLMOutputWithPast)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=out.hidden_states,
+                                  attentions=out.attentions, **{field: out.get(output_cache_field(type(out)))})
+
+
+def _stock_reason(lm, labels, kwargs) -> str | None:
+    """Why this call runs the stock forward, or None for the fused loss."""
+    if labels is None:
+        return "no labels"
+    if not lm.training:
+        return "eval mode"
+    if "fused_lm_head" in kwargs:
+        return "the caller's fused lm_head (TRL)"
+    if kwargs.get("output_router_logits") or getattr(lm.config, "output_router_logits", False):
+        return "router logits requested"
+    return None
 
 
 def enable(model, *, fused_loss: bool | None = None, loss_kernel: str | None = None, **_ignored):
@@ -322,10 +336,7 @@ def enable(model, *, fused_loss: bool | None = None, loss_kernel: str | None = N
         return model
     patched = _ATTR in lm.__dict__
     if not on:
-        if patched:
-            del lm.forward
-            del lm.__dict__[_ATTR]
-        return model
+        return disable(model)
     why = None if patched else _why_not(lm)
     if why:
         log.info("optim.loss: keeping the stock loss of %s: %s", type(lm).__name__, why)
@@ -335,12 +346,32 @@ def enable(model, *, fused_loss: bool | None = None, loss_kernel: str | None = N
     if patched:
         return model
     lm.__dict__[_ATTR] = lm.forward  # the bound stock forward
+    lm.__dict__[_PATHS] = {}
     lm.forward = types.MethodType(_fused_forward, lm)
     return model
 
 
+def disable(model):
+    """Undo ``enable``: the causal LM's own forward and loss."""
+    lm = causal_lm(model)
+    if lm is not None and _ATTR in lm.__dict__:
+        del lm.forward
+        for attr in (_ATTR, _KERNEL, _PATHS):
+            lm.__dict__.pop(attr, None)
+    return model
+
+
 def describe(model) -> dict:
+    """Whether the fused loss is in place and, from the training calls with labels so far, which
+    loss they computed: ``fused_loss`` is False once every such call went to another loss (TRL's
+    own fused lm_head, say), ``loss_calls`` counts each path."""
     lm = causal_lm(model)
     on = lm is not None and _ATTR in lm.__dict__
-    return {"fused_loss": on, "chunk_tokens": chunk_tokens(lm.lm_head.weight.shape[0]) if on else None,
-            "loss_kernel": lm.__dict__.get(_KERNEL) if on else None}
+    paths = dict(lm.__dict__.get(_PATHS, {})) if on else {}
+    bypassed = sorted(k for k in paths if k != "fused")
+    d = {"fused_loss": on and (not paths or "fused" in paths),
+         "chunk_tokens": chunk_tokens(lm.lm_head.weight.shape[0]) if on else None,
+         "loss_kernel": lm.__dict__.get(_KERNEL) if on else None, "loss_calls": paths}
+    if on and bypassed and "fused" not in paths:
+        d["fused_loss_bypassed"] = "; ".join(bypassed)
+    return d

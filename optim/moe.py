@@ -274,6 +274,12 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     experts = [m for m in model.modules() if _is_experts(m)]
     if not experts:
         return model
+    if _SAVED not in vars(model):  # the model as it was before the first enable, for disable()
+        object.__setattr__(model, _SAVED, (
+            [(c, getattr(c, "_experts_implementation", None)) for c in {id(m.config): m.config for m in experts}.values()],
+            [(w, type(w)) for w in _expert_wrappers(model)],
+            [(p, p.requires_grad) for r in _routers(model) for p in r.parameters()],
+        ))
     # Backend: transformers dispatches every experts forward through config._experts_implementation.
     for conf in {id(m.config): m.config for m in experts}.values():
         conf._experts_implementation = IMPL_PREFIX + cfg["moe_backend"]
@@ -290,6 +296,27 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
         cfg["moe_backend"], cfg["moe_lora"], cfg["moe_compile"], cfg["moe_train_router"],
         len(experts), len(wrappers), len(routers)
     )
+    return model
+
+
+_SAVED = "_optim_moe_saved"
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo ``enable``: the experts implementation, peft's expert LoRA wrappers and the routers'
+    requires_grad as they were before the first enable."""
+    saved = vars(model).pop(_SAVED, None)
+    vars(model).pop("_optim_moe", None)
+    if saved is None:
+        return model
+    configs, wrappers, router_params = saved
+    for conf, impl in configs:
+        conf._experts_implementation = impl
+        vars(conf).pop("_optim_moe_compile", None)
+    for w, cls in wrappers:
+        w.__class__ = cls
+    for p, requires_grad in router_params:
+        p.requires_grad_(requires_grad)
     return model
 
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from optim._fallback import passes_through
+from optim.packing.routing import in_stock_mode
 from optim.switches import Switch
 
 _LOG = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ class _LayerCall:
 
     def __call__(self, *args, **kwargs):
         layer = self.eager.__self__
+        if in_stock_mode():  # generate / a KV cache: the stock attention, as stock runs it
+            self.state.calls["eager"] += 1
+            return self.eager(*args, **kwargs)
         if self.body is not None and layer.gradient_checkpointing and layer.training:
             ckpt = layer._gradient_checkpointing_func
             layer._gradient_checkpointing_func = self._with_compiled_body(ckpt)
@@ -163,9 +167,10 @@ def enable(model: nn.Module, *, compile_layers=None, **_ignored) -> nn.Module:
     Returns the model.
     """
     mode = SWITCHES["compile_layers"].resolve(compile_layers)
+    on = mode is True or (mode == "auto" and _model_device(model).type == "cuda")
+    disable(model)  # a second enable starts from the eager layers
     state = CompileState(mode=mode)
     model._optim_regional = state
-    on = mode is True or (mode == "auto" and _model_device(model).type == "cuda")
     if not on:
         return model
     layers = decoder_layers(model)
@@ -184,6 +189,19 @@ def enable(model: nn.Module, *, compile_layers=None, **_ignored) -> nn.Module:
             state.eager_blocks += 1
         layer._compiled_call_impl = _LayerCall(layer, state)
         state.layers += 1
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo ``enable``: every layer and MoE block runs its own eager forward again."""
+    if vars(model).pop("_optim_regional", None) is None:
+        return model
+    for layer in decoder_layers(model):
+        if isinstance(getattr(layer, "_compiled_call_impl", None), _LayerCall):
+            layer._compiled_call_impl = None
+        block = _moe_block(layer)
+        if block is not None and vars(block).pop("_optim_regional_eager", False):
+            vars(block).pop("forward", None)
     return model
 
 

@@ -359,8 +359,8 @@ def test_enable_says_which_attention_it_replaced_and_keeps_one_it_cannot_judge(c
 def test_collator_and_trainer(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    collator = P.PackingCollator(max_length=64, pad_token_id=0)
-    batch = collator([{"input_ids": [5, 6, 7]}, {"input_ids": list(range(10, 70))}, {"input_ids": [1, 2]}])
+    examples = [{"input_ids": [5, 6, 7]}, {"input_ids": list(range(10, 70))}, {"input_ids": [1, 2]}]
+    batch = P.PackingCollator(max_length=64, pad_token_id=0, pad_to_max_length=True)(examples)
     assert batch["input_ids"].shape == (2, 64)
     assert batch["packing"].lengths == ((3, 60, 1), (2, 62))
     assert batch["labels"][0, :4].tolist() == [-100, 6, 7, -100]

@@ -59,7 +59,7 @@ from __future__ import annotations
 from optim.offload.function import StepStats
 from optim.offload.offloader import DEFAULT_MIN_BYTES, MODES, SWITCHES, Offloader, log
 
-__all__ = ["DEFAULT_MIN_BYTES", "MODES", "SWITCHES", "Offloader", "StepStats", "checkpoint", "enable", "get"]
+__all__ = ["DEFAULT_MIN_BYTES", "MODES", "SWITCHES", "Offloader", "StepStats", "checkpoint", "disable", "enable", "get"]
 
 
 _DEFAULT: Offloader | None = None
@@ -98,6 +98,8 @@ def enable(
     old = getattr(model, _ATTR, None)
     if old is not None:
         old.close()
+    if _SAVED not in vars(base):  # checkpointing as it was before the first enable, for disable()
+        object.__setattr__(base, _SAVED, _checkpointing_state(base))
     off = Offloader(mode, guard=guard, min_bytes=min_bytes, headroom_bytes=headroom_bytes,
                     profile=profile)
     # Enabling checkpointing also makes the embeddings' output require grad (peft needs it); then
@@ -116,6 +118,55 @@ def enable(
         object.__setattr__(base, "_optim_offload_own_call", False)
     object.__setattr__(model, _ATTR, off)
     return model
+
+
+def disable(model):
+    """Undo ``enable``: checkpointing as it was before (off, or on with its own function), no
+    offloader, its pinned and staging buffers released. A model it never enabled is left as is."""
+    off = getattr(model, _ATTR, None)
+    if off is None:
+        return model
+    off.close()
+    base = _hf_model(model)
+    saved = vars(base).pop(_SAVED, None)
+    vars(base).pop("_set_gradient_checkpointing", None)
+    for attr in (_ATTR, "_optim_offload_own_call", "_optim_offload_told"):
+        vars(base).pop(attr, None)
+    vars(model).pop(_ATTR, None)
+    if saved is not None:
+        flags, (emb, hooks, handle) = saved
+        for m, (on, func) in flags.items():
+            m.gradient_checkpointing = on
+            if func is _MISSING:
+                vars(m).pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
+        if emb is not None:  # each enabling of checkpointing hooked the embeddings once more
+            for key in [k for k in emb._forward_hooks if k not in hooks]:
+                for d in (emb._forward_hooks, emb._forward_hooks_with_kwargs, emb._forward_hooks_always_called):
+                    d.pop(key, None)
+        if handle is _MISSING:
+            vars(base).pop("_require_grads_hook", None)
+        else:
+            base._require_grads_hook = handle
+    return model
+
+
+_SAVED = "_optim_offload_saved"
+_MISSING = object()
+
+
+def _checkpointing_state(base):
+    """Each module's checkpointing flag and function, and whether the embeddings' output was made
+    to require grad (what enabling checkpointing adds)."""
+    flags = {m: (m.gradient_checkpointing, vars(m).get("_gradient_checkpointing_func", _MISSING))
+             for m in base.modules() if hasattr(m, "gradient_checkpointing")}
+    try:
+        emb = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        emb = None
+    hooks = set(emb._forward_hooks) if emb is not None else set()
+    return flags, (emb, hooks, vars(base).get("_require_grads_hook", _MISSING))
 
 
 def _keep_offloader(base) -> None:

@@ -64,6 +64,7 @@ from optim.packing.backends import (
     resolve_backend,
     varlen_available,
 )
+from optim.packing import routing
 from optim.packing.collator import PackingCollator
 from optim.packing.metadata import (
     ATTN_NAME,
@@ -88,6 +89,7 @@ from optim.packing.metadata import (
     release,
     reset_counters,
 )
+from optim.packing.routing import in_stock_mode
 from optim.switches import Switch
 
 SWITCHES: dict[str, Switch] = {
@@ -121,6 +123,7 @@ class PackingSettings:
     backend: str = "auto"
     validate: bool | None = None  # None: check position_ids vs metadata where free (CPU tensors)
     compiled: bool = False  # optim.regional compiles the layers (prebuild_structures): auto picks for that
+    stock: str | None = None  # the attention implementation enable() replaced: runs with a KV cache
 
 
 _DEFAULT = PackingSettings()
@@ -195,9 +198,14 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
                             s_aux, position_ids, packing, **kwargs):
     settings: PackingSettings = getattr(module, "_optim_packing", _DEFAULT)
     B, H, T, D = query.shape
-    if key.shape[2] != T:
-        raise NotImplementedError("packed attention is for training/prefill without a KV cache "
-                                  "(pass use_cache=False)")
+    if key.shape[2] != T or attention_mask is not None:
+        # the model's forward hands calls with a KV cache or a mask of transformers' making to the
+        # stock attention (routing); a layer called some other way must not have either ignored
+        raise NotImplementedError(
+            "optim's packed attention got " + ("keys cached from earlier tokens" if key.shape[2] != T
+                                               else f"a {type(attention_mask).__name__} attention mask")
+            + "; call the model itself (its forward routes KV-cache calls and such masks to the stock "
+              "attention), or optim.disable(model)")
     if dropout:
         raise NotImplementedError("packed attention does not implement attention dropout")
     scale = scaling if scaling is not None else D ** -0.5
@@ -207,11 +215,13 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     validate = _should_validate(settings, position_ids)
     entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate,
                        kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
-    if settings.cache and torch.is_grad_enabled() and query.requires_grad:
-        if entry.first_module is None:
-            entry.first_module = id(module)
-        if entry.first_module == id(module):
-            query = _ReleaseOnBackward.apply(query, entry.key, device)
+    if entry.first_module is None:
+        # the batch's first attention call owns the entry, with or without grad: where the forward
+        # runs under no_grad (optim.offload's), the owner's recompute, the step's last backward,
+        # releases it, so every other layer's recompute still finds it
+        entry.first_module = id(module)
+    if settings.cache and torch.is_grad_enabled() and query.requires_grad and entry.first_module == id(module):
+        query = _ReleaseOnBackward.apply(query, entry.key, device)
     backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
     out = _KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
     return out, None
@@ -273,7 +283,8 @@ def prebuild_structures(model) -> int:
     for m in model.modules():
         layers = getattr(m, "layers", None)
         if isinstance(layers, torch.nn.ModuleList) and not getattr(m, "_optim_packing_prebuild", False):
-            m.register_forward_pre_hook(_structures_hook(settings, windows), with_kwargs=True)
+            handle = m.register_forward_pre_hook(_structures_hook(settings, windows), with_kwargs=True)
+            model.__dict__.setdefault("_optim_packing_prebuild_handles", []).append(handle)
             m._optim_packing_prebuild = True
             n += 1
     return n
@@ -295,10 +306,11 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
     """Enable packed attention on a transformers causal LM (peft-wrapped or not).
 
     Registers the attention function, switches the model's attention implementation to it (so
-    transformers also stops building its own masks) and records the settings on every attention
-    module. Settings: ``packing_cache`` (True/False), ``packing_backend`` (auto/sdpa/flex/varlen,
-    or off to leave the model untouched),
-    each also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND. Other optim switches are ignored.
+    transformers also stops building its own masks), records the settings on every attention
+    module and routes each forward (``routing``): calls with a KV cache, and ``generate``, run the
+    implementation it replaced. Settings: ``packing_cache`` (True/False), ``packing_backend``
+    (auto/sdpa/flex/varlen, or off: the model's own attention, undoing an earlier enable), each
+    also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND. Other optim switches are ignored.
     Returns the model.
     """
     settings = PackingSettings(
@@ -307,6 +319,7 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
         validate=validate,
     )
     if settings.backend == "off":
+        disable(model)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type in STOCK_MIXES_DOCUMENTS:
             log.warning("optim.packing: packing_backend='off' keeps stock %s attention, in which a packed "
@@ -318,18 +331,58 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
         log.warning("optim.packing: kept your attention implementation %r (not one optim can judge); "
                     "packed attention is off for this model", current)
         return model
+    previous = getattr(model, "_optim_packing", None)
+    stock = previous.stock if previous is not None and current == ATTN_NAME else _stock_name(model, current)
+    settings = dataclasses.replace(settings, stock=stock,
+                                   compiled=previous.compiled if previous is not None else False)
     register()
     if current != ATTN_NAME:
-        log.warning("optim.packing: attention %r replaced by %r (packed documents, backend %s); "
-                    "packing_backend='off' keeps yours", current, ATTN_NAME, settings.backend)
-    setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
-        setter(ATTN_NAME)
-    else:
-        model.config._attn_implementation = ATTN_NAME
+        log.warning("optim.packing: attention %r replaced by %r (packed documents, backend %s; a KV cache "
+                    "and generate() keep %r); packing_backend='off' keeps yours", current, ATTN_NAME,
+                    settings.backend, stock)
+    _set_attn_implementation(model, ATTN_NAME)
     if _set_settings(model, settings) == 0:
         raise ValueError("packing.enable: found no attention modules (q_proj + layer_idx) in the model")
+    configs = list({id(c): c for c in (getattr(m, "config", None) for m in (model, *_attention_modules(model)))
+                    if c is not None}.values())
+    routing.install(model, stock, configs)
     return model
+
+
+def disable(model):
+    """Undo ``enable``: the attention implementation it replaced, no routing hooks, no wrapped
+    ``generate``, no prebuilt flex structures. A model it never enabled is left as it is."""
+    settings = getattr(model, "_optim_packing", None)
+    if settings is None:
+        return model
+    routing.uninstall(model)
+    for h in getattr(model, "_optim_packing_prebuild_handles", ()):
+        h.remove()
+    for m in model.modules():
+        for attr in ("_optim_packing", "_optim_packing_window", "_optim_packing_prebuild"):
+            m.__dict__.pop(attr, None)
+    for attr in ("_optim_packing", "_optim_packing_prebuild_handles"):
+        model.__dict__.pop(attr, None)
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME:
+        _set_attn_implementation(model, settings.stock)
+    release()
+    return model
+
+
+def _stock_name(model, current: str | None) -> str:
+    """The attention implementation transformers runs when no one names one."""
+    if current:
+        return current
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "sdpa" if getattr(base, "_supports_sdpa", False) else "eager"
+
+
+def _set_attn_implementation(model, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:
+        model.config._attn_implementation = name
 
 
 def _set_settings(model, settings: PackingSettings) -> int:
@@ -351,15 +404,18 @@ def describe(model) -> dict:
     # the frozen base weights' dtype is the activations' (LoRA adapters may be fp32)
     p = next((q for q in model.parameters() if not q.requires_grad), next(model.parameters(), None))
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+    route = routing.route_of(model)
     return {"packing_backend": s.backend, "packing_cache": s.cache, "compiled_layers": s.compiled,
-            "packing_backend_resolved": resolve_backend(s.backend, device, dtype, compiled=s.compiled)}
+            "packing_backend_resolved": resolve_backend(s.backend, device, dtype, compiled=s.compiled),
+            # what the forwards so far ran: packed attention, or the stock one (a KV cache, generate)
+            "stock_attention": s.stock, "forwards": dict(route.calls) if route is not None else {}}
 
 
 __all__ = [
     "ATTN_NAME", "BACKENDS", "COUNTERS", "FLEX_BLOCK", "FORWARD_KWARG", "KERNEL_CALLS", "STRUCTURES_KWARG",
     "AUTO_ON_CUDA", "SWITCHES", "FusedFlexUnavailable", "PackedMetadata", "PackingCollator", "PackingSettings",
     "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "describe",
-    "enable",
+    "disable", "enable", "in_stock_mode",
     "fused_flex_failure", "kernels", "packed_attention_forward", "packed_kwargs", "prebuild_structures",
     "register", "release", "reset_counters", "resolve_backend", "varlen_available",
 ]

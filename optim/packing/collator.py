@@ -11,27 +11,37 @@ from optim.packing.metadata import FORWARD_KWARG, PackedMetadata
 
 
 class PackingCollator:
-    """Pack a list of tokenized examples into rows of ``max_length`` tokens.
+    """Pack a list of tokenized examples into rows of at most ``max_length`` tokens.
 
-    Greedy first-fit in order; an example longer than ``max_length`` is truncated. Each row's
-    free tail becomes one padding document (``pad_token_id``, labels -100) so every row has the
-    same length. Labels are the input ids (or the example's ``labels``) with each document's
-    first token set to -100, so no token learns to predict across a boundary. Returns
-    ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per document) and
-    ``packing`` (a :class:`PackedMetadata`), ready for ``model(**batch)`` and
-    ``transformers.Trainer`` (set ``remove_unused_columns=False``). ``rows`` fixes the number of
-    rows of every batch (``optim.trainer.GraphedTrainer`` replays one shape).
+    Greedy first-fit in order; an example longer than ``max_length`` is truncated. Rows are as
+    long as the batch's longest, rounded up to ``pad_to_multiple_of``; each row's free tail becomes
+    one padding document (``pad_token_id``, labels -100), so every row has the same length.
+    ``pad_to_max_length=True`` pads every batch to ``max_length`` instead (one shape for every
+    batch, at the cost of computing the padding); ``rows`` fixes the number of rows and implies
+    it (``optim.trainer.GraphedTrainer`` replays one shape). Labels are the input ids (or the
+    example's ``labels``) with each document's first token set to -100, so no token learns to
+    predict across a boundary. Returns ``input_ids``, ``labels``, ``position_ids`` (restarting at 0
+    per document) and ``packing`` (a :class:`PackedMetadata`), ready for ``model(**batch)`` and
+    ``transformers.Trainer`` (set ``remove_unused_columns=False``).
     """
 
     def __init__(self, max_length: int | None = None, pad_token_id: int = 0,
-                 pad_to_multiple_of: int | None = None, label_pad_id: int = -100, rows: int | None = None):
-        if rows is not None and (max_length is None or rows < 1):
-            raise ValueError("packing: rows= (a fixed batch shape) needs max_length and rows >= 1")
+                 pad_to_multiple_of: int | None = None, label_pad_id: int = -100, rows: int | None = None,
+                 pad_to_max_length: bool = False):
+        for name, value in (("max_length", max_length), ("pad_to_multiple_of", pad_to_multiple_of),
+                            ("rows", rows)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"packing: PackingCollator {name} must be a positive int, got {value!r}")
+        if not isinstance(pad_to_max_length, bool):
+            raise ValueError(f"packing: PackingCollator pad_to_max_length must be True or False, got {pad_to_max_length!r}")
+        if (rows is not None or pad_to_max_length) and max_length is None:
+            raise ValueError("packing: a fixed batch shape (rows= or pad_to_max_length=True) needs max_length")
         self.rows = rows  # every batch exactly this many rows (a replayed CUDA graph needs one shape)
         self.max_length = max_length
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.label_pad_id = label_pad_id
+        self.pad_to_max_length = pad_to_max_length or rows is not None
 
     def __call__(self, examples: list[dict]) -> dict[str, Any]:
         docs = []
@@ -65,7 +75,7 @@ class PackingCollator:
                                  f"tokens, more than rows={self.rows}; lower the batch size or raise rows")
             rows += [[] for _ in range(self.rows - len(rows))]  # empty rows: one padding document each
             fill += [0] * (self.rows - len(fill))
-        T = self.max_length if self.max_length is not None else max(fill)
+        T = self.max_length if self.pad_to_max_length else max(fill)
         if self.pad_to_multiple_of:
             T = -(-T // self.pad_to_multiple_of) * self.pad_to_multiple_of
         input_ids, labels, lengths = [], [], []

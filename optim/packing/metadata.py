@@ -5,8 +5,10 @@ varlen arguments, each once per batch when cached. The counters say how often ea
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
+import numbers
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -63,6 +65,9 @@ class PackedMetadata:
     lengths: tuple[tuple[int, ...], ...]
     seq_len: int
     serial: int = field(default_factory=lambda: next(_serials), compare=False)
+    # "lengths" (the caller's documents: position_ids must restart at each) or "attention_mask"
+    # (a padded batch's runs of real and padding tokens: position_ids are the caller's own)
+    source: str = field(default="lengths", compare=False)
 
     @classmethod
     def from_lengths(
@@ -75,12 +80,14 @@ class PackedMetadata:
         """``lengths``: per row, the document lengths (a flat list means one row). Each row must
         sum to ``seq_len`` (default: the first row's sum). ``position_ids``, if given, are checked
         against the lengths (free on CPU; one sync if they are on a GPU)."""
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.tolist()
         if len(lengths) and not isinstance(lengths[0], (list, tuple)):
             lengths = [lengths]  # type: ignore[list-item]
-        rows = tuple(tuple(int(l) for l in row) for row in lengths)  # type: ignore[union-attr]
+        rows = tuple(tuple(_count(l, "a document length") for l in row) for row in lengths)  # type: ignore[union-attr]
         if not rows:
             raise ValueError("packing: no rows")
-        T = sum(rows[0]) if seq_len is None else int(seq_len)
+        T = sum(rows[0]) if seq_len is None else _count(seq_len, "seq_len", 1)
         for r, row in enumerate(rows):
             if not row:
                 raise ValueError(f"packing: row {r} has no documents")
@@ -92,6 +99,15 @@ class PackedMetadata:
         if position_ids is not None:
             meta.check_position_ids(position_ids)
         return meta
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor) -> "PackedMetadata | None":
+        """The documents of a padded batch: in each row its real tokens (1) form one document and
+        each run of padding (0) another, so every real token attends to exactly the real tokens
+        before it, as stock attention with that mask does. None when nothing is padded. One
+        device-to-host read of the mask. Padding inside a row's real tokens, which stock attends
+        across, has no such form and is refused."""
+        return padding_documents(attention_mask)[0]
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> "PackedMetadata":
@@ -137,6 +153,47 @@ class PackedMetadata:
     def __repr__(self) -> str:
         return (f"PackedMetadata(rows={self.batch_size}, seq_len={self.seq_len}, "
                 f"docs={self.num_docs}, max_seqlen={self.max_seqlen})")
+
+
+def padding_documents(attention_mask: torch.Tensor) -> tuple[PackedMetadata | None, bool]:
+    """``PackedMetadata.from_attention_mask``, and whether a row starts with padding (left
+    padding: a padding position then precedes, and predicts, the row's first real token)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError(f"packing: attention_mask must be a (batch, seq_len) tensor here, got "
+                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    real = (attention_mask != 0).cpu()
+    if attention_mask.device.type != "cpu":
+        COUNTERS["host_syncs"] += 1
+    COUNTERS["attention_mask_reads"] += 1
+    if bool(real.all()):
+        return None, False
+    B, T = real.shape
+    change = torch.ones(B, T, dtype=torch.bool)
+    change[:, 1:] = real[:, 1:] != real[:, :-1]
+    rows = []
+    for r in range(B):
+        starts = torch.nonzero(change[r]).flatten()
+        if int(real[r][starts].sum()) > 1:
+            raise ValueError(f"packing: attention_mask row {r} has padding between its real tokens "
+                             f"({real[r].int().tolist()[:32]}...); optim's packed attention takes left "
+                             "or right padding, or packed rows with position_ids restarting per "
+                             "document (no attention_mask)")
+        rows.append(torch.diff(starts, append=torch.tensor([T])).tolist())
+    meta = dataclasses.replace(PackedMetadata.from_lengths(rows, T), source="attention_mask")
+    return meta, bool((~real[:, 0] & real.any(1)).any())
+
+
+def _count(value, what: str, minimum: int | None = None) -> int:
+    """An integer count (a Python or numpy int, or a one-element integral tensor), never a float
+    or a string silently truncated; at least ``minimum`` where given."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"packing: {what} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"packing: {what} must be at least {minimum}, got {value}")
+    return int(value)
 
 
 def packed_kwargs(meta: PackedMetadata) -> dict[str, PackedMetadata]:
@@ -316,7 +373,7 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
                 meta = PackedMetadata.from_lengths([meta.lengths[0]] * B, T)
         else:
             meta = packing
-            if validate and position_ids is not None:
+            if validate and position_ids is not None and meta.source == "lengths":
                 meta.check_position_ids(position_ids)
         if meta.batch_size != B or meta.seq_len != T:
             raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "

@@ -1,0 +1,38 @@
+"""What the optim modules read off a transformers model (peft-wrapped or not), and the names that
+moved between transformers releases."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+# The KV cache's keyword: ``past_key_values`` up to transformers 5.23; ``cache`` from 5.24, where
+# the old name is deprecated (removed in 5.40).
+CACHE_KWARGS = ("past_key_values", "cache")
+
+
+def causal_lm(model):
+    """The transformers *ForCausalLM inside a peft wrapper (or the model itself), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "lm_head") and hasattr(base, "model"):
+        return base
+    return None
+
+
+def cache_of(kwargs: dict):
+    """The KV cache a forward call was given under either name, or None."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
+@functools.lru_cache(maxsize=None)
+def cache_kwarg(forward) -> str:
+    """The name ``forward`` takes its KV cache under (the newest name where it takes both)."""
+    params = inspect.signature(forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@functools.lru_cache(maxsize=None)
+def output_cache_field(output_cls) -> str:
+    names = {f.name for f in dataclasses.fields(output_cls)}
+    return "cache" if "cache" in names else "past_key_values"
