@@ -1,5 +1,10 @@
+import gc
+import json
+import logging
 import os
+import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -8,23 +13,152 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Wall seconds per test file of the GPU suite, measured on an H100 (--record-durations): what
+# --shard balances. A file not listed counts UNKNOWN_FILE_S.
+DURATIONS = Path(__file__).with_name("gpu_durations.json")
+UNKNOWN_FILE_S = 60.0
+
 
 def pytest_addoption(parser):
     parser.addoption("--reverse", action="store_true",
                      help="run the collected tests in reverse order (to catch tests that depend on order)")
+    parser.addoption("--random-order", type=int, default=None, metavar="SEED",
+                     help="run the collected tests shuffled with this seed (to catch tests that depend on order)")
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shards: whole test files, balanced by the wall times in "
+                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/3)")
+    parser.addoption("--record-durations", default=None, metavar="PATH",
+                     help="write each test's wall time (setup, call and teardown) and each file's sum as JSON")
 
 
+def _shard(spec: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard takes K/N, e.g. 1/3 (got {spec!r})") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard {spec}: K must be between 1 and N")
+    return k, n
+
+
+def shard_files(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
+    """Longest first into the lightest shard: N lists of files, each file in exactly one."""
+    shards: list[list[str]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for f in sorted(files, key=lambda f: (-seconds.get(f, UNKNOWN_FILE_S), f)):
+        i = min(range(n), key=lambda j: (load[j], j))
+        shards[i].append(f)
+        load[i] += seconds.get(f, UNKNOWN_FILE_S)
+    return shards
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shards of what runs
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    spec = config.getoption("--shard")
+    if spec:
+        k, n = _shard(spec)
+        seconds = json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
+        files = list(dict.fromkeys(Path(item.location[0]).name for item in items))
+        mine = set(shard_files(files, n, seconds)[k - 1])
+        keep = [it for it in items if Path(it.location[0]).name in mine]
+        config.hook.pytest_deselected(items=[it for it in items if Path(it.location[0]).name not in mine])
+        items[:] = keep
     if config.getoption("--reverse"):
         items.reverse()
+    seed = config.getoption("--random-order")
+    if seed is not None:
+        random.Random(seed).shuffle(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `nox -s gpu_tests` on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_started: dict[str, float] = {}
+_took: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _started[nodeid] = time.perf_counter()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _took[nodeid] = time.perf_counter() - _started.pop(nodeid, time.perf_counter())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--record-durations")
+    if not path:
+        return
+    files: dict[str, float] = {}
+    for nodeid, s in _took.items():
+        f = Path(nodeid.split("::")[0]).name
+        files[f] = round(files.get(f, 0.0) + s, 1)
+    Path(path).write_text(json.dumps({"tests": {k: round(v, 2) for k, v in _took.items()}, "files": files},
+                                     indent=1, sort_keys=True) + "\n")
+
+
+def _loggers() -> dict:
+    """Each logger's level, handlers and disabled flag; the root's handlers are pytest's own."""
+    out = {"": (logging.getLogger().level, None, False)}
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            out[name] = (lg.level, list(lg.handlers), lg.disabled)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _process_as_found(request):
+    """Every test leaves the process as it found it: environment, loggers, grad mode and default
+    dtype; on a GPU also the allocator (cache emptied), CUDA's peak statistics (reset before, so no
+    test reads another's peak) and optim's packing cache and counters."""
+    import torch
+
+    env, loggers = dict(os.environ), _loggers()
+    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    gpu = "gpu" in request.keywords and torch.cuda.is_available()
+    if gpu:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    for name, (level, handlers, disabled) in loggers.items():
+        lg = logging.getLogger(name or None)
+        lg.setLevel(level)
+        if handlers is not None:
+            lg.handlers[:] = handlers
+        lg.disabled = disabled
+    torch.set_grad_enabled(grad)
+    torch.set_default_dtype(dtype)
+    if "optim.packing" in sys.modules:
+        sys.modules["optim.packing"].release()
+        sys.modules["optim.packing"].reset_counters()
+    if gpu:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_code_per_file(request):
+    """A GPU test file starts and ends with dynamo's caches empty: no file's compiled graphs, or
+    the recompile budget they used, reach another's."""
+    import torch
+
+    gpu = any("gpu" in item.keywords for item in request.session.items
+               if item.module is request.module) and torch.cuda.is_available()
+    if gpu:
+        torch._dynamo.reset()
+    yield
+    if gpu:
+        torch._dynamo.reset()
 
 
 @pytest.fixture

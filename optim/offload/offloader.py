@@ -74,6 +74,7 @@ class Offloader:
         self._mem_get_info = mem_get_info  # test hook; None: torch.cuda.mem_get_info on CUDA
         self.fallbacks: list[str] = []
         self.guard_decision: dict | None = None  # the memory figures of the last guard check
+        self.peak_reset = False  # CUDA's peak statistics were reset so the guard saw the step's own
         # Host pool: slot -> flat uint8 buffer (pinned on CUDA). A slot is a layer position in the
         # forward; the lowest free slot is taken, so steady training maps layer k to slot k.
         self._host: dict[int, torch.Tensor] = {}
@@ -128,6 +129,7 @@ class Offloader:
             host_pinned=all(b.is_pinned() for b in self._host.values()) if self._host else None,
             staging_buffer_bytes=[0 if b is None else b.numel() for b in self._staging],
             guard_decision=self.guard_decision,
+            peak_reset=self.peak_reset,
         )
         return out
 
@@ -179,6 +181,8 @@ class Offloader:
             self._offload(prev)
         if x is None:
             return None
+        if not self._order and self._guard_pending(x):
+            self._forget_earlier_peak(x)
         if len(self._order) > 4096:  # forwards with grad but no backward (their graphs died)
             self._order = [r for r in self._order if r() is not None]
             for i, r in enumerate(self._order):
@@ -297,6 +301,33 @@ class Offloader:
         self.staging_allocs += 1
         return True
 
+    def _guard_pending(self, x: torch.Tensor) -> bool:
+        """The guard will judge the second staging buffer during this step."""
+        return (self.mode == "double" and self.guard and self._mem_get_info is None and x.is_cuda
+                and self._staging[1] is None)
+
+    def _forget_earlier_peak(self, x: torch.Tensor) -> None:
+        """At the start of the step in which the guard decides: when the process's peak, left by
+        an earlier and larger computation (an evaluation, another model), would refuse the
+        buffer by itself, reset CUDA's peak statistics, so the guard reads this step's own peak.
+        They are reset only then, once, with one log line."""
+        dev = x.device
+        free, total = torch.cuda.mem_get_info(dev)
+        alloc = torch.cuda.memory_allocated(dev)
+        usable = free + max(0, torch.cuda.memory_reserved(dev) - alloc)
+        earlier = max(0, torch.cuda.max_memory_allocated(dev) - alloc)
+        need = earlier + x.numel() * x.element_size() + self._headroom(total)
+        if usable >= need:
+            return  # the earlier peak does not change the decision: the user's statistics stay
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.peak_reset = True
+        log.info("offload: an earlier computation peaked %.2f GiB above what is allocated now; CUDA's peak "
+                 "memory statistics were reset at this step's start, so the guard judges the step's own "
+                 "peak", earlier / 2**30)
+
+    def _headroom(self, total: int) -> int:
+        return self.headroom_bytes if self.headroom_bytes is not None else max(512 << 20, int(0.02 * total))
+
     def _guard_ok(self, rec: _Record) -> bool:
         """The second buffer stays allocated for the rest of training, so it must fit beside the
         step's peak, not just in the memory free at this moment (mid-backward, when it is
@@ -306,9 +337,8 @@ class Offloader:
         that the peak has shown (``max_memory_allocated - memory_allocated``), plus the buffer,
         plus a headroom for fragmentation and layers that need a little more.
 
-        The peak is the process's: one left by a larger computation before training (an eval
-        pass with a bigger batch) makes the guard stricter, never looser; reset it with
-        ``torch.cuda.reset_peak_memory_stats()`` before the first step to judge by training alone.
+        The peak is this step's: where an earlier, larger computation's peak would decide by
+        itself, the step started with the statistics reset (``_forget_earlier_peak``).
         """
         headroom = self.headroom_bytes
         if self._mem_get_info is not None:
@@ -322,7 +352,7 @@ class Offloader:
         else:
             return True  # host memory: no device to exhaust
         if headroom is None:
-            headroom = max(512 << 20, int(0.02 * total))
+            headroom = self._headroom(total)
         need = above + rec.nbytes + headroom
         ok = usable >= need
         self.guard_decision = {
@@ -333,9 +363,7 @@ class Offloader:
         if not ok:
             self._fallback("single", f"usable GPU memory {usable / 2**30:.2f} GiB < the step's peak growth "
                                      f"{above / 2**30:.2f} GiB + second buffer {rec.nbytes / 2**30:.2f} GiB "
-                                     f"+ headroom {headroom / 2**30:.2f} GiB (the growth is the process's peak "
-                                     "less what is allocated now; an earlier, larger computation raises it "
-                                     "until torch.cuda.reset_peak_memory_stats())")
+                                     f"+ headroom {headroom / 2**30:.2f} GiB")
         return ok
 
     def _fallback(self, mode: str, why: str) -> None:

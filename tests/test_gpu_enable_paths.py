@@ -1,0 +1,100 @@
+"""``optim.enable`` with its CUDA defaults (compiled layers, packed flex traced into them) on what
+a user's model meets beyond packed training: a padded batch, generate, and offload with the
+packing cache. Each against the same model never enabled."""
+
+import copy
+
+import pytest
+import torch
+from _lora import randomize_lora_b
+
+import optim
+from harness.workload import models
+from optim import offload, packing
+
+pytestmark = pytest.mark.gpu
+
+
+def _pair(name, **enable):
+    spec = models.get(name)
+    stock = randomize_lora_b(models.build(spec, device="cuda", dtype=torch.bfloat16, lora_rank=4), seed=3)
+    fast = optim.enable(copy.deepcopy(stock), **enable)
+    return spec, stock, fast
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
+
+
+def _left_padded(spec, B=3, T=160):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, spec.vocab_size, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :37] = 0
+    mask[2, :130] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    from_real = torch.cat([torch.zeros(B, 1, dtype=torch.bool), mask[:, :-1].bool()], 1)
+    labels = ids.masked_fill(~(mask.bool() & from_real), -100)
+    return ids.cuda(), mask.cuda(), labels.cuda()
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "gpt-oss-20b-tiny"])
+def test_a_left_padded_batch_matches_stock_bf16(name):
+    spec, stock, fast = _pair(name)
+    assert optim.enabled(fast)["optim.packing"]["packing_backend_resolved"] == "flex"
+    ids, mask, labels = _left_padded(spec)
+    real = mask.bool()
+    for m in (stock, fast):
+        m.eval()
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = fast(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert _rel(got[real], want[real]) < 2e-2
+    for m in (stock, fast):
+        m.train()
+    losses = []
+    for m in (stock, fast):
+        out = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        losses.append(out.loss.detach().float())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=0)
+    ref = {n: p.grad for n, p in stock.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in fast.named_parameters() if p.grad is not None}
+    assert set(ref) == set(got) and ref
+    worst = max((_rel(got[n], ref[n]), n) for n in ref)
+    assert worst[0] < 5e-2, worst
+    assert optim.enabled(fast)["optim.packing"]["forwards"]["padded_batches"] == 2
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "gpt-oss-20b-tiny"])
+def test_generate_gives_stocks_tokens_on_cuda(name):
+    spec, stock, fast = _pair(name)
+    ids, mask, _ = _left_padded(spec, B=2, T=24)
+    fast.train()
+    fast(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()  # compiled layers warm
+    for m in (stock, fast):
+        m.eval()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast.generate(input_ids=ids, attention_mask=mask, **kw),
+                       stock.generate(input_ids=ids, attention_mask=mask, **kw))
+    assert optim.enabled(fast)["optim.packing"]["forwards"]["stock"] >= 8
+
+
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_offload_with_the_packing_cache_builds_once_per_step(mode):
+    """The flex BlockMask traced into the compiled layers, offloaded checkpoints: one metadata
+    build and one BlockMask per window per step, whatever the layer count."""
+    spec = models.get("qwen3-0.6b-4l")
+    model = optim.enable(randomize_lora_b(models.build(spec, device="cuda", dtype=torch.bfloat16, lora_rank=4)),
+                         offload=mode)
+    lengths = [[1000, 3000, 96], [4096]]
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        meta = packing.PackedMetadata.from_lengths(lengths)
+        ids = torch.randint(1, spec.vocab_size, (2, 4096), generator=g).cuda()
+        packing.reset_counters()
+        model(input_ids=ids, labels=ids, use_cache=False, **packing.packed_kwargs(meta)).loss.backward()
+        c = packing.counters()
+        assert c["metadata"] == 1 and c["flex_block_mask"] == 1, (step, c)
+    st = offload.get(model).stats()
+    assert st["effective_mode"] == mode and st["offloaded"] >= 2, st
