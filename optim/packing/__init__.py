@@ -26,9 +26,15 @@ Backends (switch ``packing_backend``):
   * ``varlen``: FlashAttention-2 varlen (``torch.nn.attention.varlen.varlen_attn``) on
     ``cu_seqlens``/``max_seqlen`` (CUDA, fp16/bf16 only).
 
+What runs where (``routing``): calls without a KV cache run the packed attention, a padded
+``attention_mask`` turned into documents (each row's real tokens one, each run of padding another);
+calls with a KV cache, ``generate()`` and masks of another form run the implementation ``enable``
+replaced. ``disable`` (or ``packing_backend="off"``) restores the model as it was.
+
 Layout: ``metadata`` (the batch's boundaries, their per-device cache and the structures built from
-them), ``backends`` (the three kernels), ``collator`` (``PackingCollator``); this module holds the
-switches, the attention function transformers calls, and ``enable``.
+them), ``backends`` (the three kernels), ``collator`` (``PackingCollator``), ``routing`` (which
+attention each forward runs); this module holds the switches, the attention function transformers
+calls, ``enable`` and ``disable``.
 
 Cache policy (switch ``packing_cache``):
   * one entry per device; it belongs to one batch and a new batch replaces it;
