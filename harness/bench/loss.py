@@ -1,4 +1,4 @@
-"""Linear + cross-entropy kernels side by side, in one process (issue 18): the stock full-logits
+"""Linear + cross-entropy kernels side by side, in one process: the stock full-logits
 loss, ``optim.loss`` (its compiled and eager chunk kernels), Liger-Kernel's fused linear
 cross-entropy and Apple's cut-cross-entropy, on the lm_head shapes of the models the sweeps run.
 

@@ -1,4 +1,4 @@
-"""Packing measurements that are not plain step timing (issue 3).
+"""Packing measurements that are not plain step timing.
 
 (a) ``count_step``: structure builds and device-to-host syncs in one training step, cache on vs
     off, counted (optim.packing counters; on CUDA every sync is also caught with

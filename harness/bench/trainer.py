@@ -1,4 +1,4 @@
-"""``transformers.Trainer`` side by side, in one process (issue 18): stock Trainer + peft, the same
+"""``transformers.Trainer`` side by side, in one process: stock Trainer + peft, the same
 Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
 ``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
 CUDA graph), on the same generated documents with the same seed.

@@ -81,7 +81,6 @@ def packing_tables(rows: list[dict], spec: dict) -> str:
 
 # Per packing backend, the counter of its attention-structure builds (optim.packing.COUNTERS).
 STRUCTURE_COUNTER = {"sdpa": "sdpa_mask", "flex": "flex_block_mask", "varlen": "varlen_args"}
-# REFERENCE.md: stock transformers flex_attention, Qwen3-0.6B, 8192 tokens of 1024-token documents.
 
 
 def _compiled(r: dict) -> bool:
