@@ -28,7 +28,10 @@ Each optimization is one module exposing ``SWITCHES``, ``enable(model, **setting
 
 from __future__ import annotations
 
+from optim._hf import owner
 from optim.switches import Switch
+
+_ENABLED = "_optim_enabled"
 
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
@@ -61,10 +64,11 @@ def enable(model, *, only=None, **settings):
     Call it after peft wraps the model and before the optimizer is built: the MoE router
     setting decides which parameters train.
 
-    ``only`` (module names such as ``("packing", "regional")``) applies just those modules, each
-    as asked: ``only=("offload",)`` with ``offload="none"`` still routes checkpointing through the
-    offloader, where a plain ``enable`` leaves checkpointing alone. ``enabled(model)`` returns what
-    the call applied.
+    ``offload`` is off by default and leaves checkpointing alone; ``offload="none"`` named in a
+    later call turns an earlier offload off. ``only`` (module names such as
+    ``("packing", "regional")``) applies just those modules, each as asked: ``only=("offload",)``
+    with ``offload="none"`` still routes checkpointing through the offloader. ``enabled(model)``
+    says what the calls applied; ``disable(model)`` undoes them all.
     """
     mods = _modules()
     known = {k for mod in mods.values() for k in mod.SWITCHES}
@@ -84,24 +88,29 @@ def enable(model, *, only=None, **settings):
     for name, mod in mods.items():
         own = {k: v for k, v in settings.items() if k in mod.SWITCHES}
         if only is None and name == "offload" and mod.SWITCHES["offload"].resolve(own.get("offload")) == "none":
+            if "offload" in own:  # asked for by name: off, as it was before any enable
+                mod.disable(model)
+                done[name] = None
             continue  # off by default: enabling "none" would still turn checkpointing on
         mod.enable(model, **own)
-        done[name] = (mod, own)
+        done[name] = {"settings": own, "resolved": resolved(mod, **own)}
     # merged with earlier calls: a module this call skipped (offload left at "none") still runs
-    applied = {**getattr(model, "_optim_enabled", {}), **{name: own for name, (_, own) in done.items()}}
-    object.__setattr__(model, "_optim_enabled", {n: applied[n] for n in _modules() if n in applied})
+    state = vars(owner(model))
+    applied = {**state.get(_ENABLED, {}), **done}
+    state[_ENABLED] = {n: applied[n] for n in _modules() if applied.get(n) is not None}
     return model
 
 
 def enabled(model) -> dict:
-    """Per module the last ``enable`` applied (in ``MODULES`` order): what it runs now (the
+    """Per module the ``enable`` calls applied (in ``MODULES`` order): what it runs now (the
     module's ``describe``, read at this call, so it counts the forwards so far, else the settings it
-    got) and ``resolved``, the value each of its switches took."""
+    got) and ``resolved``, the value each of its switches took when it was enabled."""
     mods = _modules()
     out = {}
-    for name, own in getattr(model, "_optim_enabled", {}).items():
+    for name, applied in vars(owner(model)).get(_ENABLED, {}).items():
         describe = getattr(mods[name], "describe", None)
-        out[f"optim.{name}"] = {**(describe(model) if describe else own), "resolved": resolved(mods[name], **own)}
+        out[f"optim.{name}"] = {**(describe(model) if describe else applied["settings"]),
+                                "resolved": applied["resolved"]}
     return out
 
 
@@ -110,5 +119,5 @@ def disable(model):
     compiled layers, every hook and wrapped method removed. Returns the model."""
     for name, mod in reversed(list(_modules().items())):
         mod.disable(model)
-    object.__setattr__(model, "_optim_enabled", {})
+    vars(owner(model)).pop(_ENABLED, None)
     return model

@@ -20,6 +20,12 @@ def causal_lm(model):
     return None
 
 
+def owner(model):
+    """The transformers model under any peft wrapper: where optim keeps its per-model state, so
+    that enabling or disabling through the wrapper or the bare model finds the same state."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def cache_of(kwargs: dict):
     """The KV cache a forward call was given under either name, or None."""
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)

@@ -281,9 +281,9 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     stock = getattr(self, _ATTR)
     cache = past_key_values if past_key_values is not None else kwargs.pop("cache", None)
-    why = _stock_reason(self, labels, kwargs)
+    why = _stock_reason(self, kwargs) if labels is not None and self.training else "no loss to fuse"
     if why is not None:
-        if self.training and labels is not None:
+        if why != "no loss to fuse":  # a training call with labels that another loss served
             self.__dict__[_PATHS][why] = self.__dict__[_PATHS].get(why, 0) + 1
         if cache is not None:
             kwargs[cache_kwarg(type(self).forward)] = cache
@@ -308,12 +308,8 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
                                   attentions=out.attentions, **{field: out.get(output_cache_field(type(out)))})
 
 
-def _stock_reason(lm, labels, kwargs) -> str | None:
-    """Why this call runs the stock forward, or None for the fused loss."""
-    if labels is None:
-        return "no labels"
-    if not lm.training:
-        return "eval mode"
+def _stock_reason(lm, kwargs) -> str | None:
+    """Why a training call with labels runs the stock forward, or None for the fused loss."""
     if "fused_lm_head" in kwargs:
         return "the caller's fused lm_head (TRL)"
     if kwargs.get("output_router_logits") or getattr(lm.config, "output_router_logits", False):

@@ -43,6 +43,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from optim import _moe_ops as ops
 from optim._fallback import passes_through
+from optim._hf import owner
 from optim.switches import Switch
 
 try:  # peft is optional: without it there is simply no LoRA to split
@@ -274,12 +275,13 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     experts = [m for m in model.modules() if _is_experts(m)]
     if not experts:
         return model
-    if _SAVED not in vars(model):  # the model as it was before the first enable, for disable()
-        object.__setattr__(model, _SAVED, (
+    state = vars(owner(model))
+    if _SAVED not in state:  # the model as it was before the first enable, for disable()
+        state[_SAVED] = (
             [(c, getattr(c, "_experts_implementation", None)) for c in {id(m.config): m.config for m in experts}.values()],
             [(w, type(w)) for w in _expert_wrappers(model)],
             [(p, p.requires_grad) for r in _routers(model) for p in r.parameters()],
-        ))
+        )
     # Backend: transformers dispatches every experts forward through config._experts_implementation.
     for conf in {id(m.config): m.config for m in experts}.values():
         conf._experts_implementation = IMPL_PREFIX + cfg["moe_backend"]
@@ -292,7 +294,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     for r in routers:
         for p in r.parameters():
             p.requires_grad_(cfg["moe_train_router"])
-    model._optim_moe = MoeSettings(
+    state["_optim_moe"] = MoeSettings(
         cfg["moe_backend"], cfg["moe_lora"], cfg["moe_compile"], cfg["moe_train_router"],
         len(experts), len(wrappers), len(routers)
     )
@@ -305,8 +307,8 @@ _SAVED = "_optim_moe_saved"
 def disable(model: nn.Module) -> nn.Module:
     """Undo ``enable``: the experts implementation, peft's expert LoRA wrappers and the routers'
     requires_grad as they were before the first enable."""
-    saved = vars(model).pop(_SAVED, None)
-    vars(model).pop("_optim_moe", None)
+    saved = vars(owner(model)).pop(_SAVED, None)
+    vars(owner(model)).pop("_optim_moe", None)
     if saved is None:
         return model
     configs, wrappers, router_params = saved
@@ -322,7 +324,7 @@ def disable(model: nn.Module) -> nn.Module:
 
 def describe(model: nn.Module) -> dict[str, Any]:
     """What enable() did, for result rows (empty when it was not applied)."""
-    s = getattr(model, "_optim_moe", None)
+    s = vars(owner(model)).get("_optim_moe")
     if s is None:
         return {}
     d = dict(s.__dict__)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from optim._fallback import passes_through
+from optim._hf import owner
 from optim.packing.routing import in_stock_mode
 from optim.switches import Switch
 
@@ -75,6 +76,7 @@ class CompileState:
     calls: dict[str, int] = field(default_factory=lambda: {"compiled": 0, "eager": 0})
 
 
+_ATTR = "_optim_regional"
 _BODIES: dict[Any, Any] = {}  # a layer class's checkpointed forward -> its compiled version
 
 
@@ -170,7 +172,7 @@ def enable(model: nn.Module, *, compile_layers=None, **_ignored) -> nn.Module:
     on = mode is True or (mode == "auto" and _model_device(model).type == "cuda")
     disable(model)  # a second enable starts from the eager layers
     state = CompileState(mode=mode)
-    model._optim_regional = state
+    vars(owner(model))[_ATTR] = state
     if not on:
         return model
     layers = decoder_layers(model)
@@ -194,8 +196,11 @@ def enable(model: nn.Module, *, compile_layers=None, **_ignored) -> nn.Module:
 
 def disable(model: nn.Module) -> nn.Module:
     """Undo ``enable``: every layer and MoE block runs its own eager forward again."""
-    if vars(model).pop("_optim_regional", None) is None:
+    if vars(owner(model)).pop(_ATTR, None) is None:
         return model
+    from optim import packing
+
+    packing.drop_prebuilt(model)  # packing's auto picks for eager layers again
     for layer in decoder_layers(model):
         if isinstance(getattr(layer, "_compiled_call_impl", None), _LayerCall):
             layer._compiled_call_impl = None
@@ -207,7 +212,7 @@ def disable(model: nn.Module) -> nn.Module:
 
 def describe(model: nn.Module) -> dict[str, Any]:
     """What enable() did and how the layer calls ran, for result rows (empty when not applied)."""
-    s = getattr(model, "_optim_regional", None)
+    s = vars(owner(model)).get(_ATTR)
     if s is None:
         return {}
     d = {"compile_layers": s.mode, "compiled_layers": s.layers, "eager_moe_blocks": s.eager_blocks,
@@ -223,7 +228,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
 def _graphs(model: nn.Module) -> int | None:
     """Compiled graphs cached for the layers' forward (dynamo's private debug API; None if absent)."""
-    if not model._optim_regional.layers:
+    if not vars(owner(model))[_ATTR].layers:
         return None
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list

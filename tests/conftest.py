@@ -60,22 +60,36 @@ def pytest_collection_modifyitems(config, items):
     if spec:
         k, n = _shard(spec)
         seconds = json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
-        files = list(dict.fromkeys(Path(item.location[0]).name for item in items))
+        files = list(dict.fromkeys(_file(item) for item in items))
         mine = set(shard_files(files, n, seconds)[k - 1])
-        keep = [it for it in items if Path(it.location[0]).name in mine]
-        config.hook.pytest_deselected(items=[it for it in items if Path(it.location[0]).name not in mine])
+        keep = [it for it in items if _file(it) in mine]
+        config.hook.pytest_deselected(items=[it for it in items if _file(it) not in mine])
         items[:] = keep
     if config.getoption("--reverse"):
         items.reverse()
     seed = config.getoption("--random-order")
     if seed is not None:
-        random.Random(seed).shuffle(items)
+        # files in a random order, then each file's tests: a file's module-scoped fixtures (a
+        # model built once, dynamo's caches reset) are set up once, not at every switch of file
+        rng = random.Random(seed)
+        by_file: dict[str, list] = {}
+        for it in items:
+            by_file.setdefault(_file(it), []).append(it)
+        order = list(by_file)
+        rng.shuffle(order)
+        for tests in by_file.values():
+            rng.shuffle(tests)
+        items[:] = [it for f in order for it in by_file[f]]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `nox -s gpu_tests` on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _file(item) -> str:
+    return item.location[0]  # relative to the rootdir: tests/test_gpu_moe.py
 
 
 _started: dict[str, float] = {}
@@ -96,18 +110,19 @@ def pytest_sessionfinish(session, exitstatus):
         return
     files: dict[str, float] = {}
     for nodeid, s in _took.items():
-        f = Path(nodeid.split("::")[0]).name
+        f = nodeid.split("::")[0]
         files[f] = round(files.get(f, 0.0) + s, 1)
     Path(path).write_text(json.dumps({"tests": {k: round(v, 2) for k, v in _took.items()}, "files": files},
                                      indent=1, sort_keys=True) + "\n")
 
 
 def _loggers() -> dict:
-    """Each logger's level, handlers and disabled flag; the root's handlers are pytest's own."""
-    out = {"": (logging.getLogger().level, None, False)}
+    """Each logger's level, handlers, propagation and disabled flag; the root's handlers are
+    pytest's own."""
+    out = {"": (logging.getLogger().level, None, True, False)}
     for name, lg in list(logging.Logger.manager.loggerDict.items()):
         if isinstance(lg, logging.Logger):
-            out[name] = (lg.level, list(lg.handlers), lg.disabled)
+            out[name] = (lg.level, list(lg.handlers), lg.propagate, lg.disabled)
     return out
 
 
@@ -118,7 +133,7 @@ def _process_as_found(request):
     test reads another's peak) and optim's packing cache and counters."""
     import torch
 
-    env, loggers = dict(os.environ), _loggers()
+    env, loggers, disabled_below = dict(os.environ), _loggers(), logging.root.manager.disable
     grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     gpu = "gpu" in request.keywords and torch.cuda.is_available()
     if gpu:
@@ -129,12 +144,13 @@ def _process_as_found(request):
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
-    for name, (level, handlers, disabled) in loggers.items():
+    logging.disable(disabled_below)
+    for name, (level, handlers, propagate, disabled) in loggers.items():
         lg = logging.getLogger(name or None)
         lg.setLevel(level)
         if handlers is not None:
             lg.handlers[:] = handlers
-        lg.disabled = disabled
+        lg.propagate, lg.disabled = propagate, disabled
     torch.set_grad_enabled(grad)
     torch.set_default_dtype(dtype)
     if "optim.packing" in sys.modules:
@@ -153,7 +169,7 @@ def _compiled_code_per_file(request):
     import torch
 
     gpu = any("gpu" in item.keywords for item in request.session.items
-               if item.module is request.module) and torch.cuda.is_available()
+               if getattr(item, "module", None) is request.module) and torch.cuda.is_available()
     if gpu:
         torch._dynamo.reset()
     yield

@@ -47,7 +47,7 @@ def _name(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-PY_DOCS = [p for p in DOCUMENTS if any(lang == "python" for lang, *_ in examples(p))]
+PY_DOCS = [p for p in DOCUMENTS if any(lang == "python" and not gpu for lang, _, _, gpu in examples(p))]
 
 
 @pytest.fixture(scope="module")

@@ -99,9 +99,12 @@ def test_generate_gives_stocks_tokens(name):
     training mode): the same tokens as the model never enabled."""
     spec, stock, fast = _pair(name)
     ids, mask, _ = _padded(spec, "left", B=2, T=10, seed=1)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert fast.training  # generate() as called mid-training (no dropout here: the same tokens)
+    assert torch.equal(fast.generate(input_ids=ids, attention_mask=mask, **kw),
+                       stock.generate(input_ids=ids, attention_mask=mask, **kw))
     for m in (stock, fast):
         m.eval()
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
     got = fast.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(got, want)
@@ -144,6 +147,10 @@ def test_off_and_disable_give_the_stock_model_back(name):
     spec, stock, fast = _pair(name, offload="double", compile_layers=True)
     base = stock.get_base_model()
     hooks = _hooks(stock)
+    ids, mask, labels = _padded(spec, "left")
+    fast.eval()
+    fast.generate(input_ids=ids[:, :6], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    fast.train()
     optim.enable(fast, packing_backend="off")
     assert fast.get_base_model().config._attn_implementation == base.config._attn_implementation
     assert "generate" not in vars(fast.get_base_model())
@@ -157,13 +164,16 @@ def test_off_and_disable_give_the_stock_model_back(name):
     assert lm.config._attn_implementation == base.config._attn_implementation
     assert getattr(lm.config, "_experts_implementation", None) == getattr(base.config, "_experts_implementation", None)
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in lm.modules())
-    flags = [(n, getattr(m, "gradient_checkpointing", None), vars(m).get("_gradient_checkpointing_func"))
-             for n, m in base.named_modules()]
-    assert [(n, f) for n, f, _ in flags] == [(n, getattr(m, "gradient_checkpointing", None))
-                                           for n, m in lm.named_modules()]
+    def flags(root):
+        return [(n, getattr(m, "gradient_checkpointing", None), vars(m).get("_gradient_checkpointing_func"))
+                for n, m in root.named_modules()]
+
+    def same(a, b):  # transformers' checkpoint function is a partial, a new object per enable
+        return getattr(a, "func", a) is getattr(b, "func", b) and getattr(a, "keywords", None) == getattr(b, "keywords", None)
+
+    assert all(x[:2] == y[:2] and same(x[2], y[2]) for x, y in zip(flags(lm), flags(base)))
     assert [type(m) for m in fast.modules()] == [type(m) for m in stock.modules()]
     assert [p.requires_grad for p in fast.parameters()] == [p.requires_grad for p in stock.parameters()]
-    ids, mask, labels = _padded(spec, "left")
     want = stock(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
     got = fast(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
     assert got.logits is not None  # the stock loss, which keeps the logits
@@ -258,3 +268,120 @@ def test_enabled_reports_the_loss_that_ran():
     fast(input_ids=ids, labels=ids, use_cache=False, fused_lm_head=True)
     got = optim.enabled(fast)["optim.loss"]
     assert got["fused_loss"] is False and "TRL" in got["fused_loss_bypassed"], got
+
+
+def test_enable_disable_enable_cycles_leave_nothing_behind():
+    spec, stock, fast = _pair(DENSE, offload="double")
+    hooks = _hooks(stock)
+    ids, mask, labels = _padded(spec, "right")
+    for _ in range(3):
+        optim.disable(fast)
+        assert _hooks(fast) == hooks and optim.enabled(fast) == {}
+        optim.enable(fast, offload="single")
+        fast(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    assert optim.enabled(fast)["optim.packing"]["forwards"]["padded_batches"] == 1
+
+
+def test_disable_through_either_wrapper_finds_the_same_state():
+    """enable on the bare model, wrap it in peft, enable and disable through the wrapper."""
+    from peft import get_peft_model
+
+    spec = models.get(DENSE)
+    bare = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=None)
+    impl = bare.config._attn_implementation
+    optim.enable(bare)
+    wrapped = get_peft_model(bare, models.lora_config(spec, 4))
+    optim.enable(wrapped)
+    optim.disable(wrapped)
+    assert bare.config._attn_implementation == impl and optim.enabled(bare) == {} and optim.enabled(wrapped) == {}
+    assert not any(k.startswith("_optim") for m in wrapped.modules() for k in vars(m)), \
+        sorted({k for m in wrapped.modules() for k in vars(m) if k.startswith("_optim")})
+
+
+def test_a_deep_copy_routes_its_own_calls():
+    """A reference model (TRL's create_reference_model) or an EMA copy is a deep copy: its
+    generate and forwards must run its own weights and count on its own route."""
+    spec, _, fast = _pair(DENSE)
+    twin = copy.deepcopy(fast)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(-1.5)
+    ids = torch.randint(1, spec.vocab_size, (1, 8))
+    fast.eval()
+    twin.eval()
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    a, b = fast.generate(input_ids=ids, **kw), twin.generate(input_ids=ids, **kw)
+    assert not torch.equal(a, b)
+    fresh = copy.deepcopy(twin)
+    optim.disable(fresh)
+    assert torch.equal(fresh.generate(input_ids=ids, **kw), b)  # the copy's weights, stock attention
+    assert optim.enabled(twin)["optim.packing"]["forwards"]["stock"] >= 5
+    assert optim.enabled(fast)["optim.packing"]["forwards"]["stock"] == optim.enabled(twin)["optim.packing"]["forwards"]["stock"]
+
+
+def test_an_interrupted_generate_leaves_the_model_packed():
+    """Ctrl-C inside generate(): the next training call still runs the packed attention."""
+    spec, _, fast = _pair(DENSE)
+    lm = fast.get_base_model()
+    calls = {"n": 0}
+
+    def interrupt(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    handle = lm.model.layers[0].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        fast.generate(input_ids=torch.randint(1, spec.vocab_size, (1, 6)), max_new_tokens=4, do_sample=False,
+                      pad_token_id=0)
+    handle.remove()
+    assert not packing.in_stock_mode() and lm.config._attn_implementation == packing.ATTN_NAME
+    before = optim.enabled(fast)["optim.packing"]["forwards"]["packed"]
+    meta = packing.PackedMetadata.from_lengths([[5, 9]])
+    fast(input_ids=torch.randint(1, spec.vocab_size, (1, 14)), use_cache=False, **packing.packed_kwargs(meta))
+    assert optim.enabled(fast)["optim.packing"]["forwards"]["packed"] == before + 1
+
+
+def test_a_stock_call_in_training_recomputes_as_stock():
+    """A training forward with a 4-D mask runs stock; checkpointing recomputes it after the stock
+    call has ended, and the recompute must run stock too, with that mask."""
+    spec, stock, fast = _pair(DENSE, offload="double")
+    ids = torch.randint(1, spec.vocab_size, (1, 10))
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    mask[6:, :6] = False  # two documents, as a 4-D mask of the caller's making
+    grads = []
+    for m in (stock, fast):
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=ids, attention_mask=mask[None, None], use_cache=False).loss.backward()
+        grads.append(_grads(m))
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_reference_models_no_grad_pass_does_not_keep_the_cache_alive():
+    """DPO's pattern: a frozen reference model under no_grad, then the policy with grad, on the
+    same packed batch. The policy's first layer releases the cached structures after its backward."""
+    spec, ref, policy = _pair(DENSE)
+    optim.enable(ref)
+    meta = packing.PackedMetadata.from_lengths([[7, 9], [16]])
+    ids = torch.randint(1, spec.vocab_size, (2, 16))
+    with torch.no_grad():
+        ref(input_ids=ids, labels=ids, use_cache=False, **packing.packed_kwargs(meta))
+    policy(input_ids=ids, labels=ids, use_cache=False, **packing.packed_kwargs(meta)).loss.backward()
+    assert packing.cached_entry("cpu") is None
+
+
+def test_offload_none_by_name_turns_offload_off():
+    spec, stock, fast = _pair(DENSE, offload="double")
+    from optim import offload
+
+    assert offload.get(fast) is not None
+    optim.enable(fast, offload="none")
+    assert offload.get(fast) is None and "optim.offload" not in optim.enabled(fast)
+
+
+def test_from_attention_mask_gives_each_rows_runs():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    meta = packing.PackedMetadata.from_attention_mask(mask)
+    assert meta.lengths == ((2, 3), (3, 2), (5,)) and meta.source == "attention_mask"
+    assert packing.PackedMetadata.from_attention_mask(torch.ones(2, 5)) is None

@@ -95,7 +95,7 @@ def enable(
     mode = SWITCHES["offload"].resolve(offload)
     guard = SWITCHES["offload_guard"].resolve(offload_guard)
     base = _hf_model(model)
-    old = getattr(model, _ATTR, None)
+    old = vars(base).get(_ATTR)
     if old is not None:
         old.close()
     if _SAVED not in vars(base):  # checkpointing as it was before the first enable, for disable()
@@ -116,57 +116,54 @@ def enable(
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     finally:
         object.__setattr__(base, "_optim_offload_own_call", False)
-    object.__setattr__(model, _ATTR, off)
     return model
 
 
 def disable(model):
     """Undo ``enable``: checkpointing as it was before (off, or on with its own function), no
     offloader, its pinned and staging buffers released. A model it never enabled is left as is."""
-    off = getattr(model, _ATTR, None)
+    off = get(model)
     if off is None:
         return model
     off.close()
     base = _hf_model(model)
-    saved = vars(base).pop(_SAVED, None)
-    vars(base).pop("_set_gradient_checkpointing", None)
-    for attr in (_ATTR, "_optim_offload_own_call", "_optim_offload_told"):
+    saved = vars(base).pop(_SAVED)
+    for attr in (_ATTR, "_set_gradient_checkpointing", "_optim_offload_own_call", "_optim_offload_told"):
         vars(base).pop(attr, None)
-    vars(model).pop(_ATTR, None)
-    if saved is not None:
-        flags, (emb, hooks, handle) = saved
-        for m, (on, func) in flags.items():
-            m.gradient_checkpointing = on
-            if func is _MISSING:
-                vars(m).pop("_gradient_checkpointing_func", None)
-            else:
-                m._gradient_checkpointing_func = func
-        if emb is not None:  # each enabling of checkpointing hooked the embeddings once more
-            for key in [k for k in emb._forward_hooks if k not in hooks]:
-                for d in (emb._forward_hooks, emb._forward_hooks_with_kwargs, emb._forward_hooks_always_called):
-                    d.pop(key, None)
-        if handle is _MISSING:
-            vars(base).pop("_require_grads_hook", None)
+    flags, hooks, attrs = saved
+    for m, (on, func) in flags.items():
+        m.gradient_checkpointing = on
+        if func is _MISSING:
+            vars(m).pop("_gradient_checkpointing_func", None)
         else:
-            base._require_grads_hook = handle
+            m._gradient_checkpointing_func = func
+    # each enabling of checkpointing hooked the input embeddings once more: those hooks go, others stay
+    for m in base.modules():
+        for key, hook in list(m._forward_hooks.items()):
+            if key not in hooks.get(m, ()) and getattr(hook, "__name__", "") == "make_inputs_require_grads":
+                for d in (m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
+                    d.pop(key, None)
+    for name, value in attrs.items():
+        if value is _MISSING:
+            vars(base).pop(name, None)
+        else:
+            vars(base)[name] = value
     return model
 
 
 _SAVED = "_optim_offload_saved"
 _MISSING = object()
+_HOOK_ATTRS = ("_require_grads_hook", "_require_grads_hooks")  # transformers' record of those hooks
 
 
 def _checkpointing_state(base):
-    """Each module's checkpointing flag and function, and whether the embeddings' output was made
-    to require grad (what enabling checkpointing adds)."""
+    """Each module's checkpointing flag and function, the forward hooks there were, and
+    transformers' record of the embeddings' require-grad hooks (what enabling checkpointing adds)."""
     flags = {m: (m.gradient_checkpointing, vars(m).get("_gradient_checkpointing_func", _MISSING))
              for m in base.modules() if hasattr(m, "gradient_checkpointing")}
-    try:
-        emb = base.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        emb = None
-    hooks = set(emb._forward_hooks) if emb is not None else set()
-    return flags, (emb, hooks, vars(base).get("_require_grads_hook", _MISSING))
+    hooks = {m: set(m._forward_hooks) for m in base.modules() if m._forward_hooks}
+    attrs = {name: (list(v) if isinstance(v := vars(base).get(name, _MISSING), list) else v) for name in _HOOK_ATTRS}
+    return flags, hooks, attrs
 
 
 def _keep_offloader(base) -> None:
@@ -195,7 +192,11 @@ def _keep_offloader(base) -> None:
 
 
 def get(model) -> Offloader | None:
-    return getattr(model, _ATTR, None)
+    """The model's offloader (kept on the transformers model under any wrapper), or None."""
+    try:
+        return vars(_hf_model(model)).get(_ATTR)
+    except TypeError:
+        return None
 
 
 def _hf_model(model):

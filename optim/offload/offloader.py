@@ -75,6 +75,7 @@ class Offloader:
         self.fallbacks: list[str] = []
         self.guard_decision: dict | None = None  # the memory figures of the last guard check
         self.peak_reset = False  # CUDA's peak statistics were reset so the guard saw the step's own
+        self._peak_checked = False
         # Host pool: slot -> flat uint8 buffer (pinned on CUDA). A slot is a layer position in the
         # forward; the lowest free slot is taken, so steady training maps layer k to slot k.
         self._host: dict[int, torch.Tensor] = {}
@@ -302,24 +303,20 @@ class Offloader:
         return True
 
     def _guard_pending(self, x: torch.Tensor) -> bool:
-        """The guard will judge the second staging buffer during this step."""
+        """The guard will judge the second staging buffer during this step (checked once)."""
         return (self.mode == "double" and self.guard and self._mem_get_info is None and x.is_cuda
-                and self._staging[1] is None)
+                and self._staging[1] is None and not self._peak_checked)
 
     def _forget_earlier_peak(self, x: torch.Tensor) -> None:
-        """At the start of the step in which the guard decides: when the process's peak, left by
-        an earlier and larger computation (an evaluation, another model), would refuse the
+        """At the start of the first step in which the guard decides: when the process's peak, left
+        by an earlier and larger computation (an evaluation, another model), would refuse the
         buffer by itself, reset CUDA's peak statistics, so the guard reads this step's own peak.
-        They are reset only then, once, with one log line."""
-        dev = x.device
-        free, total = torch.cuda.mem_get_info(dev)
-        alloc = torch.cuda.memory_allocated(dev)
-        usable = free + max(0, torch.cuda.memory_reserved(dev) - alloc)
-        earlier = max(0, torch.cuda.max_memory_allocated(dev) - alloc)
-        need = earlier + x.numel() * x.element_size() + self._headroom(total)
-        if usable >= need:
+        Checked once per offloader; reset only then, with one log line."""
+        self._peak_checked = True
+        usable, total, earlier = _device_memory(x.device)
+        if usable >= earlier + x.numel() * x.element_size() + self._headroom(total):
             return  # the earlier peak does not change the decision: the user's statistics stay
-        torch.cuda.reset_peak_memory_stats(dev)
+        torch.cuda.reset_peak_memory_stats(x.device)
         self.peak_reset = True
         log.info("offload: an earlier computation peaked %.2f GiB above what is allocated now; CUDA's peak "
                  "memory statistics were reset at this step's start, so the guard judges the step's own "
@@ -340,19 +337,14 @@ class Offloader:
         The peak is this step's: where an earlier, larger computation's peak would decide by
         itself, the step started with the statistics reset (``_forget_earlier_peak``).
         """
-        headroom = self.headroom_bytes
         if self._mem_get_info is not None:
             usable, total = self._mem_get_info()
             above = 0
         elif rec.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(rec.device)
-            alloc = torch.cuda.memory_allocated(rec.device)
-            usable = free + max(0, torch.cuda.memory_reserved(rec.device) - alloc)
-            above = max(0, torch.cuda.max_memory_allocated(rec.device) - alloc)
+            usable, total, above = _device_memory(rec.device)
         else:
             return True  # host memory: no device to exhaust
-        if headroom is None:
-            headroom = self._headroom(total)
+        headroom = self._headroom(total)
         need = above + rec.nbytes + headroom
         ok = usable >= need
         self.guard_decision = {
@@ -473,6 +465,15 @@ class Offloader:
         rec.x = None
         rec.state = "done"
         self._step.backward_layers += 1
+
+
+def _device_memory(device: torch.device) -> tuple[int, int, int]:
+    """What the process can still allocate on ``device`` (free plus the caching allocator's unused
+    blocks), the device's total, and the peak's growth above what is allocated now."""
+    free, total = torch.cuda.mem_get_info(device)
+    alloc = torch.cuda.memory_allocated(device)
+    usable = free + max(0, torch.cuda.memory_reserved(device) - alloc)
+    return usable, total, max(0, torch.cuda.max_memory_allocated(device) - alloc)
 
 
 def _release_dead(mgr_ref, rid: int, _dead) -> None:

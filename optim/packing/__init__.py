@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -205,13 +206,11 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     settings: PackingSettings = getattr(module, "_optim_packing", _DEFAULT)
     B, H, T, D = query.shape
     if key.shape[2] != T or attention_mask is not None:
-        # the model's forward hands calls with a KV cache or a mask of transformers' making to the
-        # stock attention (routing); a layer called some other way must not have either ignored
-        raise NotImplementedError(
-            "optim's packed attention got " + ("keys cached from earlier tokens" if key.shape[2] != T
-                                               else f"a {type(attention_mask).__name__} attention mask")
-            + "; call the model itself (its forward routes KV-cache calls and such masks to the stock "
-              "attention), or optim.disable(model)")
+        # keys from a KV cache, or a mask transformers built for the stock attention: a call the
+        # model's forward ran as stock (routing), met again in a checkpoint's recompute
+        stock = _stock_function(module, settings.stock)
+        return stock(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                     sliding_window=sliding_window, s_aux=s_aux, position_ids=position_ids, **kwargs)
     if dropout:
         raise NotImplementedError("packed attention does not implement attention dropout")
     scale = scaling if scaling is not None else D ** -0.5
@@ -221,16 +220,35 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     validate = _should_validate(settings, position_ids)
     entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate,
                        kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
+    grad = torch.is_grad_enabled() and query.requires_grad
+    layer = getattr(module, "layer_idx", None)
     if entry.first_module is None:
-        # the batch's first attention call owns the entry, with or without grad: where the forward
+        # The batch's first attention call owns the entry, with or without grad: where the forward
         # runs under no_grad (optim.offload's), the owner's recompute, the step's last backward,
-        # releases it, so every other layer's recompute still finds it
-        entry.first_module = id(module)
-    if settings.cache and torch.is_grad_enabled() and query.requires_grad and entry.first_module == id(module):
+        # releases it, so every other layer's recompute still finds it.
+        entry.first_module, entry.first_layer, entry.owner_grad = id(module), layer, grad
+    elif grad and not entry.owner_grad and entry.first_module != id(module) and layer == entry.first_layer:
+        # owned under no_grad by another model's first layer (a reference model run on the same batch):
+        # the first layer of the model that trains takes it over
+        entry.first_module, entry.owner_grad = id(module), True
+    if settings.cache and grad and entry.first_module == id(module):
         query = _ReleaseOnBackward.apply(query, entry.key, device)
     backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
     out = _KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
     return out, None
+
+
+def _stock_function(module, name: str | None):
+    """The attention function of implementation ``name`` (the one enable() replaced); eager is
+    each model's own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in (None, "eager", ATTN_NAME):
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise NotImplementedError(f"optim.packing: no eager attention found for {type(module).__name__}")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 _registered = False
@@ -246,26 +264,29 @@ def register() -> None:
         _registered = True
 
 
-def _structures_hook(settings: PackingSettings, windows: tuple):
-    def hook(module, args, kwargs):
-        meta, cu, max_len = kwargs.get(FORWARD_KWARG), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-        if (meta is None and (cu is None or max_len is None)) or kwargs.get(STRUCTURES_KWARG) is not None:
-            return None
-        ref = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None),
-                   args[0] if args else None)
-        param = next(module.parameters(), None)
-        if ref is None or param is None:
-            return None
-        device, pos = ref.device, kwargs.get("position_ids")
-        if resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) != "flex":
-            return None
-        B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
-        entry = _entry_for(meta, pos, B, T, device, True, _should_validate(settings, pos), cu, max_len)
-        masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
-                 for w in windows}
-        return args, {**kwargs, STRUCTURES_KWARG: masks}
+def _prebuild_hook(module, args, kwargs):
+    """Forward pre-hook of a decoder stack under compiled layers: the batch's flex BlockMasks."""
+    settings, windows = vars(module)[_PREBUILT]
+    meta, cu, max_len = kwargs.get(FORWARD_KWARG), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if (meta is None and (cu is None or max_len is None)) or kwargs.get(STRUCTURES_KWARG) is not None \
+            or in_stock_mode():
+        return None
+    ref = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None),
+               args[0] if args else None)
+    param = next(module.parameters(), None)
+    if ref is None or param is None:
+        return None
+    device, pos = ref.device, kwargs.get("position_ids")
+    if resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) != "flex":
+        return None
+    B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
+    entry = _entry_for(meta, pos, B, T, device, True, _should_validate(settings, pos), cu, max_len)
+    masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
+             for w in windows}
+    return args, {**kwargs, STRUCTURES_KWARG: masks}
 
-    return hook
+
+_PREBUILT = "_optim_packing_prebuild"
 
 
 def prebuild_structures(model) -> int:
@@ -274,9 +295,10 @@ def prebuild_structures(model) -> int:
 
     For compiled layers (``optim.regional`` calls this): the masks enter the graph as inputs, so
     flex attention is traced into the layer and one graph serves every batch. Only with the
-    cache on and the flex backend; other backends keep their graph break. Idempotent.
+    cache on and the flex backend; other backends keep their graph break. Idempotent;
+    ``drop_prebuilt`` undoes it.
     """
-    settings = getattr(model, "_optim_packing", None)
+    settings = settings_of(model)
     if settings is None:
         return 0
     settings = dataclasses.replace(settings, compiled=True)  # auto now picks for compiled layers
@@ -286,14 +308,26 @@ def prebuild_structures(model) -> int:
     windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
                            key=lambda w: -1 if w is None else w))
     n = 0
-    for m in model.modules():
-        layers = getattr(m, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and not getattr(m, "_optim_packing_prebuild", False):
-            handle = m.register_forward_pre_hook(_structures_hook(settings, windows), with_kwargs=True)
-            model.__dict__.setdefault("_optim_packing_prebuild_handles", []).append(handle)
-            m._optim_packing_prebuild = True
-            n += 1
+    for m in routing._stacks(model):
+        if _PREBUILT not in vars(m):
+            m.register_forward_pre_hook(_prebuild_hook, with_kwargs=True)
+        vars(m)[_PREBUILT] = (settings, windows)
+        n += 1
     return n
+
+
+def drop_prebuilt(model) -> None:
+    """Undo ``prebuild_structures``: no prebuilt masks, and ``auto`` picks for eager layers again."""
+    for m in model.modules():
+        if vars(m).pop(_PREBUILT, None) is None:
+            continue
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if hook is _prebuild_hook:
+                m._forward_pre_hooks.pop(key)
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+    settings = settings_of(model)
+    if settings is not None and settings.compiled:
+        _set_settings(model, dataclasses.replace(settings, compiled=False))
 
 
 def _attention_modules(model) -> Iterable[torch.nn.Module]:
@@ -337,8 +371,8 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
         log.warning("optim.packing: kept your attention implementation %r (not one optim can judge); "
                     "packed attention is off for this model", current)
         return model
-    previous = getattr(model, "_optim_packing", None)
-    stock = previous.stock if previous is not None and current == ATTN_NAME else _stock_name(model, current)
+    previous = settings_of(model)
+    stock = previous.stock if previous is not None else _stock_name(model, current)
     settings = dataclasses.replace(settings, stock=stock,
                                    compiled=previous.compiled if previous is not None else False)
     register()
@@ -358,28 +392,34 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | 
 def disable(model):
     """Undo ``enable``: the attention implementation it replaced, no routing hooks, no wrapped
     ``generate``, no prebuilt flex structures. A model it never enabled is left as it is."""
-    settings = getattr(model, "_optim_packing", None)
+    settings = settings_of(model)
     if settings is None:
         return model
     routing.uninstall(model)
-    for h in getattr(model, "_optim_packing_prebuild_handles", ()):
-        h.remove()
+    drop_prebuilt(model)
     for m in model.modules():
-        for attr in ("_optim_packing", "_optim_packing_window", "_optim_packing_prebuild"):
-            m.__dict__.pop(attr, None)
-    for attr in ("_optim_packing", "_optim_packing_prebuild_handles"):
-        model.__dict__.pop(attr, None)
+        for attr in ("_optim_packing", "_optim_packing_window"):
+            vars(m).pop(attr, None)
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME:
         _set_attn_implementation(model, settings.stock)
     release()
     return model
 
 
+def settings_of(model) -> PackingSettings | None:
+    """What ``enable`` recorded on the model (kept on the transformers model under any wrapper)."""
+    return vars(_owner(model)).get("_optim_packing")
+
+
+def _owner(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _stock_name(model, current: str | None) -> str:
-    """The attention implementation transformers runs when no one names one."""
-    if current:
+    """The attention implementation transformers runs when no one names one (never ours)."""
+    if current and current != ATTN_NAME:
         return current
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _owner(model)
     return "sdpa" if getattr(base, "_supports_sdpa", False) else "eager"
 
 
@@ -397,14 +437,14 @@ def _set_settings(model, settings: PackingSettings) -> int:
         m._optim_packing = settings
         m._optim_packing_window = _layer_window(m, None)
         n += 1
-    model._optim_packing = settings
+    vars(_owner(model))["_optim_packing"] = settings
     return n
 
 
 def describe(model) -> dict:
     """The settings enable() recorded and the kernel ``auto`` runs on the model's device and
     dtype (empty when packing is not applied)."""
-    s = getattr(model, "_optim_packing", None)
+    s = settings_of(model)
     if s is None:
         return {}
     # the frozen base weights' dtype is the activations' (LoRA adapters may be fp32)
@@ -421,7 +461,7 @@ __all__ = [
     "ATTN_NAME", "BACKENDS", "COUNTERS", "FLEX_BLOCK", "FORWARD_KWARG", "KERNEL_CALLS", "STRUCTURES_KWARG",
     "AUTO_ON_CUDA", "SWITCHES", "FusedFlexUnavailable", "PackedMetadata", "PackingCollator", "PackingSettings",
     "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "describe",
-    "disable", "enable", "in_stock_mode",
+    "disable", "drop_prebuilt", "enable", "in_stock_mode", "settings_of",
     "fused_flex_failure", "kernels", "packed_attention_forward", "packed_kwargs", "prebuild_structures",
     "register", "release", "reset_counters", "resolve_backend", "varlen_available",
 ]

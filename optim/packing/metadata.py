@@ -241,7 +241,9 @@ class _Entry:
     start: torch.Tensor  # int64 (B, T): row-local index of the token's document start
     structures: dict = field(default_factory=dict)
     pos_ref: Any = None  # weakref to the position_ids the entry was keyed on
-    first_module: int | None = None  # id() of the first attention module that used the entry
+    first_module: int | None = None  # id() of the attention module that owns (releases) the entry
+    first_layer: int | None = None  # its layer_idx
+    owner_grad: bool = False  # whether it took the entry in a call that records a backward
 
 
 _CACHE: dict[torch.device, _Entry] = {}

@@ -9,8 +9,11 @@ replaced, with transformers' own masks: a call given a KV cache (``generate``, a
 a 4-D or prepared mask, and all of ``generate``. Nothing is ignored: a mask that fits neither,
 padding between a row's real tokens, is refused with the reason.
 
-The decoder stack (the module holding ``layers``) gets a forward pre-hook and an always-called
-forward hook; ``generate`` of the causal LM is wrapped. ``uninstall`` removes all three.
+The decoder stack (the module holding ``layers``) gets a forward pre-hook, which turns a padded
+mask into documents, and its ``forward`` is wrapped so that a stock call runs inside a ``with``
+(an interrupt cannot leave the model in stock mode); ``generate`` of the causal LM is wrapped too.
+Every piece finds the model's ``Route`` on the module it is called on, so a deep copy of the model
+routes its own calls. ``uninstall`` removes all of it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import types
 
 import torch
 
 from optim._hf import cache_of, causal_lm
-from optim.packing.metadata import COUNTERS, FORWARD_KWARG, PackedMetadata, padding_documents
+from optim.packing.metadata import ATTN_NAME, COUNTERS, FORWARD_KWARG, PackedMetadata, padding_documents
 
 _LOCAL = threading.local()
 _ATTR = "_optim_packing_route"
@@ -41,87 +45,118 @@ class Route:
     def __init__(self, stock: str, configs: list):
         self.stock = stock
         self.configs = configs
-        self.handles: list = []
-        self.generate_owner = None  # the causal LM whose generate is wrapped
         self.calls = {"packed": 0, "stock": 0, "padded_batches": 0}
         self.told_left = False
+        self._lock = threading.Lock()
+        self._stock_depth = 0  # stock calls in flight, every thread: the configs name stock while > 0
+        self._saved: list = []
+
+    def __getstate__(self):  # a deep copy of the model copies its route, lock excepted
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def stock_attention(self):
         """The model runs its stock attention (and transformers builds its masks) inside."""
-        saved = [(c, getattr(c, "_attn_implementation_internal", None)) for c in self.configs]
-        for c, _ in saved:
-            c._attn_implementation_internal = self.stock
+        with self._lock:
+            if self._stock_depth == 0:
+                self._saved = [(c, getattr(c, "_attn_implementation_internal", None)) for c in self.configs]
+                for c, _ in self._saved:
+                    c._attn_implementation_internal = self.stock
+            self._stock_depth += 1
         _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
         try:
             yield
         finally:
             _LOCAL.depth -= 1
-            for c, value in saved:
-                c._attn_implementation_internal = value
+            with self._lock:
+                self._stock_depth -= 1
+                if self._stock_depth == 0:
+                    for c, value in self._saved:
+                        c._attn_implementation_internal = value
+                    self._saved = []
 
-
-def _wants_stock(kwargs: dict) -> bool:
-    if cache_of(kwargs) is not None:
-        return True
-    mask = kwargs.get("attention_mask")
-    return mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2)
-
-
-def _pre_hook(route: Route):
-    def hook(module, args, kwargs):
-        entered = module.__dict__.setdefault("_optim_packing_entered", [])
-        if _wants_stock(kwargs) or in_stock_mode():
-            ctx = route.stock_attention()
-            ctx.__enter__()
-            entered.append(ctx)
-            route.calls["stock"] += 1
-            return None
-        entered.append(None)
-        route.calls["packed"] += 1
-        new = None
+    def wants_stock(self, kwargs: dict) -> bool:
+        if in_stock_mode() or cache_of(kwargs) is not None:
+            return True
         mask = kwargs.get("attention_mask")
-        if mask is not None:  # 2-D: its padding becomes documents, or it says nothing
-            new = dict(kwargs, attention_mask=None)
-            meta, left = padding_documents(mask)
-            if meta is not None:
-                if kwargs.get(FORWARD_KWARG) is not None or kwargs.get("cu_seq_lens_q") is not None:
-                    raise ValueError("packing: this batch has an attention_mask with padding and also packed "
-                                     "documents (packing= or cu_seq_lens_q); pass one of the two")
-                new[FORWARD_KWARG] = meta
-                route.calls["padded_batches"] += 1
-                if left and module.training and not route.told_left:
-                    route.told_left = True
-                    log.warning("optim.packing: left-padded rows in training. Real tokens attend as with stock "
-                                "attention; a padding position attends to the padding before it, so a label "
-                                "it predicts (each row's first real token, unless labels mask it with -100) "
-                                "gets another loss term than stock's, whose padding rows depend on its kernel. "
-                                "Pad on the right to train, or mask that label")
-        cur = new if new is not None else kwargs
-        meta = cur.get(FORWARD_KWARG)
-        if isinstance(meta, PackedMetadata) and meta.source == "lengths" and cur.get("position_ids") is None:
-            # the model would count positions 0..T-1 across the row; the documents restart them
-            ref = next((cur[k] for k in ("input_ids", "inputs_embeds") if cur.get(k) is not None),
-                       args[0] if args else None)
-            pos = meta.position_ids()
-            if ref is not None:
-                if tuple(ref.shape[:2]) != (meta.batch_size, meta.seq_len):
-                    raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
-                                     f"the batch is {ref.shape[0]}x{ref.shape[1]}")
-                pos = pos.to(ref.device, non_blocking=True)
-            new = dict(cur, position_ids=pos)
-            COUNTERS["position_ids_from_metadata"] += 1
-        return (args, new) if new is not None else None
+        return mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2)
 
-    return hook
+    def packed_named(self) -> bool:
+        """Every config names the packed attention: not so after the user set another one (or
+        while another thread runs a stock call), and then the model runs as its config says."""
+        return all(getattr(c, "_attn_implementation_internal", ATTN_NAME) == ATTN_NAME for c in self.configs)
 
 
-def _post_hook(module, args, kwargs, output):
-    entered = module.__dict__.get("_optim_packing_entered")
-    ctx = entered.pop() if entered else None
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
-    return None
+def _route(module) -> Route:
+    return vars(module)[_ATTR]
+
+
+def _rewrite_kwargs(module, args, kwargs):
+    """Forward pre-hook of the decoder stack, ahead of every other: a padded mask becomes the
+    batch's documents, and documents without position_ids get theirs."""
+    route = _route(module)
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) and "attention_mask" not in kwargs:
+        args, kwargs = args[:1], {**kwargs, "attention_mask": args[1]}  # the stacks' second parameter
+    if route.wants_stock(kwargs) or not route.packed_named():
+        return args, kwargs
+    new = dict(kwargs)
+    mask = kwargs.get("attention_mask")
+    if mask is not None:  # 2-D: its padding becomes documents, or it says nothing
+        new["attention_mask"] = None
+        meta, left = padding_documents(mask)
+        if meta is not None:
+            if kwargs.get(FORWARD_KWARG) is not None or kwargs.get("cu_seq_lens_q") is not None:
+                raise ValueError("packing: this batch has an attention_mask with padding and also packed "
+                                 "documents (packing= or cu_seq_lens_q); pass one of the two")
+            new[FORWARD_KWARG] = meta
+            route.calls["padded_batches"] += 1
+            if left and module.training and not route.told_left:
+                route.told_left = True
+                log.warning("optim.packing: left-padded rows in training. Real tokens attend as with stock "
+                            "attention; a padding position attends to the padding before it, so a label "
+                            "it predicts (each row's first real token, unless labels mask it with -100) "
+                            "gets another loss term than stock's, whose padding rows depend on its kernel. "
+                            "Pad on the right to train, or mask that label")
+    meta = new.get(FORWARD_KWARG)
+    if isinstance(meta, PackedMetadata) and meta.source == "lengths" and new.get("position_ids") is None:
+        # the model would count positions 0..T-1 across the row; the documents restart them
+        ref = next((new[k] for k in ("input_ids", "inputs_embeds") if new.get(k) is not None),
+                   args[0] if args else None)
+        pos = meta.position_ids()
+        if ref is not None:
+            if tuple(ref.shape[:2]) != (meta.batch_size, meta.seq_len):
+                raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
+                                 f"the batch is {ref.shape[0]}x{ref.shape[1]}")
+            pos = pos.to(ref.device, non_blocking=True)
+        new["position_ids"] = pos
+        COUNTERS["position_ids_from_metadata"] += 1
+    return args, new
+
+
+def _routed_forward(self, *args, **kwargs):
+    """The decoder stack's forward: stock calls inside the stock context, packed ones checked."""
+    route = _route(self)
+    if route.wants_stock(kwargs):
+        route.calls["stock"] += 1
+        with route.stock_attention():
+            return type(self).forward(self, *args, **kwargs)
+    if not route.packed_named():  # the implementation the user set since enable(): as configured
+        route.calls["stock"] += 1
+        return type(self).forward(self, *args, **kwargs)
+    route.calls["packed"] += 1
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _routed_generate(self, *args, **kwargs):
+    """``generate`` with the stock attention throughout (its masks are built before any forward)."""
+    with _route(self).stock_attention():
+        return type(self).generate(self, *args, **kwargs)
 
 
 def _stacks(model) -> list[torch.nn.Module]:
@@ -130,42 +165,37 @@ def _stacks(model) -> list[torch.nn.Module]:
 
 def install(model, stock: str, configs: list) -> Route:
     """Route every forward of ``model``'s decoder stacks and its ``generate`` (idempotent)."""
-    route = getattr(model, _ATTR, None)
+    route = route_of(model)
     if route is not None:
         return route
     route = Route(stock, configs)
     for stack in _stacks(model):
+        vars(stack)[_ATTR] = route
         # prepended: optim.regional's prebuild hook must see the documents this one hands on
-        route.handles.append(stack.register_forward_pre_hook(_pre_hook(route), with_kwargs=True, prepend=True))
-        route.handles.append(stack.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
+        stack.register_forward_pre_hook(_rewrite_kwargs, with_kwargs=True, prepend=True)
+        vars(stack)["forward"] = types.MethodType(_routed_forward, stack)
     lm = causal_lm(model)
-    if lm is not None and hasattr(lm, "generate") and "generate" not in vars(lm):
-        stock_generate = lm.generate
-
-        def generate(*args, **kwargs):
-            with route.stock_attention():
-                return stock_generate(*args, **kwargs)
-
-        generate.__doc__ = stock_generate.__doc__
-        lm.generate = generate
-        route.generate_owner = lm
-    object.__setattr__(model, _ATTR, route)
+    if lm is not None and hasattr(type(lm), "generate"):
+        vars(lm)[_ATTR] = route
+        vars(lm)["generate"] = types.MethodType(_routed_generate, lm)
     return route
 
 
 def uninstall(model) -> Route | None:
-    route = getattr(model, _ATTR, None)
-    if route is None:
-        return None
-    for h in route.handles:
-        h.remove()
-    route.handles.clear()
-    if route.generate_owner is not None:
-        vars(route.generate_owner).pop("generate", None)
-        route.generate_owner = None
-    object.__delattr__(model, _ATTR)
+    route = route_of(model)
+    for m in model.modules():
+        if vars(m).pop(_ATTR, None) is None:
+            continue
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if hook is _rewrite_kwargs:
+                m._forward_pre_hooks.pop(key)
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+        for name in ("forward", "generate"):
+            fn = vars(m).get(name)
+            if isinstance(fn, types.MethodType) and fn.__func__ in (_routed_forward, _routed_generate):
+                del vars(m)[name]
     return route
 
 
 def route_of(model) -> Route | None:
-    return getattr(model, _ATTR, None)
+    return next((vars(m)[_ATTR] for m in model.modules() if _ATTR in vars(m)), None)
