@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from harness.errors import InputError
 from harness.measure.env import REPO_ROOT
 from harness.run import policy
 
@@ -43,6 +44,16 @@ def default_experiment() -> Path:
 
     name = "smoke-cpu.toml" if detect_device_name("auto") == "cpu" else "smoke-gpu.toml"
     return EXPERIMENTS / name
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
 
 
 def _resources(text: str) -> dict[str, float]:
@@ -140,21 +151,14 @@ def _experiment_name(arg: str) -> str:
         return arg
     from harness.run import experiment
 
-    try:
-        return experiment.load(arg).name
-    except experiment.ExperimentError as e:
-        raise ValueError(str(e)) from e
+    return experiment.load(arg).name
 
 
 def cmd_report(args) -> int:
     from harness import report
 
     if args.experiments:
-        try:
-            names = [_experiment_name(a) for a in args.experiments]
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        names = [_experiment_name(a) for a in args.experiments]
         paths = [report.build_report(args.results, name, args.reports) for name in names]
     else:
         paths = report.build_all(args.results, args.reports)
@@ -360,18 +364,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="rebuild reports/ from results/ (reads nothing else)")
     p.add_argument("experiments", nargs="*", help="experiment names, or experiment files standing for their [experiment] name (default: all under results/)")
-    p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
-    p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path)
+    p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root to read (default: results/)")
+    p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path, help="reports root to write (default: reports/)")
     p.add_argument("--blog", default=EXPERIMENTS / "blog.toml", type=Path,
                    help="the plan of reports/README.md, written after every report (default: experiments/blog.toml)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("reproduce", help="run a report plan's sweeps and benches on this GPU, resumably, within a time budget")
+    p = sub.add_parser("reproduce", help="run a report plan's sweeps and benches on this GPU, resumably, within a time budget",
+                       epilog="exit codes: 0 the plan's runs are done, 3 some are left for a later call (which "
+                              "resumes), 2 unusable input")
     p.add_argument("plan", nargs="?", default=EXPERIMENTS / "blog.toml", type=Path,
                    help="the plan (default: experiments/blog.toml)")
     p.add_argument("--minutes", type=float, default=9.0,
                    help="start nothing that the steps' estimates say would end later than this (default: 9)")
-    p.add_argument("--results", default=DEFAULT_RESULTS, type=Path)
+    p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     p.add_argument("--step", action="append", metavar="NAME",
                    help="run only this step of the plan (its name as --status lists it, without \"(appendix)\"); "
@@ -418,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=parity.main)
 
     p = sub.add_parser("bandwidth", help="host-to-device copy GB/s, pinned vs pageable, 1 MiB-1 GiB (GPU)")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=_positive_int, default=10, help="timed copies per size and memory kind (default: 10)")
     p.add_argument("--json", help="also write the rows and environment to this JSON file")
     p.set_defaults(func=cmd_bandwidth)
 
@@ -453,4 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except InputError as e:  # a file, key or value the user can fix: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -64,6 +64,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from harness.errors import InputError
+
 SCHEMA_VERSION = 1
 FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
 BENCH_KINDS = frozenset({
@@ -115,12 +117,32 @@ def read_rows(path: str | Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: corrupt result row ({e}); fix or remove that line") from None
+            raise InputError(f"{path}:{lineno}: not a whole result row ({e.msg}); the file is truncated or "
+                             "corrupt and was left as it is: fix or remove that line") from None
     return rows
+
+
+def check_writable(folder: str | Path) -> None:
+    """Refuse, before anything runs, a results folder this process cannot write."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check."):
+            pass
+    except OSError as e:
+        raise InputError(f"{folder}: cannot write results there ({e.strerror}); nothing was run") from None
+
+
+def _file_mode() -> int:
+    """What a file made with open() gets: 0666 less the umask (mkstemp alone would give 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _write_atomic(path: Path, rows: Iterable[dict]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, _file_mode())
     try:
         with os.fdopen(fd, "w") as f:
             for row in rows:

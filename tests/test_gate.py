@@ -158,7 +158,7 @@ def test_bad_input_is_one_error_naming_the_file(tmp_path):
     good = write(tmp_path / "good.jsonl", [step_row()])
     corrupt = tmp_path / "corrupt.jsonl"
     corrupt.write_text(json.dumps(step_row()) + "\n{not json\n")
-    with pytest.raises(gate.GateError, match=r"corrupt.jsonl:2: corrupt result row"):
+    with pytest.raises(gate.GateError, match=r"corrupt.jsonl:2: not a whole result row"):
         gate.run(good, corrupt)
     with pytest.raises(gate.GateError, match=r"missing.jsonl: file not found"):
         gate.run(tmp_path / "missing.jsonl", good)

@@ -33,7 +33,7 @@ def test_corrupt_row_is_an_error_not_silently_dropped(tmp_path):
     path = tmp_path / "e" / "cpu.jsonl"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"point_id": "a"}) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"cpu.jsonl:2: corrupt result row"):
+    with pytest.raises(ValueError, match=r"cpu.jsonl:2: not a whole result row"):
         res.read_rows(path)
     before = path.read_text()
     with pytest.raises(ValueError):

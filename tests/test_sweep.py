@@ -280,7 +280,7 @@ def test_corrupt_results_stop_the_sweep_before_it_runs(tmp_path, write_toml):
     out = res.results_path(tmp_path / "results", "iso", "cpu")
     out.parent.mkdir(parents=True)
     out.write_text("{broken\n")
-    with pytest.raises(ValueError, match="corrupt result row"):
+    with pytest.raises(ValueError, match="not a whole result row"):
         sweep.run(exp, tmp_path / "results", progress=False)
     assert out.read_text() == "{broken\n"
 

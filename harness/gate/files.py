@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness import results as res
+from harness.errors import InputError
 from harness.row import IDENTITY, match_key
 
 STATUSES = ("ok", "oom", "error", "skipped")  # skipped: a peer that cannot run on that machine
 NOISE_MODES = ("auto", "off")
 
 
-class GateError(ValueError):
+class GateError(InputError):
     """Input the gate cannot judge: a missing, corrupt or empty results file, or mismatched GPUs."""
 
 

@@ -17,7 +17,9 @@ def measure_h2d(sizes: list[int] = DEFAULT_SIZES, repeats: int = 10, warmup: int
     by the driver through its own pinned buffer, which is the cost a naive offload pays.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("the H2D bandwidth benchmark needs a CUDA GPU")
+        from harness.errors import InputError
+
+        raise InputError("bandwidth measures host-to-device copies to a CUDA GPU, and this machine has none")
     info = envmod.nvml_info(0)
     gen = info.get("pcie_max_gen") or info.get("pcie_gen")
     width = info.get("pcie_max_width") or info.get("pcie_width")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import results as res
+from harness.errors import InputError
 from harness.report import bench, output, profiles, scaling, spec, user
 from harness.report.fmt import _values
 from harness.report.frames import bandwidth_frame, steps_frame
@@ -29,7 +30,9 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
     rows = res.load_experiment_rows(results_root, experiment)
     profiled = profiles.load_profiles(results_root, experiment)
     if not rows and not profiled:
-        raise ValueError(f"no result rows for experiment {experiment!r} under {Path(results_root) / experiment}")
+        known = sorted(p.name for p in Path(results_root).iterdir() if p.is_dir()) if Path(results_root).is_dir() else []
+        raise InputError(f"no result rows for experiment {experiment!r} under {Path(results_root) / experiment}"
+                         + (f" (experiments with rows: {', '.join(known)})" if known else ""))
     out_dir = Path(reports_root) / experiment
     # The folder is generated: plots from an earlier build (e.g. a GPU type since removed) would
     # otherwise linger next to a README that no longer links them; they go once this build is whole.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import row as rowmod
+from harness.errors import InputError
 from harness.run.policy import LAUNCHERS, MULTI_GPU_LAUNCHERS
 from harness.switches import OWNER, SWITCHES, resolve
 from harness.workload import models as model_registry
@@ -29,7 +30,7 @@ LOSSES = ("full", "chunked")
 LORA_DTYPES = model_registry.LORA_DTYPES
 
 
-class ExperimentError(ValueError):
+class ExperimentError(InputError):
     """A malformed experiment file. The message names the file, the key and the valid choices."""
 
     def __init__(self, path: str | Path, key: str, problem: str, choices: Any = None):
@@ -282,7 +283,8 @@ def _int_list(path, key: str, value: Any, minimum: int) -> list[int]:
 
 
 def _choice(path, key: str, value: Any, choices) -> Any:
-    if value not in choices:
+    # by type too: 1 == True in Python, so `packing_cache = 1` would pass as the bool it is not
+    if not any(value == c and type(value) is type(c) for c in choices):
         raise ExperimentError(path, key, f"{value!r} is not a valid choice", choices)
     return value
 

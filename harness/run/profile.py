@@ -22,9 +22,12 @@ built from the summaries: phases, and kernel time by family per step and per 1k 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
+import os
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,7 +110,7 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
 
         packing.reset_counters()  # the attention kernels of the profiled steps alone
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with _without_profiler_chatter(), profile(activities=acts) as prof:
         for i in range(warmup, warmup + steps):
             run.step(point, i, phase=lambda name: record_function(f"phase:{name}"))
         if run.device.type == "cuda":
@@ -135,32 +138,72 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
     return summary
 
 
+@contextlib.contextmanager
+def _without_profiler_chatter():
+    """The profiler's C++ side writes its start and stop to the process's stderr ("USDT: ...
+    profiler_start"); everything else written there meanwhile is passed on as it came."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+
+
 def format_summary(s: dict) -> str:
+    """The phases table and the top kernels; on a CPU run, the host times alone (the CPU's own
+    operators are in the .cpu.txt table beside the summary)."""
+    gpu = s["device_name"] != "cpu"
     lines = [f"{s['model']} T={s['seq_len']} {s['variant']} on {s['device_name']} ({s['steps']} step(s), "
-             f"{s.get('profiled', 'eager steps')})",
-             f"{'phase':10s} {'gpu ms':>9s} {'cpu ms':>9s} {'busy %':>7s} {'launches':>9s} {'syncs':>6s}"]
+             f"{s.get('profiled', 'eager steps')})"]
+    if not gpu:
+        lines.append("CPU run: host times only (a GPU run adds kernel times, GPU busy %, launches and syncs)")
+    lines.append(f"{'phase':10s} {'gpu ms':>9s} {'cpu ms':>9s} {'busy %':>7s} {'launches':>9s} {'syncs':>6s}"
+                 if gpu else f"{'phase':10s} {'cpu ms':>9s}")
     for name, p in s["phases"].items():
         busy = f"{p['gpu_busy_pct']:.1f}" if p["gpu_busy_pct"] is not None else "-"
         lines.append(f"{name:10s} {p['gpu_span_ms']:9.1f} {p['cpu_span_ms']:9.1f} {busy:>7s} "
-                     f"{p['launches']:9d} {p['host_syncs']:6d}")
+                     f"{p['launches']:9d} {p['host_syncs']:6d}" if gpu else f"{name:10s} {p['cpu_span_ms']:9.1f}")
     if s.get("attention_kernels"):
         kinds = ", ".join(k if n is None else f"{k} x{n}" for k, n in s["attention_kernels"].items())
         lines.append(f"attention kernels: {kinds}"
                      + (f" (fused flex fell back: {s['attention_fallback']})" if s.get("attention_fallback") else ""))
-    lines.append(f"top kernels (of {s['kernel_ms_total']:.1f} ms):")
-    for k in s["top_kernels"][:12]:
-        lines.append(f"  {k['ms']:8.2f} ms {k['pct']:5.1f}% x{k['count']:<5d} {k['name'][:100]}")
+    if gpu:
+        lines.append(f"top kernels (of {s['kernel_ms_total']:.1f} ms):")
+        for k in s["top_kernels"][:12]:
+            lines.append(f"  {k['ms']:8.2f} ms {k['pct']:5.1f}% x{k['count']:<5d} {k['name'][:100]}")
     return "\n".join(lines)
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    return parse
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("experiment", help="experiment file (TOML)")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--variant", required=True)
+    ap.add_argument("--model", required=True, help="one of the file's models")
+    ap.add_argument("--seq-len", type=_count(1), required=True, help="one of the file's sequence lengths")
+    ap.add_argument("--variant", required=True, help="one of the file's variants")
     ap.add_argument("--out", default="profiles", type=Path, help="folder for the summary, tables and trace (default: profiles/)")
-    ap.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default: 2)")
-    ap.add_argument("--steps", type=int, default=1, help="profiled steps (default: 1)")
+    ap.add_argument("--warmup", type=_count(0), default=2, help="unprofiled steps first (default: 2)")
+    ap.add_argument("--steps", type=_count(1), default=1, help="profiled steps, at least 1 (default: 1)")
     ap.add_argument("--trace", action="store_true", help="also write the gzipped chrome trace")
 
 

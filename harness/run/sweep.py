@@ -193,6 +193,7 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     path = res.results_path(results_root, exp.name, slug)
     summary = SweepSummary(results_path=path)
     log_dir = Path(results_root) / exp.name / "logs" / slug
+    res.check_writable(path.parent)  # before any point starts, not after its process has run
     keep_experiment_file(exp, results_root)
 
     existing = res.read_rows(path)  # fails loudly on a corrupt file before anything runs
