@@ -69,53 +69,34 @@ def _resources(text: str) -> dict[str, float]:
     return out
 
 
-def _start_fork_server_early(path: Path) -> None:
-    """A file that asks for the preloaded launcher gets its fork server started before this
-    process imports torch: both import at once instead of one after the other (seconds per
-    sweep, which a gate pays every round). Any problem with the file is reported later, by load."""
-    import tomllib
-
-    try:
-        launcher = tomllib.loads(path.read_text()).get("experiment", {}).get("launcher")
-    except (OSError, ValueError, AttributeError):
-        return
-    if launcher == "preloaded":
-        from harness.run import server
-
-        server.start()
-
-
 def cmd_sweep(args) -> int:
     import signal
 
-    if args.experiment and args.launcher in (None, "preloaded") and not args.cluster:
-        _start_fork_server_early(Path(args.experiment))
-    from harness.run import experiment, sweep
+    from harness.run import experiment
+
+    path = Path(args.experiment) if args.experiment else default_experiment()
+    # The file is checked first, before torch is imported: a mistake in it costs no start-up.
+    exp = experiment.load(path)
+    exp = experiment.subset(exp, models=args.models, seq_lens=args.seq_lens, variants=args.variants)
+    if args.launcher and not exp.parallel:  # same point identities: only how the process starts
+        exp = dataclasses.replace(exp, launcher=args.launcher)
+    if args.timeout is not None:  # not part of a point's identity either
+        exp = dataclasses.replace(exp, timeout_s=args.timeout)
+    experiment.check_requires(exp)
+    if exp.launcher == "preloaded" and not args.cluster:
+        # its fork server imports torch while this process does
+        from harness.run import server
+
+        server.start()
+    from harness.run import sweep
     from harness.run.stacks import stacks_every
 
     # `timeout`, a CI runner or a job scheduler stops the sweep with SIGTERM: turn it into an
     # exit that unwinds, so the launcher kills the point in flight (its own session) on the way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-
-    path = Path(args.experiment) if args.experiment else default_experiment()
     try:  # every point would fail on it: say so once, before the first
         stacks_every()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        exp = experiment.load(path)
-    except experiment.ExperimentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        exp = experiment.subset(exp, models=args.models, seq_lens=args.seq_lens, variants=args.variants)
-        if args.launcher and not exp.parallel:  # same point identities: only how the process starts
-            exp = dataclasses.replace(exp, launcher=args.launcher)
-        if args.timeout is not None:  # not part of a point's identity either
-            exp = dataclasses.replace(exp, timeout_s=args.timeout)
-        experiment.check_requires(exp)
-    except experiment.ExperimentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"sweep {exp.name}: {len(exp.points())} points from {path}", file=sys.stderr)

@@ -11,11 +11,10 @@ that is how the peer baselines are measured side by side with the optimizations.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from optim import MODULES
-from optim.switches import Switch
+from optim.switches import DECLARED, Switch
 
 # In the order optim.enable applies them.
 OPTIM_MODULES = MODULES
@@ -51,14 +50,9 @@ OWNER: dict[str, str] = {}
 
 
 def _merge_optim_switches() -> None:
+    # from the declarations alone: checking an experiment file imports no torch
     for modname in OPTIM_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name == modname:  # that optimization is not part of this checkout
-                continue
-            raise
-        for name, sw in mod.SWITCHES.items():
+        for name, sw in DECLARED[modname].items():
             SWITCHES[name] = sw
             OWNER[name] = modname
 

@@ -29,7 +29,7 @@ Each optimization is one module exposing ``SWITCHES``, ``enable(model, **setting
 from __future__ import annotations
 
 from optim._hf import owner
-from optim.switches import Switch
+from optim.switches import DECLARED, Switch
 
 _ENABLED = "_optim_enabled"
 
@@ -53,7 +53,7 @@ def resolved(module, **settings) -> dict:
 
 def __getattr__(name):
     if name == "SWITCHES":
-        return {k: v for mod in _modules().values() for k, v in mod.SWITCHES.items()}
+        return {k: v for mod in MODULES for k, v in DECLARED[mod].items()}
     raise AttributeError(name)
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from optim._fallback import passes_through, recompile_limit
 from optim._hf import cache_kwarg, causal_lm, output_cache_field
-from optim.switches import Switch
+from optim.switches import Switch, switches_of
 
 log = logging.getLogger("optim.loss")
 
@@ -59,27 +59,7 @@ _ATTR = "_optim_loss_forward"
 _KERNEL = "_optim_loss_kernel"
 _PATHS = "_optim_loss_paths"  # training calls with labels, per loss path
 
-SWITCHES: dict[str, Switch] = {
-    s.name: s
-    for s in (
-        Switch(
-            "fused_loss",
-            (True, False),
-            True,
-            "lm_head + cross-entropy in token chunks with the gradient computed in the forward: "
-            "the full fp32 logits never exist (training mode with labels; eval keeps the logits)",
-        ),
-        Switch(
-            "loss_kernel",
-            ("auto", "compiled", "eager", "cce"),
-            "auto",
-            "how fused_loss computes a chunk: compiled (one torch.compile'd softmax-gradient kernel "
-            "writing into the chunk's logits, no fp32 copy), eager (the same math op by op), cce "
-            "(Apple's cut-cross-entropy, if installed: no logits at all). auto = compiled on CUDA, "
-            "eager elsewhere",
-        ),
-    )
-}
+SWITCHES: dict[str, Switch] = switches_of("optim.loss")
 
 
 def chunk_tokens(vocab_size: int, budget_bytes: int = CHUNK_LOGIT_BYTES) -> int:

@@ -44,46 +44,14 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from optim import _moe_ops as ops
 from optim._fallback import passes_through
 from optim._hf import owner
-from optim.switches import Switch
+from optim.switches import Switch, switches_of
 
 try:  # peft is optional: without it there is simply no LoRA to split
     from peft.tuners.lora.layer import ParamWrapper
 except ImportError:  # pragma: no cover
     ParamWrapper = None
 
-SWITCHES: dict[str, Switch] = {
-    s.name: s
-    for s in (
-        Switch(
-            "moe_backend",
-            ("auto", "loop", "sorted", "grouped_mm"),
-            "auto",
-            "MoE experts routing: per-expert torch.where loop, argsort+bincount sorted slices "
-            "(1 host sync/layer), or grouped_mm (no sync); auto = grouped_mm on CUDA SM90+, else sorted",
-        ),
-        Switch(
-            "moe_lora",
-            ("split", "merged"),
-            "split",
-            "LoRA on expert weights: split = (X·A_e)·B_e on routed tokens only; merged = peft's W + B·A "
-            "for all experts",
-        ),
-        Switch(
-            "moe_compile",
-            ("auto", True, False),
-            "auto",
-            "torch.compile the grouped_mm experts layer (static shapes, one graph for every layer): "
-            "fuses the gate, biases and routing weights around the grouped GEMMs and cuts "
-            "the kernel launches; auto = on CUDA",
-        ),
-        Switch(
-            "moe_train_router",
-            (False, True),
-            False,
-            "train the MoE router weights (frozen by default)",
-        ),
-    )
-}
+SWITCHES: dict[str, Switch] = switches_of("optim.moe")
 
 IMPL_PREFIX = "optim_"
 _LORA_ATTR = "_optim_moe_lora"  # per-call stash of split-LoRA factors on the experts module

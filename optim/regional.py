@@ -49,19 +49,11 @@ from torch import nn
 from optim._fallback import passes_through
 from optim._hf import owner
 from optim.packing.routing import in_stock_mode
-from optim.switches import Switch
+from optim.switches import Switch, switches_of
 
 _LOG = logging.getLogger(__name__)
 
-SWITCHES = {
-    "compile_layers": Switch(
-        "compile_layers",
-        ("auto", True, False),
-        "auto",
-        "torch.compile each decoder layer (one shared graph; attention of optim.packing and MoE "
-        "blocks stay eager): fewer kernel launches where the step is host-bound. auto = on CUDA",
-    ),
-}
+SWITCHES: dict[str, Switch] = switches_of("optim.regional")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Switch declarations shared by the optim modules.
+"""Switch declarations: the ``Switch`` type and every optim module's switches.
 
 A switch has a name, its valid choices, a default and an environment variable. A value is
 taken from, in order: the keyword passed to ``enable``, the environment variable, the default.
@@ -34,7 +34,8 @@ class Switch:
                 value = False
             else:
                 value = low
-        if value not in self.choices:
+        if not any(value == c and type(value) is type(c) for c in self.choices):
+            # by type too: 1 == True in Python, and a row must record the bool the switch takes
             raise ValueError(
                 f"{self.name}={raw!r} is not valid (valid: {', '.join(map(str, self.choices))})"
             )
@@ -46,3 +47,131 @@ class Switch:
         if self.env_var in os.environ:
             return self.parse(os.environ[self.env_var])
         return self.default
+
+
+# Every optimization's switches, by the module that owns them. Declared here, apart from the
+# modules (which import torch), so an experiment file's switches are checked without importing
+# torch; each module takes its own with ``switches_of(__name__)``.
+PACKING_BACKENDS = ("sdpa", "flex", "varlen")
+OFFLOAD_MODES = ("none", "single", "double", "save_on_cpu")
+
+DECLARED: dict[str, dict[str, Switch]] = {
+    "optim.packing": {
+        s.name: s
+        for s in (
+            Switch(
+                "packing_cache",
+                (True, False),
+                True,
+                "build packed-sequence metadata and attention structures once per batch (off: in "
+                "every layer call and every recompute, the behaviour the seeds measured against)",
+            ),
+            # "auto" picks the fastest path that can run, from the measured table in
+            # backends.AUTO_ON_CUDA: flex where optim.regional compiles the layers (traced into their
+            # graph), FlashAttention-2 varlen where they run eager; SDPA with an explicit mask loses
+            # the flash kernel, so it is only the CPU choice.
+            Switch(
+                "packing_backend",
+                ("auto", *PACKING_BACKENDS, "off"),
+                "auto",
+                "packed attention kernel: auto = on CUDA flex with compiled layers, else varlen "
+                "(fp16/bf16, when torch has it); sdpa on CPU; off = leave the model's attention alone (stock)",
+            ),
+        )
+    },
+    "optim.moe": {
+        s.name: s
+        for s in (
+            Switch(
+                "moe_backend",
+                ("auto", "loop", "sorted", "grouped_mm"),
+                "auto",
+                "MoE experts routing: per-expert torch.where loop, argsort+bincount sorted slices "
+                "(1 host sync/layer), or grouped_mm (no sync); auto = grouped_mm on CUDA SM90+, else sorted",
+            ),
+            Switch(
+                "moe_lora",
+                ("split", "merged"),
+                "split",
+                "LoRA on expert weights: split = (X·A_e)·B_e on routed tokens only; merged = peft's W + B·A "
+                "for all experts",
+            ),
+            Switch(
+                "moe_compile",
+                ("auto", True, False),
+                "auto",
+                "torch.compile the grouped_mm experts layer (static shapes, one graph for every layer): "
+                "fuses the gate, biases and routing weights around the grouped GEMMs and cuts "
+                "the kernel launches; auto = on CUDA",
+            ),
+            Switch(
+                "moe_train_router",
+                (False, True),
+                False,
+                "train the MoE router weights (frozen by default)",
+            ),
+        )
+    },
+    "optim.offload": {
+        s.name: s
+        for s in (
+            # Off by default: offloading trades step time for VRAM, and whether a run is memory-bound
+            # is not something this module can know. When a run needs the memory, "double" is the
+            # value to pick (it hides the reloads behind the backward compute).
+            Switch(
+                "offload",
+                OFFLOAD_MODES,
+                "none",
+                "checkpointed layer inputs to pinned host memory: none = plain GPU checkpointing; "
+                "single = one staging buffer (copy, wait, compute); double = two buffers, reload of "
+                "layer i-1 prefetched during layer i's backward; save_on_cpu = PyTorch's "
+                "save_on_cpu(pin_memory=True) around checkpointing (peer)",
+            ),
+            Switch(
+                "offload_guard",
+                (True, False),
+                True,
+                "use the second staging buffer only when the memory the process can still allocate "
+                "covers the step's peak growth, the buffer and a headroom (else fall back to single)",
+            ),
+        )
+    },
+    "optim.loss": {
+        s.name: s
+        for s in (
+            Switch(
+                "fused_loss",
+                (True, False),
+                True,
+                "lm_head + cross-entropy in token chunks with the gradient computed in the forward: "
+                "the full fp32 logits never exist (training mode with labels; eval keeps the logits)",
+            ),
+            Switch(
+                "loss_kernel",
+                ("auto", "compiled", "eager", "cce"),
+                "auto",
+                "how fused_loss computes a chunk: compiled (one torch.compile'd softmax-gradient kernel "
+                "writing into the chunk's logits, no fp32 copy), eager (the same math op by op), cce "
+                "(Apple's cut-cross-entropy, if installed: no logits at all). auto = compiled on CUDA, "
+                "eager elsewhere",
+            ),
+        )
+    },
+    "optim.regional": {
+        s.name: s
+        for s in (
+            Switch(
+                "compile_layers",
+                ("auto", True, False),
+                "auto",
+                "torch.compile each decoder layer (one shared graph; attention of optim.packing and MoE "
+                "blocks stay eager): fewer kernel launches where the step is host-bound. auto = on CUDA",
+            ),
+        )
+    },
+}
+
+
+def switches_of(module: str) -> dict[str, Switch]:
+    """The switches ``module`` (an ``optim.MODULES`` name) declares."""
+    return DECLARED[module]

@@ -135,3 +135,25 @@ def test_results_files_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+
+
+@pytest.mark.parametrize("body, said", [
+    ('[experiment]\nname = "x"\nmodels = ["nope"]\nseq_lens = [64]\n', "unknown model 'nope'"),
+    (TINY + "packing_cache = 1\n", "packing_cache] 1 is not a valid choice"),
+    ("[experiment\n", "TOML"),
+])
+def test_a_bad_experiment_file_is_refused_without_importing_torch(tmp_path, body, said):
+    """Checking the file imports no torch (seconds of start-up): with a torch that fails on
+    import, the sweep still gives its one line."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "no-torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch was imported to check an experiment file')\n")
+    exp = tmp_path / "bad.toml"
+    exp.write_text(body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "harness", "sweep", str(exp), "--results", str(tmp_path / "r")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -34,9 +34,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m harness _rounds SUITE", file=sys.stderr)
         return 2
     from harness import cli
+    from harness.run import server
 
     suite = Path(argv[0])
-    cli._start_fork_server_early(suite)
+    server.start_for(suite)
     from harness.run import experiment, sweep  # noqa: F401 - what each round's sweep would import
 
     proto.write(json.dumps({"ready": PROTOCOL}) + "\n")

@@ -40,5 +40,20 @@ def start():
     return _context
 
 
+def start_for(path) -> None:
+    """Start the fork server now if the experiment file at ``path`` asks for the preloaded
+    launcher, so that its imports run beside the caller's. Any problem with the file is left for
+    the caller's own load to report."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            launcher = tomllib.load(f).get("experiment", {}).get("launcher")
+    except (OSError, ValueError, AttributeError):
+        return
+    if launcher == "preloaded":
+        start()
+
+
 if os.environ.get(ENV) == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the registry is read where torch is not imported (checking an experiment file)
+    import torch
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 
@@ -201,6 +202,7 @@ def build(
     train mode. ``before_lora(model)``, if given, is applied to the bare model before peft wraps
     it, as a user applies Liger-Kernel's patches to the model they loaded.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     from harness.switches import stock_attn_for
@@ -245,6 +247,8 @@ def randomize_lora_b(model: torch.nn.Module, seed: int = 1, std: float = 0.05) -
     peft starts lora_B at zero, which leaves every lora_A gradient zero and the adapters out of
     the forward, so a wrong LoRA path would look right to a numerics check.
     """
+    import torch
+
     torch.manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -13,37 +13,14 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from optim.offload.function import StepStats, _OffloadFunction, _Record, _split_args
-from optim.switches import Switch
+from optim.switches import OFFLOAD_MODES, Switch, switches_of
 
 log = logging.getLogger("optim.offload")
 
-MODES = ("none", "single", "double", "save_on_cpu")
+MODES = OFFLOAD_MODES
 DEFAULT_MIN_BYTES = 1 << 20  # below 1 MiB the copy's fixed cost outweighs the memory it frees
 
-SWITCHES: dict[str, Switch] = {
-    s.name: s
-    for s in (
-        # Off by default: offloading trades step time for VRAM, and whether a run is memory-bound
-        # is not something this module can know. When a run needs the memory, "double" is the
-        # value to pick (it hides the reloads behind the backward compute).
-        Switch(
-            "offload",
-            MODES,
-            "none",
-            "checkpointed layer inputs to pinned host memory: none = plain GPU checkpointing; "
-            "single = one staging buffer (copy, wait, compute); double = two buffers, reload of "
-            "layer i-1 prefetched during layer i's backward; save_on_cpu = PyTorch's "
-            "save_on_cpu(pin_memory=True) around checkpointing (peer)",
-        ),
-        Switch(
-            "offload_guard",
-            (True, False),
-            True,
-            "use the second staging buffer only when the memory the process can still allocate "
-            "covers the step's peak growth, the buffer and a headroom (else fall back to single)",
-        ),
-    )
-}
+SWITCHES: dict[str, Switch] = switches_of("optim.offload")
 
 
 class Offloader:

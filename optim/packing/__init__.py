@@ -97,31 +97,9 @@ from optim.packing.metadata import (
     reset_counters,
 )
 from optim.packing.routing import in_stock_mode
-from optim.switches import Switch
+from optim.switches import Switch, switches_of
 
-SWITCHES: dict[str, Switch] = {
-    s.name: s
-    for s in (
-        Switch(
-            "packing_cache",
-            (True, False),
-            True,
-            "build packed-sequence metadata and attention structures once per batch (off: in "
-            "every layer call and every recompute, the behaviour the seeds measured against)",
-        ),
-        # "auto" picks the fastest path that can run, from the measured table in
-        # backends.AUTO_ON_CUDA: flex where optim.regional compiles the layers (traced into their
-        # graph), FlashAttention-2 varlen where they run eager; SDPA with an explicit mask loses
-        # the flash kernel, so it is only the CPU choice.
-        Switch(
-            "packing_backend",
-            ("auto", *BACKENDS, "off"),
-            "auto",
-            "packed attention kernel: auto = on CUDA flex with compiled layers, else varlen "
-            "(fp16/bf16, when torch has it); sdpa on CPU; off = leave the model's attention alone (stock)",
-        ),
-    )
-}
+SWITCHES: dict[str, Switch] = switches_of("optim.packing")
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from optim.switches import PACKING_BACKENDS
+
 ATTN_NAME = "optim_packed"
 FORWARD_KWARG = "packing"  # the model forward kwarg that carries a PackedMetadata
 # Prebuilt flex BlockMasks per sliding window, handed to compiled layers (see prebuild_structures)
 STRUCTURES_KWARG = "packing_structures"
 FLEX_BLOCK = 128  # flex_attention's default sparse block size
-BACKENDS = ("sdpa", "flex", "varlen")
+BACKENDS = PACKING_BACKENDS
 
 # Build and sync counters: what the bench reports per training step ("count, don't assume").
 COUNTERS: collections.Counter = collections.Counter()
