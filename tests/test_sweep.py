@@ -348,3 +348,26 @@ compile_layers = true
     assert rows["eager"]["compiled_graphs_warmup"] == 0 and rows["eager"]["compiled_graphs_per_step"] == [0] * 10
     assert rows["compiled"]["compiled_graphs_warmup"] > 0
     assert len(rows["compiled"]["compiled_graphs_per_step"]) == 10
+
+
+def test_the_eta_adds_up_recorded_wall_times_then_this_runs_own(monkeypatch):
+    """Recorded wall times first (steady from the first point on), this run's mean for points
+    never run; a point under way counts what it has left of its own."""
+    import io
+
+    from harness.run import sweep as sw
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(sw.time, "monotonic", lambda: clock["t"])
+    bar = sw.Progress(4, stream=io.StringIO(), expected_s=[100.0, None, 50.0, None])
+    assert bar.eta_s() == pytest.approx(100 + 75 + 50 + 75)  # an unknown point: the recorded ones' mean
+    bar.start(1, "a")
+    clock["t"] += 40
+    assert bar.eta_s() == pytest.approx(60 + 75 + 50 + 75)
+    bar.finish("ok", {})
+    assert bar.took == [40.0]
+    assert bar.eta_s() == pytest.approx(40 + 50 + 40)  # the unknown ones now count this run's 40 s
+    bar.start(2, "b")
+    clock["t"] += 100  # over its guess: nothing left of its own, never negative
+    assert bar.eta_s() == pytest.approx(50 + 40)
+    assert sw.Progress(2, stream=io.StringIO()).eta_s() is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,17 +57,23 @@ def detect_device_name(requested: str) -> str:
 
 
 class Progress:
-    """One status line: point i/n, its label, the step within it, the last step time and the ETA."""
+    """One status line: point i/n, its label, the step within it, the last step time and the ETA.
 
-    def __init__(self, total: int, stream=sys.stderr):
+    The ETA adds up what each point left is expected to take: its wall time recorded by an
+    earlier run on this GPU type (``expected_s``, in the order the points run), else the mean of
+    the points this run has finished; the point running counts what it has left of its own."""
+
+    def __init__(self, total: int, stream=sys.stderr, expected_s: list[float | None] | None = None):
         self.total, self.stream = total, stream
         self.tty = stream.isatty()
         self.done = 0
-        self.t0 = time.monotonic()
+        self.expected = list(expected_s) if expected_s is not None else [None] * total
+        self.took: list[float] = []
         self.label = ""
+        self.index, self.running_since = 0, None
 
     def start(self, index: int, label: str) -> None:
-        self.index, self.label = index, label
+        self.index, self.label, self.running_since = index, label, time.monotonic()
         self._line(f"[{index}/{self.total}] {label}  starting", final=not self.tty)
 
     def step(self, info: dict) -> None:
@@ -81,14 +88,35 @@ class Progress:
 
     def finish(self, status: str, row: dict) -> None:
         self.done += 1
+        if self.running_since is not None:
+            self.took.append(time.monotonic() - self.running_since)
+            self.running_since = None
         p50 = (row.get("step_ms") or {}).get("p50")
         extra = f"p50 {p50:.1f} ms" if p50 is not None else row.get("message", "")[:80]
         self._line(f"[{self.index}/{self.total}] {self.label}  {status}  {extra}  ETA {self._eta()}", final=True)
 
+    def eta_s(self) -> float | None:
+        """Seconds left by the recorded wall times and this run's own; None with neither."""
+        known = [e for e in self.expected if e is not None]
+        typical = statistics.mean(self.took) if self.took else (statistics.mean(known) if known else None)
+        left = 0.0
+        if self.running_since is not None:  # the point under way: what it has left of its own
+            own = self.expected[self.index - 1] if 0 < self.index <= self.total else None
+            own = own if own is not None else typical
+            if own is None:
+                return None
+            left += max(0.0, own - (time.monotonic() - self.running_since))
+        for e in self.expected[self.index:]:
+            e = e if e is not None else typical
+            if e is None:
+                return None
+            left += e
+        return left
+
     def _eta(self) -> str:
-        if not self.done:
+        left = self.eta_s()
+        if left is None:
             return "?"
-        left = (time.monotonic() - self.t0) / self.done * (self.total - self.done)
         return f"{int(left // 60)}m{int(left % 60):02d}s"
 
     def _line(self, text: str, final: bool = False) -> None:
@@ -210,7 +238,8 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     points = [dataclasses.replace(p, command=command) for p in exp.points()]
     todo = [p for p in points if p.point_id not in done]
     summary.skipped = len(points) - len(todo)
-    bar = Progress(len(todo)) if progress else None
+    recorded = res.point_wall_s(existing)  # this GPU type's earlier wall times: the ETA's first guess
+    bar = Progress(len(todo), expected_s=[recorded.get(p.point_id) for p in todo]) if progress else None
     if bar and summary.skipped:
         sys.stderr.write(f"resuming: {summary.skipped} of {len(points)} points already in {path}\n")
     history, elsewhere = res.wall_history(results_root, exp.name, slug) if deadline_s is not None else ({}, {})
