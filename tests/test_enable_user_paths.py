@@ -385,3 +385,16 @@ def test_from_attention_mask_gives_each_rows_runs():
     meta = packing.PackedMetadata.from_attention_mask(mask)
     assert meta.lengths == ((2, 3), (3, 2), (5,)) and meta.source == "attention_mask"
     assert packing.PackedMetadata.from_attention_mask(torch.ones(2, 5)) is None
+
+
+def test_a_mask_passed_positionally_to_the_stack_is_honoured():
+    """model.model(input_ids, attention_mask, ...) by position, as some callers do."""
+    spec, stock, fast = _pair(DENSE)
+    ids, mask, _ = _padded(spec, "left")
+    outs = []
+    for m in (stock, fast):
+        m.eval()
+        with torch.no_grad():
+            outs.append(m.get_base_model().model(ids, mask).last_hidden_state)
+    real = mask.bool()
+    torch.testing.assert_close(outs[1][real], outs[0][real], rtol=1e-4, atol=1e-5)

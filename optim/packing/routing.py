@@ -19,6 +19,7 @@ routes its own calls. ``uninstall`` removes all of it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import types
@@ -101,8 +102,8 @@ def _rewrite_kwargs(module, args, kwargs):
     """Forward pre-hook of the decoder stack, ahead of every other: a padded mask becomes the
     batch's documents, and documents without position_ids get theirs."""
     route = _route(module)
-    if len(args) > 1 and isinstance(args[1], torch.Tensor) and "attention_mask" not in kwargs:
-        args, kwargs = args[:1], {**kwargs, "attention_mask": args[1]}  # the stacks' second parameter
+    if len(args) > 1:  # by keyword from here on: the mask and positions are read by name
+        args, kwargs = _by_keyword(type(module).forward, args, kwargs)
     if route.wants_stock(kwargs) or not route.packed_named():
         return args, kwargs
     new = dict(kwargs)
@@ -137,6 +138,13 @@ def _rewrite_kwargs(module, args, kwargs):
         new["position_ids"] = pos
         COUNTERS["position_ids_from_metadata"] += 1
     return args, new
+
+
+def _by_keyword(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Every positional argument but the first (input_ids) as the keyword it binds to."""
+    names = [p.name for p in inspect.signature(forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # without self
+    return args[:1], {**dict(zip(names[1:], args[1:])), **kwargs}
 
 
 def _routed_forward(self, *args, **kwargs):
