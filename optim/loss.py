@@ -11,12 +11,11 @@ place. The lm_head matmul runs twice per token (logits, then gradient), never th
 checkpointed chunks.
 
 A chunk's softmax gradient is written over its logits (``loss_kernel``): on CUDA by one compiled
-kernel, so the chunk's logits exist once, in the model dtype, and never in fp32. Measured with
-``python -m harness.bench.loss`` (H100, Qwen3-8B's lm_head, 8192 tokens, frozen as in LoRA): the
-compiled kernel 38.8 ms and 0.135 GiB (Liger-Kernel's: 36.5 ms, 0.135 GiB), op by op 62.7 ms,
-stock 47.0 ms and 13.9 GiB. cut-cross-entropy
-(``loss_kernel="cce"``, opt-in) holds less still but ran 86.9 ms there, and its hidden-state
-gradient is 5x further from fp32 than stock's (1.6e-2 vs 3.2e-3), so it is not the default.
+kernel, so the chunk's logits exist once, in the model dtype, and never in fp32.
+``python -m harness.bench.loss`` times each kernel beside stock and Liger-Kernel
+(reports/loss). cut-cross-entropy (``loss_kernel="cce"``, opt-in) holds less memory still, but
+its hidden-state gradient is further from an fp32 computation than stock's, so it is not the
+default.
 
 The value equals transformers' ``ForCausalLMLoss``: labels shifted by one (or ``shift_labels`` as
 given), ``-100`` ignored, the sum divided by ``num_items_in_batch`` when the trainer passes it

@@ -12,8 +12,8 @@ What is compiled, and what is not:
   ``nn.Module.compile`` does it. Up to transformers 5.22 checkpointing wraps the layer call, so
   the recompute calls the same compiled code. From 5.23 it wraps ``forward``, inside the layer
   call; compiled whole, dynamo would meet the checkpoint as a higher-order op, and any graph break
-  in the body (an eager attention path) makes it run the whole layer eager (measured on the H100
-  with transformers 5.23: Qwen3-8B's forward took 833 ms that way, 316 ms as below). So a checkpointed layer runs its checkpoint eager
+  in the body (an eager attention path) makes it run the whole layer eager, more than twice as
+  slow on Qwen3-8B. So a checkpointed layer runs its checkpoint eager
   and the body it wraps compiled, in the forward and in the recompute alike, whichever
   checkpoint function is set (torch's, ``optim.offload``'s). The layers share one code object,
   and dynamo treats their parameters as inputs, so one graph serves every layer: it compiles
@@ -30,9 +30,8 @@ checkpoint's early stop of the recompute pass through. An error that eager raise
 input) is raised as eager raises it, and compilation stays on.
 
 Switch ``compile_layers``: ``auto`` (the default: on for CUDA models), ``True``, ``False``.
-Measured on the H100 (``experiments/packing.toml``, Qwen3-0.6B at 8192 packed tokens, one run):
-stock flex_attention 494.5 ms/step, the same with compiled layers 222.2 ms, packed flex traced
-into the compiled layers 220.1 ms.
+``experiments/packing.toml`` sets stock flex_attention, the same with compiled layers, and packed
+flex traced into them side by side (reports/packing).
 """
 
 from __future__ import annotations

@@ -278,22 +278,16 @@ _KERNELS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
 
 
 # What ``packing_backend = "auto"`` picks on CUDA, by whether optim.regional compiles the decoder
-# layers; each choice with the result rows that back it (H100 80GB HBM3, bf16, LoRA r=16, packed
-# documents, step p50 in ms, one process per point; files under results/).
+# layers. The rows that back each choice are in results/ (H100 and H200, bf16, LoRA, packed
+# documents, one process per point) and reports/packing and reports/user set them side by side.
 AUTO_ON_CUDA = {
     # Compiled layers: flex is traced into the layer's graph (its BlockMasks prebuilt outside), so
     # one graph serves every layer and batch; varlen and sdpa stay eager behind a graph break.
-    #   packing/nvidia-h100-80gb-hbm3.jsonl, Qwen3-0.6B: packed-flex-compiled 220.1 vs
-    #   packed-varlen-compiled 285.6 at 8192 tokens, 210.9 vs 268.6 at 2048.
-    #   user/ and user-moe/nvidia-h100-80gb-hbm3.jsonl, optim.enable(model) (user) vs the same with
-    #   packing_backend="varlen" (user-varlen), document lengths varying per batch: Qwen3-0.6B 8192
-    #   212.9 vs 551.6, Qwen3-8B 8192 988.1 vs 1281.6 (dense); gpt-oss-20b 2048 236.5 vs 277.3
-    #   (sinks, sliding windows, MoE); on the H200 (user-moe/nvidia-h200.jsonl) Qwen3-30B-A3B 2048
-    #   443.3 vs 484.4 (Qwen3-MoE).
+    # Rows: packing/ (packed-flex-compiled against packed-varlen-compiled), user/ and user-moe/
+    # (optim.enable's defaults, "user", against "user-varlen"), dense, gpt-oss and Qwen3-MoE.
     True: "flex",
-    # Eager layers: FlashAttention-2 varlen needs no mask, only cu_seqlens; never slower than flex.
-    #   packing/nvidia-h100-80gb-hbm3.jsonl: Llama-3.2-1B 2048 packed-varlen 177.2 vs packed-flex
-    #   240.9; Qwen3-0.6B 8192 398.4 vs 424.2; Qwen3-14B 8192 2385.9 vs 2373.8 (a tie).
+    # Eager layers: FlashAttention-2 varlen needs no mask, only cu_seqlens. Rows: packing/
+    # (packed-varlen against packed-flex, eager layers).
     False: "varlen",
 }
 
