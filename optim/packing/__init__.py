@@ -299,10 +299,7 @@ def drop_prebuilt(model) -> None:
     for m in model.modules():
         if vars(m).pop(_PREBUILT, None) is None:
             continue
-        for key, hook in list(m._forward_pre_hooks.items()):
-            if hook is _prebuild_hook:
-                m._forward_pre_hooks.pop(key)
-                m._forward_pre_hooks_with_kwargs.pop(key, None)
+        routing.remove_pre_hook(m, _prebuild_hook)
     settings = settings_of(model)
     if settings is not None and settings.compiled:
         _set_settings(model, dataclasses.replace(settings, compiled=False))

@@ -194,15 +194,21 @@ def uninstall(model) -> Route | None:
     for m in model.modules():
         if vars(m).pop(_ATTR, None) is None:
             continue
-        for key, hook in list(m._forward_pre_hooks.items()):
-            if hook is _rewrite_kwargs:
-                m._forward_pre_hooks.pop(key)
-                m._forward_pre_hooks_with_kwargs.pop(key, None)
+        remove_pre_hook(m, _rewrite_kwargs)
         for name in ("forward", "generate"):
             fn = vars(m).get(name)
             if isinstance(fn, types.MethodType) and fn.__func__ in (_routed_forward, _routed_generate):
                 del vars(m)[name]
     return route
+
+
+def remove_pre_hook(module: torch.nn.Module, fn) -> None:
+    """Remove every forward pre-hook of ``module`` that is ``fn`` (registered by function, so a
+    deep copy's hooks are found too, where a handle would point at the original's)."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if hook is fn:
+            module._forward_pre_hooks.pop(key)
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def route_of(model) -> Route | None:
