@@ -26,7 +26,7 @@ def pytest_addoption(parser):
                      help="run the collected tests shuffled with this seed (to catch tests that depend on order)")
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N shards: whole test files, balanced by the wall times in "
-                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/3)")
+                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/4)")
     parser.addoption("--record-durations", default=None, metavar="PATH",
                      help="write each test's wall time (setup, call and teardown) and each file's sum as JSON")
 
@@ -35,7 +35,7 @@ def _shard(spec: str) -> tuple[int, int]:
     try:
         k, n = (int(x) for x in spec.split("/"))
     except ValueError:
-        raise pytest.UsageError(f"--shard takes K/N, e.g. 1/3 (got {spec!r})") from None
+        raise pytest.UsageError(f"--shard takes K/N, e.g. 1/4 (got {spec!r})") from None
     if not 1 <= k <= n:
         raise pytest.UsageError(f"--shard {spec}: K must be between 1 and N")
     return k, n
