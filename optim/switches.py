@@ -77,6 +77,14 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "packed attention kernel: auto = on CUDA flex with compiled layers, else varlen "
                 "(fp16/bf16, when torch has it); sdpa on CPU; off = leave the model's attention alone (stock)",
             ),
+            Switch(
+                "validate",
+                (True, False),
+                True,
+                "check the position_ids passed beside packing= or cu_seq_lens_q against that metadata, once "
+                "per batch on its device with no host sync (on a GPU a disagreement raises by the next batch "
+                "at the latest); off = trust them",
+            ),
         )
     },
     "optim.moe": {

@@ -112,6 +112,44 @@ def test_auto_picks_varlen_and_sync_free_with_metadata():
     ours = [w for w in caught if "optim/packing" in (w.filename or "") and "ynchroniz" in str(w.message)]
     assert not ours, [f"{w.filename}:{w.lineno} {w.message}" for w in ours]
     assert P.counters()["metadata"] == 1 and P.counters().get("host_syncs", 0) == 0
+    assert P.counters()["position_id_checks"] == 1  # the positions were checked, on the device
+    P.raise_pending(wait=True)  # and agreed
+    P.release()
+
+
+def test_positions_that_disagree_raise_by_the_next_batch_without_a_host_sync():
+    """Wrong position_ids beside packing= on the GPU: the check is queued behind the batch's
+    kernels (no sync) and raises, naming them, by the time the next batch starts at the latest."""
+    from optim.packing import checks
+
+    meta = P.PackedMetadata.from_lengths(LENGTHS)
+    entry = P.build_entry(("meta", meta.serial), meta, torch.device("cuda"))
+    good = meta.position_ids().cuda()
+    bad = good.clone()
+    bad[1, 150] = 3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a device-to-host sync raises
+    try:
+        torch.cuda._sleep(50_000_000)  # keep the GPU busy: the checks cannot have finished below
+        checks.compare(entry.start, good, "packing=M")
+        checks.compare(entry.start, bad, "packing=M")
+        P.raise_pending()
+        assert checks.pending() == 2
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    with pytest.raises(ValueError, match=r"packing=M disagree .* row 1, token 150: position 3, where the "
+                                         r"documents give 150 .* found on cuda:0"):
+        P.raise_pending(wait=True)
+    assert checks.pending() == 0
+
+    model = _build("llama-3.2-1b-tiny")
+    P.enable(model)
+    ids = torch.randint(0, 512, (2, 200), device="cuda")
+    with pytest.raises(ValueError, match="at row 1, token 150: position 3"):
+        for _ in range(2):  # the first step's backward, or else the second batch, raises
+            model(input_ids=ids, labels=ids, position_ids=bad, use_cache=False,
+                  **P.packed_kwargs(P.PackedMetadata.from_lengths(LENGTHS))).loss.backward()
+    P.release()
 
 
 def _packed_forward_peak(model, T, grad=False):

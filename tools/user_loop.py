@@ -38,7 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps")
     ap.add_argument("--label", default="", help="a name for this run in the output line")
+    ap.add_argument("--set", action="append", default=[], metavar="SWITCH=VALUE",
+                    help="an optim switch passed to optim.enable (repeatable), e.g. --set validate=false")
     args = ap.parse_args(argv)
+    switches = dict(kv.split("=", 1) for kv in args.set)
 
     import torch
 
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
     model = models.build(spec, device="cuda", dtype=torch.bfloat16, attn_implementation=attn,
                          experts_implementation="grouped_mm" if spec.is_moe else None, lora_rank=args.lora_rank)
     if args.stack == "user":
-        optim.enable(model)
+        optim.enable(model, **switches)  # strings: each switch parses its own (as from its environment variable)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     T = args.seq_len
     lengths = [args.doc_len] * (T // args.doc_len) + ([T % args.doc_len] if T % args.doc_len else [])
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
             fwd_ms.append(ev[0].elapsed_time(ev[1]))
             bwd_ms.append(ev[1].elapsed_time(ev[2]))
             issue_ms.append(issued * 1e3)
-    out = {"label": args.label, "model": args.model, "seq_len": T, "stack": args.stack,
+    out = {"label": args.label, "model": args.model, "seq_len": T, "stack": args.stack, "switches": switches,
            "optim_from": str(Path(optim.__file__).resolve().parent.parent),
            "step_ms_p50": round(statistics.median(step_ms), 1), "step_ms_p20": round(_pct(step_ms, 0.2), 1),
            "step_ms_p80": round(_pct(step_ms, 0.8), 1), "forward_ms_p50": round(statistics.median(fwd_ms), 1),

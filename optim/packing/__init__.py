@@ -33,7 +33,8 @@ replaced. ``disable`` (or ``packing_backend="off"``) restores the model as it wa
 
 Layout: ``metadata`` (the batch's boundaries, their per-device cache and the structures built from
 them), ``backends`` (the three kernels), ``collator`` (``PackingCollator``), ``routing`` (which
-attention each forward runs); this module holds the switches, the attention function transformers
+attention each forward runs), ``checks`` (the caller's position_ids against their metadata, on the
+device); this module holds the switches, the attention function transformers
 calls, ``enable`` and ``disable``.
 
 Cache policy (switch ``packing_cache``):
@@ -96,6 +97,7 @@ from optim.packing.metadata import (
     release,
     reset_counters,
 )
+from optim.packing.checks import raise_pending
 from optim.packing.routing import in_stock_mode
 from optim.switches import Switch, switches_of
 
@@ -106,7 +108,7 @@ SWITCHES: dict[str, Switch] = switches_of("optim.packing")
 class PackingSettings:
     cache: bool = True
     backend: str = "auto"
-    validate: bool | None = None  # None: check position_ids vs metadata where free (CPU tensors)
+    validate: bool = True  # check the caller's position_ids against their metadata (``checks``)
     compiled: bool = False  # optim.regional compiles the layers (prebuild_structures): auto picks for that
     stock: str | None = None  # the attention implementation enable() replaced: runs with a KV cache
 
@@ -117,13 +119,6 @@ _DEFAULT = PackingSettings()
 # other (a user's registered function, a kernels-hub kernel).
 STOCK_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 log = logging.getLogger("optim.packing")
-
-
-def _should_validate(settings: PackingSettings, position_ids) -> bool:
-    """Check position_ids against the metadata where it costs no sync (CPU tensors), unless told."""
-    if settings.validate is not None:
-        return settings.validate
-    return position_ids is not None and position_ids.device.type == "cpu"
 
 
 def _layer_window(module, sliding_window) -> int | None:
@@ -195,7 +190,7 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     window = _layer_window(module, sliding_window)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     device = query.device
-    validate = _should_validate(settings, position_ids)
+    validate = settings.validate
     entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate,
                        kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
     grad = torch.is_grad_enabled() and query.requires_grad
@@ -258,7 +253,7 @@ def _prebuild_hook(module, args, kwargs):
     if resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) != "flex":
         return None
     B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
-    entry = _entry_for(meta, pos, B, T, device, True, _should_validate(settings, pos), cu, max_len)
+    entry = _entry_for(meta, pos, B, T, device, True, settings.validate, cu, max_len)
     masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
              for w in windows}
     return args, {**kwargs, STRUCTURES_KWARG: masks}
@@ -316,22 +311,22 @@ def _attention_modules(model) -> Iterable[torch.nn.Module]:
 STOCK_MIXES_DOCUMENTS = {"gpt_oss": "transformers 5.17 to 5.23 build gpt-oss's masks without position_ids"}
 
 
-def enable(model, *, packing_cache=None, packing_backend=None, validate: bool | None = None,
-           **_ignored):
+def enable(model, *, packing_cache=None, packing_backend=None, validate=None, **_ignored):
     """Enable packed attention on a transformers causal LM (peft-wrapped or not).
 
     Registers the attention function, switches the model's attention implementation to it (so
     transformers also stops building its own masks), records the settings on every attention
     module and routes each forward (``routing``): calls with a KV cache, and ``generate``, run the
     implementation it replaced. Settings: ``packing_cache`` (True/False), ``packing_backend``
-    (auto/sdpa/flex/varlen, or off: the model's own attention, undoing an earlier enable), each
-    also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND. Other optim switches are ignored.
+    (auto/sdpa/flex/varlen, or off: the model's own attention, undoing an earlier enable) and
+    ``validate`` (True/False: ``checks``), each also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND /
+    OPTIM_VALIDATE. Other optim switches are ignored.
     Returns the model.
     """
     settings = PackingSettings(
         cache=SWITCHES["packing_cache"].resolve(packing_cache),
         backend=SWITCHES["packing_backend"].resolve(packing_backend),
-        validate=validate,
+        validate=SWITCHES["validate"].resolve(validate),
     )
     if settings.backend == "off":
         disable(model)
@@ -426,7 +421,7 @@ def describe(model) -> dict:
     p = next((q for q in model.parameters() if not q.requires_grad), next(model.parameters(), None))
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
     route = routing.route_of(model)
-    return {"packing_backend": s.backend, "packing_cache": s.cache, "compiled_layers": s.compiled,
+    return {"packing_backend": s.backend, "packing_cache": s.cache, "validate": s.validate, "compiled_layers": s.compiled,
             "packing_backend_resolved": resolve_backend(s.backend, device, dtype, compiled=s.compiled),
             # what the forwards so far ran: packed attention, or the stock one (a KV cache, generate)
             "stock_attention": s.stock, "forwards": dict(route.calls) if route is not None else {}}
@@ -438,5 +433,5 @@ __all__ = [
     "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "describe",
     "disable", "drop_prebuilt", "enable", "in_stock_mode", "settings_of",
     "fused_flex_failure", "kernels", "packed_attention_forward", "packed_kwargs", "prebuild_structures",
-    "register", "release", "reset_counters", "resolve_backend", "varlen_available",
+    "raise_pending", "register", "release", "reset_counters", "resolve_backend", "varlen_available",
 ]

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from optim.packing import checks
 from optim.switches import PACKING_BACKENDS
 
 ATTN_NAME = "optim_packed"
@@ -246,6 +247,7 @@ class _Entry:
     first_module: int | None = None  # id() of the attention module that owns (releases) the entry
     first_layer: int | None = None  # its layer_idx
     owner_grad: bool = False  # whether it took the entry in a call that records a backward
+    checked: tuple | None = None  # (id, _version) of the position_ids last checked against it
 
 
 _CACHE: dict[torch.device, _Entry] = {}
@@ -349,7 +351,6 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
     elif from_cu:
         key = ("cu", id(cu_seqlens), cu_seqlens._version)
         pos_ref = weakref.ref(cu_seqlens)
-        position_ids = cu_seqlens  # the identity check below reads pos_ref against this tensor
     elif position_ids is not None:
         key = ("pos-captured" if capturing else "pos", id(position_ids), position_ids._version)
         pos_ref = weakref.ref(position_ids)
@@ -359,9 +360,13 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
 
     if cache:
         hit = _CACHE.get(device)
-        if hit is not None and hit.key == key and (pos_ref is None or hit.pos_ref() is position_ids):
+        if hit is not None and hit.key == key and (pos_ref is None or hit.pos_ref() is (cu_seqlens if from_cu
+                                                                                       else position_ids)):
             COUNTERS["cache_hits"] += 1
+            if validate and position_ids is not None and hit.checked != _identity(position_ids):
+                _check(hit, packing, position_ids, from_cu)  # the batch's metadata, with other positions
             return hit
+    checks.raise_pending()  # a new batch: what the GPU found in an earlier one's inputs, if it has
 
     if from_cu:
         if isinstance(max_seqlen, torch.Tensor) and max_seqlen.device.type != "cpu":
@@ -377,16 +382,29 @@ def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cach
                 meta = PackedMetadata.from_lengths([meta.lengths[0]] * B, T)
         else:
             meta = packing
-            if validate and position_ids is not None and meta.source == "lengths":
-                meta.check_position_ids(position_ids)
         if meta.batch_size != B or meta.seq_len != T:
             raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
                              f"the batch is {B}x{T}")
         entry = build_entry(key, meta, device)
+    if validate and position_ids is not None:
+        _check(entry, packing, position_ids, from_cu)
     entry.pos_ref = pos_ref
     if cache:
         _CACHE[_canonical(device)] = entry  # a new batch replaces the old one on this device
     return entry
+
+
+def _identity(t: torch.Tensor) -> tuple[int, int]:
+    return id(t), t._version
+
+
+def _check(entry: _Entry, packing, position_ids: torch.Tensor, from_cu: bool) -> None:
+    """The caller's positions against the metadata they came with (a padded mask's documents, and
+    metadata read from the positions themselves, need none)."""
+    if from_cu or (packing is not None and packing.source == "lengths"):
+        COUNTERS["position_id_checks"] += 1
+        checks.compare(entry.start, position_ids, "cu_seq_lens_q" if from_cu else f"packing={packing!r}")
+    entry.checked = _identity(position_ids)
 
 
 class _ReleaseOnBackward(torch.autograd.Function):
@@ -405,6 +423,7 @@ class _ReleaseOnBackward(torch.autograd.Function):
         if hit is not None and hit.key == ctx.entry_key:
             del _CACHE[ctx.device]
             COUNTERS["releases"] += 1
+        checks.raise_pending()  # the batch's inputs, if the GPU has checked them by now: before the optimizer steps
         return grad, None, None
 
 
