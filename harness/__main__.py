@@ -1,5 +1,25 @@
+"""``python -m harness``: the command line (``harness.cli``), and two internal entries the harness
+starts itself: ``_point`` (the child process of one sweep point) and ``_rounds`` (one side's sweeps
+for the revisions gate, ``harness.run.serve``, which runs the command line's sweep)."""
+
 import sys
 
-from harness.cli import main
 
-sys.exit(main())
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["_point"]:
+        from harness.run.stacks import stacks_on_request
+
+        stacks_on_request()  # before torch's import: a point stopped in it says so too
+        from harness.run import point
+
+        return point.main(*argv[1:3])
+    if argv[:1] == ["_rounds"]:
+        from harness.run import serve
+
+        return serve.main(argv[1:])
+    from harness.cli import main
+
+    return main(argv)
+
+
+sys.exit(_main(sys.argv[1:]))

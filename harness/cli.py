@@ -423,17 +423,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_point"]:  # internal: the child process of one sweep point
-        from harness.run.stacks import stacks_on_request
-
-        stacks_on_request()  # before torch's import: a point stopped in it says so too
-        from harness.run import point
-
-        return point.main(*argv[1:3])
-    if argv[:1] == ["_rounds"]:  # internal: one side's sweeps for the revisions gate
-        from harness.run import serve
-
-        return serve.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = shlex.join(["python", "-m", "harness", *argv])  # recorded in every row it writes

@@ -66,12 +66,12 @@ def group_todo(points: list, latest: dict[str, dict], code: str | None, now: flo
     ``estimate_s``); else all of them again. ``overwrite`` when a point to run
     already has a row (the sweep skips it otherwise)."""
     have = [latest[p.point_id] for p in points if p.point_id in latest]
-    if len(have) == len(points) and runs._one_run(have) is not False:
+    if len(have) == len(points) and runs.from_one_run(have) is not False:
         return [], False
-    newest = runs._runs(have)[-1] if have else []
-    started = runs._when(newest[0]) if newest else None  # None: rows without a recording time
+    newest = runs.split_runs(have)[-1] if have else []
+    started = runs.recorded_at(newest[0]) if newest else None  # None: rows without a recording time
     rest = [p for p in points if p.point_id not in {r.get("point_id") for r in newest}]
-    fresh = started is not None and runs._code_ids(newest) <= {code} and \
+    fresh = started is not None and runs.code_ids(newest) <= {code} and \
         now - started.timestamp() + sum(res.point_estimate_s(history or {}, p.point_id, estimate_s, elsewhere)
                                         for p in rest) <= runs.SAME_RUN_MINUTES * 60
     todo = rest if fresh else list(points)

@@ -25,7 +25,7 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     compiled_graphs_warmup and compiled_graphs_per_step (the graphs torch.compile made before the
     measured steps, and in each measured step: a step that compiled was timed with its compile),
     attention_kernels ({kernel: calls or None}: the attention kernels that ran, e.g.
-    "flex-fused", "varlen", "flex-unfused"; see harness.run.point.attention_kernels) and
+    "flex-fused", "varlen", "flex-unfused"; see harness.run.record.attention_kernels) and
     attention_fallback (why optim.packing's fused flex could not run, or None), optim (per optim
     module applied: what it changed, and ``resolved``, the value each of its switches took) and
     switches_resolved (those values, flat); setup_s (where the point's wall time went: wait, build,

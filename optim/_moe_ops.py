@@ -118,7 +118,7 @@ def gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] 
 # ---------------------------------------------------------------------------------------------
 
 
-def _weight(mod, name: str) -> torch.Tensor:
+def weight_of(mod, name: str) -> torch.Tensor:
     """(E, in, out) view of an expert weight. gpt-oss stores it that way (``is_transposed``);
     Qwen3-MoE stores (E, out, in) for ``F.linear``. In peft's merged mode this reads the
     parametrized W + B·A."""
@@ -127,7 +127,7 @@ def _weight(mod, name: str) -> torch.Tensor:
 
 
 def expert_weights(mod) -> dict[str, torch.Tensor]:
-    return {name: _weight(mod, name) for name in PROJECTIONS}
+    return {name: weight_of(mod, name) for name in PROJECTIONS}
 
 
 def _proj_slice(mod, name, x, e, W, lora):
@@ -319,13 +319,13 @@ def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, 
 
 
 _compiled = None
-_compile_failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the error
+COMPILE_FAILED: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the error
 
 
 def compiled_grouped(device: torch.device, dtype: torch.dtype):
     """``grouped_pure`` under torch.compile (one per process), or None where compiling failed
     before for this device type and dtype."""
-    if (device.type, dtype) in _compile_failed:
+    if (device.type, dtype) in COMPILE_FAILED:
         return None
     global _compiled
     if _compiled is None:
@@ -341,7 +341,7 @@ def compiled_grouped(device: torch.device, dtype: torch.dtype):
 
 def compile_failed(device: torch.device, dtype: torch.dtype, err: BaseException) -> None:
     msg = f"{type(err).__name__}: {err}"
-    _compile_failed[(device.type, dtype)] = msg
+    COMPILE_FAILED[(device.type, dtype)] = msg
     log.warning("optim.moe: torch.compile of the grouped experts failed on %s/%s (%s); the eager "
                 "grouped path runs instead", device.type, dtype, msg.splitlines()[0][:300])
 

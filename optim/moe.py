@@ -93,8 +93,8 @@ def _make_impl(backend: str):
                 try:
                     return fn(
                         hidden_states, router_indices, routing_weights,
-                        ops._weight(self, "gate_up_proj"), getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
-                        ops._weight(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
+                        ops.weight_of(self, "gate_up_proj"), getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
+                        ops.weight_of(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
                         lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts,
                     )
                 except Exception as e:  # a compiler failure must not stop training
@@ -299,8 +299,8 @@ def describe(model: nn.Module) -> dict[str, Any]:
     ex = next((m for m in model.modules() if _is_experts(m)), None)
     if ex is not None and s.moe_backend == "auto":
         d["moe_backend_resolved"] = auto_backend(next(ex.parameters()).device)
-    if ops._compile_failed:
-        d["moe_compile_errors"] = {f"{k[0]}/{k[1]}": v[:300] for k, v in ops._compile_failed.items()}
+    if ops.COMPILE_FAILED:
+        d["moe_compile_errors"] = {f"{k[0]}/{k[1]}": v[:300] for k, v in ops.COMPILE_FAILED.items()}
     return d
 
 

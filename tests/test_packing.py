@@ -572,7 +572,8 @@ def test_kernels_record_what_ran(built):
 def test_entry_from_position_ids_on_the_device_equals_the_host_built_entry():
     """What a CUDA-graph capture builds from position_ids (no sync, fixed shapes) against the entry
     built from the host lengths; varlen refuses it with the reason."""
-    from optim.packing.metadata import build_varlen_args, entry_from_position_ids
+    from optim.packing.metadata import entry_from_position_ids
+    from optim.packing.structures import build_varlen_args
 
     meta = P.PackedMetadata.from_lengths([[3, 60, 1], [2, 62]])
     host = P.build_entry(("h",), meta, torch.device("cpu"))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from harness.gate import outputs, rounds, stats, verdict, worktrees
 from harness.gate.files import GateError
-from harness.run.experiment import GateSpec
+from harness.run.gate_spec import GateSpec
 
 DEFAULT_SUITE = Path("experiments") / "gate.toml"
 
@@ -99,7 +99,7 @@ def _parity(tree: Path, suite: Path, out: Path, head_sha: str, log) -> list[dict
     log("parity: head's loss and gradients, each guard's on against off")
     with open(out / "parity.log", "w") as f:
         proc = subprocess.run([sys.executable, "-m", "harness", "parity", str(suite), "--json", str(path)],
-                              cwd=tree, env=rounds._env(tree), stdout=f, stderr=subprocess.STDOUT, check=False)
+                              cwd=tree, env=rounds.tree_env(tree), stdout=f, stderr=subprocess.STDOUT, check=False)
     if proc.returncode not in (0, 1) or not path.exists():
         tail = (out / "parity.log").read_text()[-1500:]
         raise GateError(f"head could not run the parity checks (exit {proc.returncode}); the last of "

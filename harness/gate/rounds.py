@@ -48,7 +48,7 @@ def round_dir(out: Path, number: int, side: str) -> Path:
     return out / "rounds" / f"{number:02d}-{side}"
 
 
-def _env(tree: Path) -> dict:
+def tree_env(tree: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     # the round's git sha comes from its worktree; OPTIM_* would change what the switches resolve to
@@ -93,7 +93,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness", "_rounds", str(self.suite)], cwd=self.tree, env=_env(self.tree),
+            [sys.executable, "-m", "harness", "_rounds", str(self.suite)], cwd=self.tree, env=tree_env(self.tree),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
         )
         log.close()
@@ -173,7 +173,7 @@ def run_round(number: int, side: str, sha: str, tree: Path, suite: Path, out: Pa
     if code is None:
         with open(where / "sweep.log", "w") as log:
             try:
-                code = subprocess.run([sys.executable, "-m", "harness", "sweep", *args], cwd=tree, env=_env(tree),
+                code = subprocess.run([sys.executable, "-m", "harness", "sweep", *args], cwd=tree, env=tree_env(tree),
                                       stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False).returncode
             except subprocess.TimeoutExpired:
                 raise GateError(late) from None

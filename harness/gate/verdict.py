@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from harness.gate import stats
 from harness.row import match_key
-from harness.run.experiment import GateSpec, Guard
+from harness.run.gate_spec import GateSpec, Guard
 
 MIB = 2**20
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from harness import results as res
 from harness.errors import InputError
 from harness.report import bench, output, profiles, scaling, spec, user
-from harness.report.fmt import _values
+from harness.report import fmt
 from harness.report.frames import bandwidth_frame, steps_frame
 from harness.report.sections import SECTIONS, summary
 
@@ -54,7 +54,7 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
             gpu_rows = [r for r in sweep_rows if (r.get("gpu_slug") or "unknown") == slug]
             df_steps = df_steps_all[df_steps_all["gpu_slug"] == slug].reset_index(drop=True)
             df_bw = df_bw_all[df_bw_all["gpu_slug"] == slug].reset_index(drop=True)
-            device = _values(r.get("device_name") for r in gpu_rows)
+            device = fmt.distinct(r.get("device_name") for r in gpu_rows)
             parts.append(f"## {device} (`{slug}`)")
             parts += [text.strip() for section in SECTIONS
                       if (text := section(df_steps, df_bw, gpu_rows, out_dir)) and text.strip()]

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from harness.report import loss, moe, offload, packing, user
 from harness.report import fmt
-from harness.report.fmt import _values
 from harness.results import BENCH_KINDS
 
 
@@ -48,7 +47,7 @@ def _provenance(g: BenchGroup, experiment: str) -> str:
     shas = {str(s)[:12] for s in [e.get("git_sha")] + [r.get("git_sha") for r in g.rows] if s}
     setup = ", ".join(f"{k} {e[k]}" for k in ("torch", "transformers", "peft", "cuda", "driver") if e.get(k))
     commands = sorted({fmt.command(r["command"]) for r in g.rows if r.get("command")})
-    made = (f" written by {_values(f'`{c}`' for c in commands)}" if commands
+    made = (f" written by {fmt.distinct(f'`{c}`' for c in commands)}" if commands
             else " (the command was not recorded for these rows)")
     return (f"From the bench rows of `results/{experiment}/{g.slug}.jsonl`{made}"
             + (f": {setup}" if setup else "") + (f"; git {', '.join(sorted(shas))}" if shas else "") + ".")

@@ -48,50 +48,50 @@ def command(cmd: str) -> str:
     return shlex.join(out)
 
 
-def _isnum(x) -> bool:
+def is_known(x) -> bool:
     return x is not None and not pd.isna(x)
 
 
 def fmt_ms(x) -> str:
-    if not _isnum(x):
+    if not is_known(x):
         return "n/a"
     return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
 
 
 def fmt_num(x, fmt: str) -> str:
-    return format(x, fmt) if _isnum(x) else "n/a"
+    return format(x, fmt) if is_known(x) else "n/a"
 
 
 def fmt_pct(x, note: str = "") -> str:
-    if _isnum(x):
+    if is_known(x):
         return f"{100 * x:.1f}%"
     return f"n/a ({note})" if note else "n/a"
 
 
-def _bytes(n: int) -> str:
+def size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
     return f"{n} B"
 
 
-def _truncate(text: str, limit: int = MESSAGE_CHARS) -> str:
+def truncate(text: str, limit: int = MESSAGE_CHARS) -> str:
     text = " ".join(str(text or "").split())  # tracebacks are multi-line; a table cell is not
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _slug(rows: list[dict]) -> str:
+def gpu_slug(rows: list[dict]) -> str:
     return (rows[0].get("gpu_slug") if rows else None) or "unknown"
 
 
-def _point_label(model: str, seq_len: int, variant: str | None = None) -> str:
+def point_label(model: str, seq_len: int, variant: str | None = None) -> str:
     return f"{model}\nT={seq_len}" + (f"\n{variant}" if variant else "")
 
 
-def _values(items, fmt=str) -> str:
+def distinct(items, show=str) -> str:
     """Distinct values, sorted; several mean the rows were recorded under different set-ups,
     which the reader must see rather than have one silently chosen."""
-    seen = sorted({fmt(v) for v in items if v is not None and v != ""})
+    seen = sorted({show(v) for v in items if v is not None and v != ""})
     return ", ".join(seen) if seen else "unknown"
 
 
@@ -103,71 +103,71 @@ MIB = 2**20
 # Formatting: report.py's number styles, with "–" for anything missing
 
 
-def _f(x) -> float | None:
+def number(x) -> float | None:
     """A number, or None for missing / non-numeric / NaN values (so bad fields render, not crash)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not _isnum(x) or math.isinf(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not is_known(x) or math.isinf(x):
         return None
     return float(x)
 
 
-def _v(x):
+def or_dash(x):
     return DASH if x is None or x == "" else x
 
 
-def _table(header: list[str], body: list[list]) -> str:
-    return md_table(header, [[_v(cell) for cell in row] for row in body])
+def table(header: list[str], body: list[list]) -> str:
+    return md_table(header, [[or_dash(cell) for cell in row] for row in body])
 
 
-def _ms(x) -> str:
-    return fmt_ms(x) if _f(x) is not None else DASH
+def ms(x) -> str:
+    return fmt_ms(x) if number(x) is not None else DASH
 
 
-def _num(x, spec: str) -> str:
-    v = _f(x)
+def num(x, spec: str) -> str:
+    v = number(x)
     if v is None:
         return DASH
     return format(round(v) if spec.endswith("d") else v, spec)
 
 
-def _times(x) -> str:
-    return f"{x:.2f}×" if _f(x) is not None else DASH
+def times(x) -> str:
+    return f"{x:.2f}×" if number(x) is not None else DASH
 
 
-def _pct(x) -> str:
+def signed_pct(x) -> str:
     """x already in percent, signed: a gain or a cost."""
-    return f"{x:+.1f}%" if _f(x) is not None else DASH
+    return f"{x:+.1f}%" if number(x) is not None else DASH
 
 
-def _stat(row: dict | None, metric: str, stat: str = "p50") -> float | None:
+def stat(row: dict | None, metric: str, stat: str = "p50") -> float | None:
     stats = (row or {}).get(metric)
-    return _f(stats.get(stat)) if isinstance(stats, dict) else None
+    return number(stats.get(stat)) if isinstance(stats, dict) else None
 
 
-def _spread(row: dict | None, metric: str) -> str:
+def spread(row: dict | None, metric: str) -> str:
     if row and row.get("status") not in (None, "ok"):
         return str(row.get("status")).upper()
-    p50 = _stat(row, metric)
+    p50 = stat(row, metric)
     if p50 is None:
         return DASH
-    return f"{_ms(p50)} [{_ms(_stat(row, metric, 'p20'))}–{_ms(_stat(row, metric, 'p80'))}]"
+    return f"{ms(p50)} [{ms(stat(row, metric, 'p20'))}–{ms(stat(row, metric, 'p80'))}]"
 
 
-def _ratio_pct(slow, fast) -> float | None:
+def gain_pct(slow, fast) -> float | None:
     """100·(slow/fast − 1): how much faster ``fast`` is (a steps/s gain), None if unknown."""
-    slow, fast = _f(slow), _f(fast)
+    slow, fast = number(slow), number(fast)
     return 100 * (slow / fast - 1) if slow is not None and fast else None
 
 
-def _sub(a, b) -> float | None:
-    a, b = _f(a), _f(b)
+def diff(a, b) -> float | None:
+    a, b = number(a), number(b)
     return a - b if a is not None and b is not None else None
 
 
-def _first(*values) -> float | None:
-    return next((v for v in map(_f, values) if v is not None), None)
+def first(*values) -> float | None:
+    return next((v for v in map(number, values) if v is not None), None)
 
 
-def _loss_note(rows) -> str:
+def loss_note(rows) -> str:
     modes = {r.get("loss_mode") for r in rows}
     if modes == {"chunked"}:
         return (" The loss is chunked (`loss = \"chunked\"`: checkpointed 4096-token chunks in rows recorded "
@@ -179,12 +179,12 @@ def _loss_note(rows) -> str:
     return ""
 
 
-def _natural(text) -> tuple:
+def natural(text) -> tuple:
     """Sort key reading digit runs as numbers: qwen3-8b before qwen3-14b."""
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(text)))
 
 
-def _met(ok: bool | None, note: str = "") -> str:
+def met(ok: bool | None, note: str = "") -> str:
     text = DASH if ok is None else ("yes" if ok else "no")
     return f"{text} ({note})" if note else text
 

@@ -3,8 +3,9 @@ per lm_head shape and weight mode, against the stock full-logits loss of the sam
 
 from __future__ import annotations
 
-from harness.report.fmt import DASH, _f, _ms, _num, _table, _times
-from harness.report.moe import _kind
+from harness.report.fmt import DASH
+from harness.report import fmt
+from harness.report.moe import rows_of_kind
 
 ORDER = ["stock", "liger", "cce", "cce-filtered", "optim-compiled", "optim-eager"]
 
@@ -14,13 +15,13 @@ def _rank(kernel: str) -> int:
 
 
 def _err(x) -> str:
-    return DASH if _f(x) is None else f"{_f(x):.1e}"
+    return DASH if fmt.number(x) is None else f"{fmt.number(x):.1e}"
 
 
 def loss_tables(rows: list[dict]) -> str:
     """One table per (shape, weight mode): every kernel's time, speedup over stock, peak memory
     above its inputs and error against fp32 ("" without ``loss_kernel`` rows)."""
-    found = _kind(rows, "loss_kernel")
+    found = rows_of_kind(rows, "loss_kernel")
     if not found:
         return ""
     groups: dict[tuple, list[dict]] = {}
@@ -35,18 +36,18 @@ def loss_tables(rows: list[dict]) -> str:
              "lm_head trained too.")]
     for (model, mode), group in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
         first = group[0]
-        stock = next((_f(r.get("ms")) for r in group if r.get("backend") == "stock" and r.get("status") == "ok"), None)
+        stock = next((fmt.number(r.get("ms")) for r in group if r.get("backend") == "stock" and r.get("status") == "ok"), None)
         body = []
         for r in sorted(group, key=lambda r: _rank(str(r.get("backend")))):
             if r.get("status") != "ok":
                 body.append([r.get("backend"), f"{r.get('status')}: {r.get('error', '')}", DASH, DASH, DASH, DASH, DASH])
                 continue
-            ms = _f(r.get("ms"))
-            spread = f"{_ms(ms)} [{_ms(r.get('ms_p20'))}–{_ms(r.get('ms_p80'))}]"
-            body.append([r.get("backend"), spread, _times(stock / ms) if stock and ms else DASH,
-                         _num(r.get("peak_gib"), ".3f"), _err(r.get("loss_err")), _err(r.get("grad_h_err")),
+            ms = fmt.number(r.get("ms"))
+            spread = f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]"
+            body.append([r.get("backend"), spread, fmt.times(stock / ms) if stock and ms else DASH,
+                         fmt.num(r.get("peak_gib"), ".3f"), _err(r.get("loss_err")), _err(r.get("grad_h_err")),
                          _err(r.get("grad_w_err"))])
         parts.append(f"**{model}**: {first.get('tokens')} tokens × hidden {first.get('hidden')} × vocabulary "
                      f"{first.get('vocab')}, lm_head {mode}")
-        parts.append(_table(["kernel", "ms", "× stock", "peak GiB", "loss err", "dh err", "dW err"], body))
+        parts.append(fmt.table(["kernel", "ms", "× stock", "peak GiB", "loss err", "dh err", "dW err"], body))
     return "\n\n".join(parts)

@@ -3,20 +3,10 @@ the seeds, and what would make the largest model fit."""
 
 from __future__ import annotations
 
-from harness.report.fmt import (
-    DASH,
-    _f,
-    _met,
-    _ms,
-    _natural,
-    _num,
-    _pct,
-    _ratio_pct,
-    _stat,
-    _table,
-)
-from harness.report.offload import _ratio_cell
-from harness.report.runs import SAME_RUN_MINUTES, _run_label, _runs
+from harness.report.fmt import DASH
+from harness.report import fmt
+from harness.report.offload import ratio_cell
+from harness.report.runs import SAME_RUN_MINUTES, run_label, split_runs
 from harness.switches import SWITCHES
 
 # the backends the layer benchmark compares: every choice of the switch but "auto"
@@ -25,37 +15,37 @@ MOE_BACKENDS = tuple(b for b in SWITCHES["moe_backend"].choices if b != "auto")
 # MoE layer (bench_moe)
 
 
-def _kind(rows: list[dict], kind: str) -> list[dict]:
+def rows_of_kind(rows: list[dict], kind: str) -> list[dict]:
     return [r for r in rows if r["kind"] == kind]
 
 
 def moe_routing(rows: list[dict]) -> list[dict]:
     """Per (model, tokens): p50 fwd/bwd ms per backend and sorted over loop (%, steps/s sense)."""
     points: dict[tuple, dict] = {}
-    for r in _kind(rows, "moe_routing"):
-        key = (str(r.get("model") or "unknown"), int(_f(r.get("tokens")) or 0))
+    for r in rows_of_kind(rows, "moe_routing"):
+        key = (str(r.get("model") or "unknown"), int(fmt.number(r.get("tokens")) or 0))
         points.setdefault(key, {"model": key[0], "tokens": key[1], "backends": {}})["backends"][r.get("backend")] = r
     out = []
-    for key in sorted(points, key=lambda k: (_natural(k[0]), k[1])):
+    for key in sorted(points, key=lambda k: (fmt.natural(k[0]), k[1])):
         pt = points[key]
         b = pt["backends"]
         for metric in ("forward_ms", "backward_ms"):
-            pt[f"sorted_over_loop_{metric}"] = _ratio_pct(_stat(b.get("loop"), metric), _stat(b.get("sorted"), metric))
+            pt[f"sorted_over_loop_{metric}"] = fmt.gain_pct(fmt.stat(b.get("loop"), metric), fmt.stat(b.get("sorted"), metric))
         out.append(pt)
     return out
 
 
-def _gain(pct) -> str:
+def gain_cell(pct) -> str:
     """A percent gain, with the ratio beside it when it is large enough that % reads badly."""
-    if _f(pct) is None or pct < 100:
-        return _pct(pct)
-    return f"{_pct(pct)} ({1 + pct / 100:.2f}×)"
+    if fmt.number(pct) is None or pct < 100:
+        return fmt.signed_pct(pct)
+    return f"{fmt.signed_pct(pct)} ({1 + pct / 100:.2f}×)"
 
 
 def _fwd_bwd(row: dict | None) -> str:
     if row and row.get("status") not in (None, "ok"):
         return str(row.get("status")).upper()
-    return f"{_ms(_stat(row, 'forward_ms'))} / {_ms(_stat(row, 'backward_ms'))}"
+    return f"{fmt.ms(fmt.stat(row, 'forward_ms'))} / {fmt.ms(fmt.stat(row, 'backward_ms'))}"
 
 
 def moe_tables(rows: list[dict]) -> str:
@@ -63,35 +53,35 @@ def moe_tables(rows: list[dict]) -> str:
     routing = moe_routing(rows)
     if routing:
         body = [[pt["model"], pt["tokens"], *(_fwd_bwd(pt["backends"].get(b)) for b in MOE_BACKENDS),
-                 _gain(pt["sorted_over_loop_forward_ms"]), _gain(pt["sorted_over_loop_backward_ms"])] for pt in routing]
+                 gain_cell(pt["sorted_over_loop_forward_ms"]), gain_cell(pt["sorted_over_loop_backward_ms"])] for pt in routing]
         header = ["model", "tokens", *(f"{b} fwd / bwd ms" for b in MOE_BACKENDS), "sorted over loop fwd",
                   "sorted over loop bwd"]
         parts.append("#### MoE routing path (group, gather, weight, scatter; no expert GEMMs)\n\n"
-                     + _table(header, body) + "\n\np50 of CUDA-event timings; \"sorted over loop\" = "
+                     + fmt.table(header, body) + "\n\np50 of CUDA-event timings; \"sorted over loop\" = "
                      "100·(loop / sorted − 1), + = sorted faster.")
-    syncs = _kind(rows, "moe_syncs")
+    syncs = rows_of_kind(rows, "moe_syncs")
     if syncs:
         def pair(r, phase):
-            return f"{_num(r.get(f'{phase}_counted'), 'd')} / {_num(r.get(f'{phase}_observed'), 'd')}"
+            return f"{fmt.num(r.get(f'{phase}_counted'), 'd')} / {fmt.num(r.get(f'{phase}_observed'), 'd')}"
 
         body = [[r.get("model"), r.get("backend"), r.get("tokens"), pair(r, "forward"), pair(r, "backward"),
-                 _num(r.get("per_model_forward"), "d")]
-                for r in sorted(syncs, key=lambda r: (_natural(r.get("model")), MOE_BACKENDS.index(r["backend"])
+                 fmt.num(r.get("per_model_forward"), "d")]
+                for r in sorted(syncs, key=lambda r: (fmt.natural(r.get("model")), MOE_BACKENDS.index(r["backend"])
                                                       if r.get("backend") in MOE_BACKENDS else 9))]
-        parts.append("#### Host syncs per MoE layer\n\n" + _table(
+        parts.append("#### Host syncs per MoE layer\n\n" + fmt.table(
             ["model", "backend", "tokens", "forward counted / observed", "backward counted / observed",
              "counted per model forward"], body))
-    query = _kind(rows, "moe_query_model")
+    query = rows_of_kind(rows, "moe_query_model")
     if query:
         body = []
-        for r in sorted(query, key=lambda r: (_natural(r.get("model")), _f(r.get("tokens")) or 0)):
+        for r in sorted(query, key=lambda r: (fmt.natural(r.get("model")), fmt.number(r.get("tokens")) or 0)):
             q = r.get("queries_per_layer") if isinstance(r.get("queries_per_layer"), dict) else {}
-            pred, meas = _f(r.get("predicted_saving_ms")), _f(r.get("measured_saving_ms"))
-            body.append([r.get("model"), r.get("tokens"), " / ".join(_num(q.get(b), "d") for b in MOE_BACKENDS),
-                         f"{_num(r.get('per_query_ms'), '.3f')} (median {_num(r.get('per_query_ms_median'), '.3f')})",
-                         _ms(pred), _ms(meas), _ratio_cell(meas / pred if meas is not None and pred else None),
-                         _ms(r.get("predicted_saving_per_model_forward_ms"))])
-        parts.append("#### Dynamic-query model\n\n" + _table(
+            pred, meas = fmt.number(r.get("predicted_saving_ms")), fmt.number(r.get("measured_saving_ms"))
+            body.append([r.get("model"), r.get("tokens"), " / ".join(fmt.num(q.get(b), "d") for b in MOE_BACKENDS),
+                         f"{fmt.num(r.get('per_query_ms'), '.3f')} (median {fmt.num(r.get('per_query_ms_median'), '.3f')})",
+                         fmt.ms(pred), fmt.ms(meas), ratio_cell(meas / pred if meas is not None and pred else None),
+                         fmt.ms(r.get("predicted_saving_per_model_forward_ms"))])
+        parts.append("#### Dynamic-query model\n\n" + fmt.table(
             ["model", "tokens", "queries / layer loop / sorted / grouped_mm", "c ms / query (median over T)",
              "predicted saving ms / layer (E−1)·c", "measured loop − sorted ms", "measured / predicted",
              "predicted saving ms / model forward"], body)
@@ -113,31 +103,31 @@ def moe_crossover_md(rows: list[dict]) -> str:
     body = moe_crossover_body(rows)
     if not body:
         return ""
-    return "#### Split LoRA crossover\n\n" + _table(CROSSOVER_HEADER, body) + "\n\n" + CROSSOVER_NOTE
+    return "#### Split LoRA crossover\n\n" + fmt.table(CROSSOVER_HEADER, body) + "\n\n" + CROSSOVER_NOTE
 
 
 def moe_crossover_points(rows: list[dict]) -> list[dict]:
     """Per (model, tokens): s* per projection, the LoRA FLOPs and the experts layer's fwd+bwd ms,
     merged against split, on the fastest backend that ran split."""
-    cross = _kind(rows, "moe_split_crossover")
-    experts = {(r.get("model"), r.get("tokens"), r.get("backend"), r.get("lora")): r for r in _kind(rows, "moe_experts")}
+    cross = rows_of_kind(rows, "moe_split_crossover")
+    experts = {(r.get("model"), r.get("tokens"), r.get("backend"), r.get("lora")): r for r in rows_of_kind(rows, "moe_experts")}
     groups: dict[tuple, dict] = {}
     for r in cross:
-        groups.setdefault((str(r.get("model") or "unknown"), int(_f(r.get("tokens")) or 0)), {})[r.get("projection")] = r
+        groups.setdefault((str(r.get("model") or "unknown"), int(fmt.number(r.get("tokens")) or 0)), {})[r.get("projection")] = r
     out = []
-    for (model, tokens), projs in sorted(groups.items(), key=lambda kv: (_natural(kv[0][0]), kv[0][1])):
-        merged = [_f(r.get("merged_lora_flops")) for r in projs.values()]
-        split = [_f(r.get("split_lora_flops")) for r in projs.values()]
+    for (model, tokens), projs in sorted(groups.items(), key=lambda kv: (fmt.natural(kv[0][0]), kv[0][1])):
+        merged = [fmt.number(r.get("merged_lora_flops")) for r in projs.values()]
+        split = [fmt.number(r.get("split_lora_flops")) for r in projs.values()]
         backend = next((b for b in reversed(MOE_BACKENDS) if (model, tokens, b, "split") in experts), None)
 
         def total(lora):
             r = experts.get((model, tokens, backend, lora))
-            f, b = _stat(r, "forward_ms"), _stat(r, "backward_ms")
+            f, b = fmt.stat(r, "forward_ms"), fmt.stat(r, "backward_ms")
             return f + b if f is not None and b is not None else None
 
         out.append({"model": model, "tokens": tokens, "backend": backend,
                     "rank": next((r.get("lora_rank") for r in projs.values() if r.get("lora_rank") is not None), None),
-                    "s_star": {p: _f(projs.get(p, {}).get("crossover_tokens")) for p in ("gate_up_proj", "down_proj")},
+                    "s_star": {p: fmt.number(projs.get(p, {}).get("crossover_tokens")) for p in ("gate_up_proj", "down_proj")},
                     "flops_merged": sum(merged) if None not in merged else None,
                     "flops_split": sum(split) if None not in split else None,
                     "ms_merged": total("merged"), "ms_split": total("split")})
@@ -150,10 +140,10 @@ def moe_crossover_body(rows: list[dict]) -> list[list]:
     for p in moe_crossover_points(rows):
         fl_m, fl_s, ms_m, ms_s = p["flops_merged"], p["flops_split"], p["ms_merged"], p["ms_split"]
         body.append([p["model"], p["tokens"], p["rank"] if p["rank"] is not None else DASH,
-                     " / ".join(_num(v, ",.0f") for v in p["s_star"].values()),
-                     f"{_num(fl_m and fl_m / 1e9, ',.1f')} → {_num(fl_s and fl_s / 1e9, ',.1f')}",
-                     f"{_ms(ms_m)} → {_ms(ms_s)} ({p['backend'] or DASH})",
-                     _num(ms_m / ms_s if ms_m is not None and ms_s else None, ".2f") + ("×" if ms_m and ms_s else "")])
+                     " / ".join(fmt.num(v, ",.0f") for v in p["s_star"].values()),
+                     f"{fmt.num(fl_m and fl_m / 1e9, ',.1f')} → {fmt.num(fl_s and fl_s / 1e9, ',.1f')}",
+                     f"{fmt.ms(ms_m)} → {fmt.ms(ms_s)} ({p['backend'] or DASH})",
+                     fmt.num(ms_m / ms_s if ms_m is not None and ms_s else None, ".2f") + ("×" if ms_m and ms_s else "")])
     return body
 
 
@@ -162,7 +152,7 @@ def moe_targets_md(rows: list[dict], spec: dict) -> str:
     body = []
     seeds = {k: float(v) for k, v in (spec.get("seeds_routing") or {}).items()}
     by_gpu: dict[str, list[dict]] = {}
-    for r in _kind(rows, "moe_routing"):  # keyed by model and tokens alone: judge each GPU's apart
+    for r in rows_of_kind(rows, "moe_routing"):  # keyed by model and tokens alone: judge each GPU's apart
         by_gpu.setdefault(str(r.get("device_name") or r.get("gpu_slug")), []).append(r)
     for gpu, mine in sorted(by_gpu.items()):
         for pt in moe_routing(mine):
@@ -170,24 +160,24 @@ def moe_targets_md(rows: list[dict], spec: dict) -> str:
                 gain = pt[f"sorted_over_loop_{metric}"]
                 phase = metric.removesuffix("_ms")
                 where = f"{pt['model']} T={pt['tokens']}" + (f", {gpu}" if len(by_gpu) > 1 else "")
-                body.append([f"routing {phase}, sorted over loop ≥ {_pct(target)} ({where})",
-                             f"{_pct(target)} (GPT-OSS routing path, B200)", _gain(gain),
-                             _met(None if gain is None else gain >= target)])
+                body.append([f"routing {phase}, sorted over loop ≥ {fmt.signed_pct(target)} ({where})",
+                             f"{fmt.signed_pct(target)} (GPT-OSS routing path, B200)", gain_cell(gain),
+                             fmt.met(None if gain is None else gain >= target)])
     if not body:
         return ""
-    return "#### MoE routing\n\n" + _table(["target", "seeds' figure", "measured", "met?"], body)
+    return "#### MoE routing\n\n" + fmt.table(["target", "seeds' figure", "measured", "met?"], body)
 
 
 # ---------------------------------------------------------------------------------------------
 # End-to-end targets read from an experiment's sweep rows (not bench files)
 
-def _p50_by(rows, model, seq_len, variants) -> tuple[float | None, str | None, list[str]]:
+def best_p50(rows, model, seq_len, variants) -> tuple[float | None, str | None, list[str]]:
     """Fastest ok p50 (median over repeats) among ``variants``; the statuses of failed ones."""
     best, name, failed = None, None, []
     for v in variants:
         mine = [r for r in rows if r.get("model") == model and r.get("seq_len") == seq_len
                 and r.get("variant") == v]
-        ok = sorted(p for r in mine if r.get("status") == "ok" and (p := _stat(r, "step_ms")) is not None)
+        ok = sorted(p for r in mine if r.get("status") == "ok" and (p := fmt.stat(r, "step_ms")) is not None)
         failed += [f"{v}: {r.get('status')}" for r in mine if r.get("status") != "ok"]
         if ok:
             med = ok[len(ok) // 2]
@@ -232,19 +222,19 @@ def moe_pairs(rows: list[dict], model: str, eager: str | None = None) -> dict[in
     out = {}
     for t in sorted({r["seq_len"] for r in mine}):
         at = [r for r in mine if r["seq_len"] == t]
-        paired = [run for run in _runs(at)
-                  if _p50_by(run, model, t, stock)[0] is not None and _p50_by(run, model, t, ours)[0] is not None]
+        paired = [run for run in split_runs(at)
+                  if best_p50(run, model, t, stock)[0] is not None and best_p50(run, model, t, ours)[0] is not None]
         pick = paired[-1] if paired else at
-        s, sv, sf = _p50_by(pick, model, t, stock)
-        o, ov, of = _p50_by(pick, model, t, ours)
-        e, _, ef = _p50_by(pick, model, t, [eager] if eager else [])
+        s, sv, sf = best_p50(pick, model, t, stock)
+        o, ov, of = best_p50(pick, model, t, ours)
+        e, _, ef = best_p50(pick, model, t, [eager] if eager else [])
         eager_here = e is not None or bool(ef)
         if not eager_here:  # another run's eager experts: shown, but no ratio against ours
-            e, _, ef = _p50_by(at, model, t, [eager] if eager else [])
+            e, _, ef = best_p50(at, model, t, [eager] if eager else [])
         out[t] = {"stock": s, "stock_variant": sv, "stock_failed": sf, "ours": o, "ours_variant": ov,
                   "ours_failed": of, "eager": e, "eager_failed": ef, "one_run": bool(paired),
                   "eager_same_run": eager_here and bool(paired),
-                  "run": _run_label(pick) if paired else "different runs"}
+                  "run": run_label(pick) if paired else "different runs"}
     return out
 
 
@@ -258,7 +248,7 @@ def moe_gap_md(pairs: dict[int, dict], model: str) -> str:
     if not fs or not fo or fo[1] <= 0 or fo[0] <= 0:
         return ""
     (a_s, b_s), (a_o, b_o) = fs, fo
-    saved = ", ".join(f"{t}: {_ms(s - o)}" for t, s, o in both)
+    saved = ", ".join(f"{t}: {fmt.ms(s - o)}" for t, s, o in both)
     grows = a_s / a_o < b_s / b_o
     return (f"**How the gap moves with length ({model}).** Fitted to the side-by-side points above "
             f"({', '.join(str(t) for t, _, _ in both)} tokens), stock takes {a_s:.0f} ms + "
@@ -287,7 +277,7 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
         g = [r for r in steps if (r.get("gpu_slug") or "unknown") == slug]
         device = next((r.get("device_name") for r in g if r.get("device_name")), slug)
         body, targets, notes = [], [], []
-        for model in sorted({r["model"] for r in g}, key=_natural):
+        for model in sorted({r["model"] for r in g}, key=fmt.natural):
             stock, ours = _moe_sides([r for r in g if r["model"] == model])
             if not stock and not ours:
                 continue
@@ -301,29 +291,29 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                     ratios.append((t, ratio))
                 ref = seeds.get(t)
                 body.append([model, t, p["run"],
-                             f"{_ms(s)} ({p['stock_variant']})" if s else ("; ".join(p["stock_failed"]) or "not run"),
-                             f"{_ms(o)} ({p['ours_variant']})" if o else ("; ".join(p["ours_failed"]) or "not run"),
+                             f"{fmt.ms(s)} ({p['stock_variant']})" if s else ("; ".join(p["stock_failed"]) or "not run"),
+                             f"{fmt.ms(o)} ({p['ours_variant']})" if o else ("; ".join(p["ours_failed"]) or "not run"),
                              f"{ratio:.2f}×" if ratio else DASH,
-                             (_ms(e) + ("" if p["eager_same_run"] else " (other run)")) if e
+                             (fmt.ms(e) + ("" if p["eager_same_run"] else " (other run)")) if e
                              else ("; ".join(p["eager_failed"]) or DASH),
                              f"{e / o:.1f}×" if e and o and p["eager_same_run"] else DASH,
                              f"{ref} ({seeds_gpu})" if ref else DASH,
-                             _met(None if o is None or ref is None else o < ref,
+                             fmt.met(None if o is None or ref is None else o < ref,
                                   f"judged on the {judged_on}" if ref and judged_on and judged_on not in str(device)
                                   else "")])
             if (sp := spec.get("speedup")) and sp.get("model") == model:
                 t0, want = int(sp["seq_len"]), float(sp["min_ratio"])
                 got = dict(ratios).get(t0)
                 targets.append([f"best ours ≥ {want:.0f}× best stock at {t0} tokens ({model})",
-                                f"{got:.2f}×" if got else "not run", _met(None if got is None else got >= want)])
+                                f"{got:.2f}×" if got else "not run", fmt.met(None if got is None else got >= want)])
                 grows = [r for _, r in ratios]
                 targets.append([f"the gap grows with sequence length ({model})",
                                 ", ".join(f"{t}: {r:.2f}×" for t, r in ratios) or "not run",
-                                _met(None if len(grows) < 2 else all(b >= a for a, b in zip(grows, grows[1:])))])
+                                fmt.met(None if len(grows) < 2 else all(b >= a for a, b in zip(grows, grows[1:])))])
             if (fits := spec.get("completes")) and fits.get("model") == model:
                 t16 = int(fits["seq_len"])
-                o16, ov16, of16 = _p50_by(g, model, t16, ours)
-                s16, _, sf16 = _p50_by(g, model, t16, stock)
+                o16, ov16, of16 = best_p50(g, model, t16, ours)
+                s16, _, sf16 = best_p50(g, model, t16, stock)
 
                 def loss_of(variants, ok):
                     modes = {r.get("loss_mode") or "full" for r in g if r["model"] == model
@@ -343,30 +333,30 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                 else:
                     verdict = None if o16 is None and not of16 else (o16 is not None and s16 is None and bool(sf16))
                 targets.append([f"ours completes {t16} tokens where stock runs out of memory ({model})",
-                                f"ours {_ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
-                                f"stock {_ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
-                                _met(verdict)])
+                                f"ours {fmt.ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
+                                f"stock {fmt.ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
+                                fmt.met(verdict)])
             sol = spec.get("sorted_over_loop")
             if sol and sol.get("model") == model and spec.get("loop") and spec.get("sorted"):
                 t0, want = int(sol["seq_len"]), float(sol["min_gain_pct"])
-                lp, _, _ = _p50_by(g, model, t0, [spec["loop"]])
-                sp, _, _ = _p50_by(g, model, t0, [spec["sorted"]])
-                gain = _ratio_pct(lp, sp)
+                lp, _, _ = best_p50(g, model, t0, [spec["loop"]])
+                sp, _, _ = best_p50(g, model, t0, [spec["sorted"]])
+                gain = fmt.gain_pct(lp, sp)
                 targets.append([f"sorted over loop end to end ≥ +{want:.0f}% ({model}, {t0}, "
                                 f"{spec['loop']} → {spec['sorted']})",
-                                f"{_gain(gain)} ({_ms(lp)} → {_ms(sp)} ms)" if gain is not None else "not run",
-                                _met(None if gain is None else gain >= want)])
+                                f"{gain_cell(gain)} ({fmt.ms(lp)} → {fmt.ms(sp)} ms)" if gain is not None else "not run",
+                                fmt.met(None if gain is None else gain >= want)])
             if (gap := moe_gap_md({t: p for t, p in pairs.items() if p["one_run"]}, model)):
                 notes.append(gap)
             if seeds and judged_on and judged_on in str(device):
                 beats = [(t, o < seeds[t]) for t in seeds
-                         if (o := _p50_by(g, model, t, ours)[0]) is not None]
+                         if (o := best_p50(g, model, t, ours)[0]) is not None]
                 targets.append([f"ours below the seeds' {seeds_gpu} figures at every length ({model})",
                                 ", ".join(f"{t}: {'yes' if b else 'no'}" for t, b in beats) or "not run",
-                                _met(None if len(beats) < len(seeds) and all(b for _, b in beats)
+                                fmt.met(None if len(beats) < len(seeds) and all(b for _, b in beats)
                                      else all(b for _, b in beats) and len(beats) == len(seeds))])
         if body:
-            out.append(f"### {device} (`{slug}`): ours vs stock, end to end\n\n" + _table(
+            out.append(f"### {device} (`{slug}`): ours vs stock, end to end\n\n" + fmt.table(
                 ["model", "tokens", "run", "best stock ms p50", "best ours ms p50", "stock / ours",
                  "stock eager experts ms p50", "eager / ours", "seeds' ms", "ours below seeds'?"], body)
                 + "\n\nEach length's pair comes from one run: the latest run (rows recorded within "
@@ -376,7 +366,7 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                   "run covered: each side's best over all runs, and no ratio.")
         out += notes
         if targets:
-            out.append(f"#### End-to-end targets on {device}\n\n" + _table(["target", "measured", "met?"], targets)
+            out.append(f"#### End-to-end targets on {device}\n\n" + fmt.table(["target", "measured", "met?"], targets)
                        + "\n\nA target whose points were not all run shows `–` (not judged) rather than no.")
     return "\n\n".join(out)
 
@@ -387,7 +377,7 @@ GIB = 2**30
 
 def gpu_memory_gib(rows: list[dict]) -> dict[str, float]:
     """device name -> its memory in GiB, as the step rows' env records it."""
-    return {str(r.get("device_name")): _f((r.get("env") or {}).get("memory_total_gib"))
+    return {str(r.get("device_name")): fmt.number((r.get("env") or {}).get("memory_total_gib"))
             for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
 
 
@@ -397,7 +387,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
     per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic
     on those measurements."""
     ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
-            and _ours(r) and (r.get("loss_mode") or "full") == "full" and _f(r.get("peak_allocated_gib")) is not None]
+            and _ours(r) and (r.get("loss_mode") or "full") == "full" and fmt.number(r.get("peak_allocated_gib")) is not None]
     caps = gpu_memory_gib(rows)
     # one adapter dtype for the line: peft's default where measured (bf16-adapter rows would lower it)
     dtypes = {r.get("lora_dtype") or "fp32" for r in ours}
@@ -407,7 +397,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
         return ""
     small_gpu, cap = min(caps.items(), key=lambda kv: kv[1])
     r0 = ours[0]
-    total, trainable = _f(r0.get("total_params")), _f(r0.get("trainable_params"))
+    total, trainable = fmt.number(r0.get("total_params")), fmt.number(r0.get("trainable_params"))
     if not total or not trainable:
         return ""
     w_b = _BYTES.get(str(r0.get("dtype")), 2)
@@ -416,7 +406,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
     state = trainable * a_b * 4 / GIB  # weights, grads, AdamW exp_avg and exp_avg_sq
     by_t: dict[int, float] = {}
     for r in ours:  # the lowest peak per length among our variants
-        t, pk = int(r["seq_len"]), _f(r["peak_allocated_gib"])
+        t, pk = int(r["seq_len"]), fmt.number(r["peak_allocated_gib"])
         by_t[t] = min(by_t.get(t, pk), pk)
     ts = sorted(by_t)
     slope = (by_t[ts[-1]] - by_t[ts[0]]) / (ts[-1] - ts[0])  # GiB per token
@@ -445,7 +435,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
         if (r.get("kind") == "step" and r.get("model") == model and r.get("lora_dtype") == "model"
                 and _ours(r) and (r.get("loss_mode") or "full") == "full"):
             key = (str(r.get("device_name")), int(r["seq_len"]))
-            pk = _f(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
+            pk = fmt.number(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
             if key not in tried or (pk is not None and (tried[key] is None or pk < tried[key])):
                 tried[key] = pk
     checks = [f"{t} tokens on the {dev}: " + (f"{pk:.1f} GiB (projected {bf16_zero + slope * t:.1f})"
@@ -460,7 +450,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
             f"{(total - trainable) / 1e9:.2f} B frozen weights ({w_b} bytes each) and {state:.1f} GiB for the "
             f"{trainable / 1e9:.2f} B adapter parameters with their grads and AdamW's two states "
             f"({a_b} bytes each); the table starts from the larger of the two. The {small_gpu} has "
-            f"{cap:.1f} GiB.\n\n" + _table(
+            f"{cap:.1f} GiB.\n\n" + fmt.table(
                 ["change", "saves GiB", "peak at zero tokens GiB", f"left on the {small_gpu} GiB (tokens at the measured slope)"], body)
             + "\n\nOnly the first row is measured; each other row is that line lowered by what the change "
               "saves (a projection, not a run). The CUDA context and the allocator's reserve come on top "

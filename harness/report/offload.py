@@ -4,25 +4,8 @@ from __future__ import annotations
 
 import re
 
-from harness.report.fmt import (
-    DASH,
-    GIB,
-    MIB,
-    _f,
-    _first,
-    _loss_note,
-    _met,
-    _ms,
-    _natural,
-    _num,
-    _pct,
-    _ratio_pct,
-    _spread,
-    _stat,
-    _sub,
-    _table,
-    _values,
-)
+from harness.report.fmt import DASH, GIB, MIB
+from harness.report import fmt
 from harness.switches import SWITCHES
 
 OFFLOAD_MODES = SWITCHES["offload"].choices
@@ -50,13 +33,13 @@ def offload_points(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["kind"] not in ("offload", "offload_summary"):
             continue
-        key = (str(r.get("model") or "unknown"), int(_f(r.get("seq_len")) or 0), int(_f(r.get("batch_size")) or 0),
+        key = (str(r.get("model") or "unknown"), int(fmt.number(r.get("seq_len")) or 0), int(fmt.number(r.get("batch_size")) or 0),
                str(r.get("gpu_slug") or ""))
         pt = points.setdefault(key, {"model": key[0], "seq_len": key[1], "batch": key[2], "gpu": key[3],
                                      "device_name": r.get("device_name"), "modes": {},
                                      "summary": {}, "failed": [], "layer_bytes": None, "num_layers": None})
-        pt["layer_bytes"] = _first(r.get("layer_input_bytes"), pt["layer_bytes"])
-        pt["num_layers"] = _first(r.get("num_layers"), pt["num_layers"])
+        pt["layer_bytes"] = fmt.first(r.get("layer_input_bytes"), pt["layer_bytes"])
+        pt["num_layers"] = fmt.first(r.get("num_layers"), pt["num_layers"])
         if r["kind"] == "offload_summary":
             pt["summary"] = r  # a re-measured point: the later row (file order) is the answer
         elif r.get("mode") in (*OFFLOAD_MODES, "single_profile", "double_profile"):
@@ -67,36 +50,36 @@ def offload_points(rows: list[dict]) -> list[dict]:
     for pt in points.values():
         pt.update(_offload_derived(pt))
         pt["named_gpu"] = several
-    return [points[k] for k in sorted(points, key=lambda k: (_natural(k[0]), k[1:]))]
+    return [points[k] for k in sorted(points, key=lambda k: (fmt.natural(k[0]), k[1:]))]
 
 
 def _offload_derived(pt: dict) -> dict:
     s_row, m = pt["summary"], pt["modes"]
     ok = {k: r for k, r in m.items() if r.get("status") == "ok"}
-    p50 = {k: _stat(ok.get(k), "step_ms") for k in OFFLOAD_MODES}
-    peak = {k: _f((ok.get(k) or {}).get("peak_allocated_gib")) for k in OFFLOAD_MODES}
-    c, g = _f(s_row.get("c_ms")), _f(s_row.get("g_ms"))
-    n = _f(s_row.get("layers_reloaded"))
+    p50 = {k: fmt.stat(ok.get(k), "step_ms") for k in OFFLOAD_MODES}
+    peak = {k: fmt.number((ok.get(k) or {}).get("peak_allocated_gib")) for k in OFFLOAD_MODES}
+    c, g = fmt.number(s_row.get("c_ms")), fmt.number(s_row.get("g_ms"))
+    n = fmt.number(s_row.get("layers_reloaded"))
     hidden = min(c, g) if c is not None and g is not None else None
-    predicted = (n - 1) * hidden if hidden is not None and n else _f(s_row.get("predicted_saving_ms"))
+    predicted = (n - 1) * hidden if hidden is not None and n else fmt.number(s_row.get("predicted_saving_ms"))
     single, double = p50["single"], p50["double"]
-    measured = _first(_sub(single, double), s_row.get("measured_saving_ms"))
+    measured = fmt.first(fmt.diff(single, double), s_row.get("measured_saving_ms"))
     layer_gib = pt["layer_bytes"] / GIB if pt["layer_bytes"] else None
     return {
         "p50": p50, "peak": peak, "c": c, "g": g, "n": n, "predicted": predicted, "measured": measured,
         "ratio": measured / predicted if measured is not None and predicted else None,
-        "double_over_single_pct": _first(_ratio_pct(single, double), s_row.get("double_over_single_pct")),
-        "model_pct": _f(s_row.get("predicted_double_over_single_pct")),
+        "double_over_single_pct": fmt.first(fmt.gain_pct(single, double), s_row.get("double_over_single_pct")),
+        "model_pct": fmt.number(s_row.get("predicted_double_over_single_pct")),
         "per_layer_bound_pct": 100 * hidden / (c + g) if hidden is not None and c + g else None,
         # the steps/s gain if all of (n−1)·min(c, g) were hidden: ≈ (n−1)·min(c,g) / T_single
         "bound_pct": 100 * predicted / (single - predicted)
         if predicted is not None and single and single > predicted else None,
-        "double_vs_none_pct": _first(_ratio_pct(double, p50["none"]), s_row.get("double_vs_none_step_pct")),
-        "double_over_soc_pct": _first(_ratio_pct(p50["save_on_cpu"], double), s_row.get("double_over_save_on_cpu_pct")),
-        "buffer_gib": _f(s_row.get("second_buffer_gib")),
-        "buffer_peak_gib": _first(s_row.get("second_buffer_peak_gib"), _sub(peak["double"], peak["single"])),
+        "double_vs_none_pct": fmt.first(fmt.gain_pct(double, p50["none"]), s_row.get("double_vs_none_step_pct")),
+        "double_over_soc_pct": fmt.first(fmt.gain_pct(p50["save_on_cpu"], double), s_row.get("double_over_save_on_cpu_pct")),
+        "buffer_gib": fmt.number(s_row.get("second_buffer_gib")),
+        "buffer_peak_gib": fmt.first(s_row.get("second_buffer_peak_gib"), fmt.diff(peak["double"], peak["single"])),
         "layer_gib": layer_gib,
-        "saved_vs_none_gib": _first(_sub(peak["none"], peak["double"]), s_row.get("vram_saved_vs_none_gib")),
+        "saved_vs_none_gib": fmt.first(fmt.diff(peak["none"], peak["double"]), s_row.get("vram_saved_vs_none_gib")),
         "trace": s_row.get("trace") if isinstance(s_row.get("trace"), dict) else {},
     }
 
@@ -106,8 +89,8 @@ def _point(pt: dict) -> str:
     return f"{pt['model']} T={pt['seq_len']} B={pt['batch']}{where}"
 
 
-def _ratio_cell(ratio) -> str:
-    if _f(ratio) is None:
+def ratio_cell(ratio) -> str:
+    if fmt.number(ratio) is None:
         return DASH
     return f"{ratio:.2f}" + ("" if RATIO_OK[0] <= ratio <= RATIO_OK[1] else " ⚠")
 
@@ -116,30 +99,30 @@ def offload_tables(points: list[dict], rows: list[dict]) -> str:
     ident = ["model", "seq_len", "batch", "MiB / layer input"]
 
     def ids(pt):
-        return [pt["model"], pt["seq_len"], pt["batch"], _num(pt["layer_bytes"] and pt["layer_bytes"] / MIB, ".0f")]
+        return [pt["model"], pt["seq_len"], pt["batch"], fmt.num(pt["layer_bytes"] and pt["layer_bytes"] / MIB, ".0f")]
 
     steps = []
     for pt in points:
-        peaks = " / ".join(_num(pt["peak"][k], ".2f") for k in OFFLOAD_MODES)
-        steps.append([*ids(pt), *(_spread(pt["modes"].get(k), "step_ms") for k in OFFLOAD_MODES), peaks])
+        peaks = " / ".join(fmt.num(pt["peak"][k], ".2f") for k in OFFLOAD_MODES)
+        steps.append([*ids(pt), *(fmt.spread(pt["modes"].get(k), "step_ms") for k in OFFLOAD_MODES), peaks])
     header = [*ident, *(f"{k} step ms p50 [p20–p80]" for k in OFFLOAD_MODES),
               "peak alloc GiB " + " / ".join(OFFLOAD_MODES)]
     model = []
     for pt in points:
         tr = pt["trace"]
-        c_pred = (f"{_ms(pt['summary'].get('c_pred_ms'))} @ {_num(pt['summary'].get('pinned_gbps'), '.1f')} GB/s"
-                  if _f(pt["summary"].get("c_pred_ms")) is not None else DASH)
-        buffer = (f"{_num(pt['buffer_gib'], '.3f')} (peak {_num(pt['buffer_peak_gib'], '+.3f')}) / "
-                  f"{_num(pt['layer_gib'], '.3f')}")
+        c_pred = (f"{fmt.ms(pt['summary'].get('c_pred_ms'))} @ {fmt.num(pt['summary'].get('pinned_gbps'), '.1f')} GB/s"
+                  if fmt.number(pt["summary"].get("c_pred_ms")) is not None else DASH)
+        buffer = (f"{fmt.num(pt['buffer_gib'], '.3f')} (peak {fmt.num(pt['buffer_peak_gib'], '+.3f')}) / "
+                  f"{fmt.num(pt['layer_gib'], '.3f')}")
         copies = f"{tr['h2d_pinned']}/{tr['h2d_count']}" if "h2d_pinned" in tr and "h2d_count" in tr else DASH
         model.append([
-            *ids(pt), f"{_ms(pt['c'])} ({c_pred})", _ms(pt["g"]), _num(pt["n"], ".0f"),
-            _ms(pt["predicted"]), _ms(pt["measured"]), _ratio_cell(pt["ratio"]),
-            f"{_pct(pt['double_over_single_pct'])} (model {_pct(pt['model_pct'])}, "
-            f"per layer ≤ {_num(pt['per_layer_bound_pct'], '.1f')}%)",
-            _pct(pt["double_vs_none_pct"]), _pct(pt["double_over_soc_pct"]), buffer,
-            _num(pt["saved_vs_none_gib"], ".2f"),
-            f"{_num(_f(tr.get('overlap_pct')), '.1f')}%" if _f(tr.get("overlap_pct")) is not None else DASH, copies,
+            *ids(pt), f"{fmt.ms(pt['c'])} ({c_pred})", fmt.ms(pt["g"]), fmt.num(pt["n"], ".0f"),
+            fmt.ms(pt["predicted"]), fmt.ms(pt["measured"]), ratio_cell(pt["ratio"]),
+            f"{fmt.signed_pct(pt['double_over_single_pct'])} (model {fmt.signed_pct(pt['model_pct'])}, "
+            f"per layer ≤ {fmt.num(pt['per_layer_bound_pct'], '.1f')}%)",
+            fmt.signed_pct(pt["double_vs_none_pct"]), fmt.signed_pct(pt["double_over_soc_pct"]), buffer,
+            fmt.num(pt["saved_vs_none_gib"], ".2f"),
+            f"{fmt.num(fmt.number(tr.get('overlap_pct')), '.1f')}%" if fmt.number(tr.get("overlap_pct")) is not None else DASH, copies,
         ])
     model_header = [*ident, "c ms (bytes / pinned BW)", "g ms", "n reloaded", "predicted saving ms (n−1)·min(c,g)",
                     "measured saving ms single − double", "measured / predicted",
@@ -147,13 +130,13 @@ def offload_tables(points: list[dict], rows: list[dict]) -> str:
                     "2nd buffer GiB (peak Δ) / one layer input GiB", "VRAM saved vs none GiB",
                     "H2D overlap", "pinned / total H2D"]
     timed = [r for r in rows if r["kind"] == "offload"]
-    warm, measured = _values(r.get("warmup_steps") for r in timed), _values(r.get("measured_steps") for r in timed)
+    warm, measured = fmt.distinct(r.get("warmup_steps") for r in timed), fmt.distinct(r.get("measured_steps") for r in timed)
     parts = [
-        "#### Offloaded checkpointing: step time and peak memory per mode\n\n" + _table(header, steps),
+        "#### Offloaded checkpointing: step time and peak memory per mode\n\n" + fmt.table(header, steps),
         "All four modes of a point run in one process on one model, each for full steps (forward, "
         f"backward, AdamW): warm-up steps {warm}, measured steps {measured}; CUDA-event step time p50 "
-        "with p20–p80." + _loss_note(timed),
-        "#### Offloaded checkpointing: overlap model\n\n" + _table(model_header, model),
+        "with p20–p80." + fmt.loss_note(timed),
+        "#### Offloaded checkpointing: overlap model\n\n" + fmt.table(model_header, model),
         "c = one layer input's reload alone (event-timed in `single`), beside bytes / measured pinned "
         "bandwidth; g = one layer's recompute + backward; double can hide at most min(c, g) per layer, "
         "so it saves (n−1)·min(c, g) over single (⚠: measured / predicted outside "
@@ -184,10 +167,10 @@ def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
         ok = None if gain is None else gain >= seed["gain_pct"]
         note = ""
         if bound is not None and bound < seed["gain_pct"]:
-            note = f"unreachable: bound {_pct(bound)} < {_pct(seed['gain_pct'])}"
-        out.append({"target": f"double over single ≥ {_pct(seed['gain_pct'])} ({_point(pt)})",
-                    "seeds": f"{_pct(seed['gain_pct'])} ({seed['steps_per_s']} steps/s, {key.upper()}, B200)",
-                    "measured": f"{_pct(gain)} (bound {_pct(bound)})", "ok": ok, "note": note})
+            note = f"unreachable: bound {fmt.signed_pct(bound)} < {fmt.signed_pct(seed['gain_pct'])}"
+        out.append({"target": f"double over single ≥ {fmt.signed_pct(seed['gain_pct'])} ({_point(pt)})",
+                    "seeds": f"{fmt.signed_pct(seed['gain_pct'])} ({seed['steps_per_s']} steps/s, {key.upper()}, B200)",
+                    "measured": f"{fmt.signed_pct(gain)} (bound {fmt.signed_pct(bound)})", "ok": ok, "note": note})
     for pt in points:
         key = _seed_key(pt["model"], seeds)
         buf, delta, layer = pt["buffer_gib"], pt["buffer_peak_gib"], pt["layer_gib"]
@@ -197,7 +180,7 @@ def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
         out.append({"target": f"second buffer ≤ one layer input ({_point(pt)})",
                     "seeds": f"+{seeds[key]['extra_vram_gb']:.2f} GB extra VRAM ({key.upper()})" if key else DASH,
                     "measured": DASH if buf is None and delta is None else
-                    f"{_num(buf, '.3f')} GiB, peak {_num(delta, '+.3f')} GiB vs {_num(layer, '.3f')} GiB",
+                    f"{fmt.num(buf, '.3f')} GiB, peak {fmt.num(delta, '+.3f')} GiB vs {fmt.num(layer, '.3f')} GiB",
                     "ok": ok, "note": ""})
     for pt in points:
         cost, saved = pt["double_vs_none_pct"], pt["saved_vs_none_gib"]
@@ -205,13 +188,13 @@ def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
         out.append({"target": f"double within {NONE_STEP_TOLERANCE_PCT:.0f}% of none, peak below none ({_point(pt)})",
                     "seeds": DASH,
                     "measured": DASH if cost is None and saved is None else
-                    f"step {_pct(cost)}, peak {_num(pt['peak']['double'], '.2f')} vs "
-                    f"{_num(pt['peak']['none'], '.2f')} GiB", "ok": ok, "note": ""})
+                    f"step {fmt.signed_pct(cost)}, peak {fmt.num(pt['peak']['double'], '.2f')} vs "
+                    f"{fmt.num(pt['peak']['none'], '.2f')} GiB", "ok": ok, "note": ""})
     gains = [pt["double_over_soc_pct"] for pt in points]
     known = [x for x in gains if x is not None]
     if points:
         ok = None if not known else all(x > 0 for x in known)
-        measured = (f"{_pct(min(known))} … {_pct(max(known))} over {len(known)} points" if known else DASH)
+        measured = (f"{fmt.signed_pct(min(known))} … {fmt.signed_pct(max(known))} over {len(known)} points" if known else DASH)
         out.append({"target": "double faster than save_on_cpu at every point", "seeds": DASH,
                     "measured": measured, "ok": ok,
                     "note": f"{len(gains) - len(known)} point(s) unmeasured" if ok and len(known) < len(gains) else ""})
@@ -226,8 +209,8 @@ def offload_bound_paragraph(points: list[dict], seeds: dict) -> str:
     def term(pt):
         c, g, n, single = pt["c"], pt["g"], pt["n"], pt["p50"]["single"]
         if None in (c, g, n, single):
-            return f"{_point(pt)}: {_pct(pt['bound_pct'])}"
-        return f"{_point(pt)}: ({n:.0f}−1)·{_ms(min(c, g))} ms / {_ms(single)} ms → {_pct(pt['bound_pct'])}"
+            return f"{_point(pt)}: {fmt.signed_pct(pt['bound_pct'])}"
+        return f"{_point(pt)}: ({n:.0f}−1)·{fmt.ms(min(c, g))} ms / {fmt.ms(single)} ms → {fmt.signed_pct(pt['bound_pct'])}"
 
     sides = {"c" if pt["c"] <= pt["g"] else "g" for pt in known if pt["c"] is not None and pt["g"] is not None}
     side = {"c": " At every point here c < g: the copy is the short side, so only the reload time can be hidden, "
@@ -237,7 +220,7 @@ def offload_bound_paragraph(points: list[dict], seeds: dict) -> str:
     for pt in known:
         key = _seed_key(pt["model"], seeds)
         if key and pt["bound_pct"] < seeds[key]["gain_pct"]:
-            short.append(f"{_point(pt)} (bound {_pct(pt['bound_pct'])} < {_pct(seeds[key]['gain_pct'])})")
+            short.append(f"{_point(pt)} (bound {fmt.signed_pct(pt['bound_pct'])} < {fmt.signed_pct(seeds[key]['gain_pct'])})")
     targeted = [pt for pt in known if _seed_key(pt["model"], seeds)]
     if short:
         verdict = f" The seeds' target is not reachable where the bound is below it: {'; '.join(short)}."
@@ -257,8 +240,8 @@ def offload_targets_md(points: list[dict], spec: dict) -> str:
     rows = offload_targets(points, seeds)
     if not rows:
         return ""
-    body = [[r["target"], r["seeds"], r["measured"], _met(r["ok"], r["note"])] for r in rows]
-    parts = ["#### Offloaded checkpointing\n\n" + _table(["target", "seeds' figure", "measured", "met?"], body),
+    body = [[r["target"], r["seeds"], r["measured"], fmt.met(r["ok"], r["note"])] for r in rows]
+    parts = ["#### Offloaded checkpointing\n\n" + fmt.table(["target", "seeds' figure", "measured", "met?"], body),
              f"The buffer target lets the measured peak delta exceed one layer input by "
              f"{ALLOCATOR_SLACK_GIB * GIB / MIB:.0f} MiB, the caching allocator's block rounding."]
     if para := offload_bound_paragraph(points, seeds):

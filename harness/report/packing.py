@@ -3,24 +3,11 @@
 
 from __future__ import annotations
 
-from harness.report.fmt import (
-    DASH,
-    GIB,
-    _f,
-    _ms,
-    _natural,
-    _num,
-    _pct,
-    _ratio_pct,
-    _stat,
-    _sub,
-    _table,
-    _times,
-    _v,
-)
-from harness.report.moe import _gain, _kind, _p50_by
-from harness.report.offload import _ratio_cell
-from harness.report.runs import _gpu_steps, _median_of, _one_run, _run_note
+from harness.report.fmt import DASH, GIB
+from harness.report import fmt
+from harness.report.moe import gain_cell, rows_of_kind, best_p50
+from harness.report.offload import ratio_cell
+from harness.report.runs import steps_by_gpu, median_of, from_one_run, run_note
 
 # ---------------------------------------------------------------------------------------------
 # Packed-sequence metadata (bench_packing)
@@ -29,13 +16,13 @@ from harness.report.runs import _gpu_steps, _median_of, _one_run, _run_note
 def packing_m(rows: list[dict]) -> list[dict]:
     """Per (backend incl. window/sinks, seq_len): the m rows from lengths and from position_ids."""
     points: dict[tuple, dict] = {}
-    for r in _kind(rows, "packing_m"):
+    for r in rows_of_kind(rows, "packing_m"):
         label = str(r.get("backend") or "unknown")
         if r.get("window") is not None:
             label += f" (window {r['window']})"
         if r.get("sinks"):
             label += " (sinks)"
-        key = (label, int(_f(r.get("seq_len")) or 0))
+        key = (label, int(fmt.number(r.get("seq_len")) or 0))
         src = "position_ids" if r.get("from_position_ids") else "lengths"
         points.setdefault(key, {"backend": key[0], "seq_len": key[1]})[src] = r
     return [points[k] for k in sorted(points)]
@@ -47,33 +34,33 @@ def packing_tables(rows: list[dict], spec: dict) -> str:
     ms = packing_m(rows)
     if ms:
         def m(r):
-            if r is None or _f(r.get("m_ms")) is None:
+            if r is None or fmt.number(r.get("m_ms")) is None:
                 return DASH
-            if _f(r.get("m_p20_ms")) is None:
-                return _ms(r["m_ms"])
-            return f"{_ms(r['m_ms'])} [{_ms(r['m_p20_ms'])}–{_ms(r['m_p80_ms'])}]"
+            if fmt.number(r.get("m_p20_ms")) is None:
+                return fmt.ms(r["m_ms"])
+            return f"{fmt.ms(r['m_ms'])} [{fmt.ms(r['m_p20_ms'])}–{fmt.ms(r['m_p80_ms'])}]"
 
         body = [[pt["backend"], pt["seq_len"], m(pt.get("lengths")), m(pt.get("position_ids")),
-                 _ms(_sub((pt.get("position_ids") or {}).get("m_ms"), (pt.get("lengths") or {}).get("m_ms")))]
+                 fmt.ms(fmt.diff((pt.get("position_ids") or {}).get("m_ms"), (pt.get("lengths") or {}).get("m_ms")))]
                 for pt in ms]
-        source = ("the printed m lines (p50 only)" if all(r.get("source") == "log" for r in _kind(rows, "packing_m"))
+        source = ("the printed m lines (p50 only)" if all(r.get("source") == "log" for r in rows_of_kind(rows, "packing_m"))
                   else "packing_m rows, p50 [p20–p80]")
-        parts.append("#### Packed metadata build cost m\n\n" + _table(
+        parts.append("#### Packed metadata build cost m\n\n" + fmt.table(
             ["backend", "packed tokens", "m ms from lengths", "m ms from position_ids", "position_ids extra ms"], body)
             + f"\n\nm = one metadata + attention-structure build for a fresh packed batch, CUDA events and host "
               f"time (the larger); from {source}." + (f" Seeds: {spec['seeds_m']}." if spec.get("seeds_m") else ""))
-    counts = [r for r in _kind(rows, "packing_counts") if isinstance(r.get("cache_on"), dict)]
+    counts = [r for r in rows_of_kind(rows, "packing_counts") if isinstance(r.get("cache_on"), dict)]
     if counts:
         def syncs(r):
             on, off = r.get("cache_on") or {}, r.get("cache_off") or {}
-            return f"{_v(on.get('packing_host_syncs'))} / {_v(off.get('packing_host_syncs'))}"
+            return f"{fmt.or_dash(on.get('packing_host_syncs'))} / {fmt.or_dash(off.get('packing_host_syncs'))}"
 
         body = [[r.get("model"), r.get("seq_len"), r.get("backend"), "yes" if r.get("with_metadata") else "no",
-                 r.get("num_layers"), f"{_v(r.get('builds_on'))} / {_v(r.get('builds_off'))}", syncs(r),
-                 _ms(r.get("m_ms")), _ms(r.get("predicted_saving_ms")), _ms(r.get("seeds_prediction_ms"))]
-                for r in sorted(counts, key=lambda r: (_natural(r.get("model")), _f(r.get("seq_len")) or 0,
+                 r.get("num_layers"), f"{fmt.or_dash(r.get('builds_on'))} / {fmt.or_dash(r.get('builds_off'))}", syncs(r),
+                 fmt.ms(r.get("m_ms")), fmt.ms(r.get("predicted_saving_ms")), fmt.ms(r.get("seeds_prediction_ms"))]
+                for r in sorted(counts, key=lambda r: (fmt.natural(r.get("model")), fmt.number(r.get("seq_len")) or 0,
                                                        str(r.get("backend")), not r.get("with_metadata")))]
-        parts.append("#### Structure builds and host syncs per training step\n\n" + _table(
+        parts.append("#### Structure builds and host syncs per training step\n\n" + fmt.table(
             ["model", "seq_len", "backend", "metadata passed", "L", "builds cache on / off",
              "packing host syncs on / off", "m ms", "predicted saving ms (off − on)·m", "seeds' (L−1)·m ms"], body))
     return "\n\n".join(parts)
@@ -95,9 +82,9 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
     steps = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok"]
     plain_m = [r for r in m_rows if r.get("kind") == "packing_m" and not r.get("from_position_ids")
                and r.get("window") is None and not r.get("sinks")]
-    m_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_ms"))
+    m_by = {(r.get("gpu_slug"), str(r.get("backend")), int(fmt.number(r.get("seq_len")) or 0)): fmt.number(r.get("m_ms"))
             for r in plain_m}
-    m_dev_by = {(r.get("gpu_slug"), str(r.get("backend")), int(_f(r.get("seq_len")) or 0)): _f(r.get("m_device_ms"))
+    m_dev_by = {(r.get("gpu_slug"), str(r.get("backend")), int(fmt.number(r.get("seq_len")) or 0)): fmt.number(r.get("m_device_ms"))
                 for r in plain_m}
     groups: dict[tuple, dict] = {}
     for r in steps:
@@ -109,25 +96,25 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
         groups.setdefault(key, {}).setdefault(bool(sw["packing_cache"]), []).append(r)
     out = []
     for (slug, model, t, backend, compiled), by in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], _natural(kv[0][1]), _f(kv[0][2]) or 0, kv[0][3], kv[0][4])):
+            groups.items(), key=lambda kv: (kv[0][0], fmt.natural(kv[0][1]), fmt.number(kv[0][2]) or 0, kv[0][3], kv[0][4])):
         if True not in by or False not in by:
             continue
         on, off = by[True][0], by[False][0]
         counter = STRUCTURE_COUNTER[backend]
 
         def per_step(r, counter=counter):
-            n = _f((r.get("packing_counters") or {}).get(counter))
-            steps_n = _f(r.get("measured_steps"))
+            n = fmt.number((r.get("packing_counters") or {}).get(counter))
+            steps_n = fmt.number(r.get("measured_steps"))
             return n / steps_n if n is not None and steps_n else None
 
         b_on, b_off = per_step(on), per_step(off)
-        m = m_by.get((slug, backend, int(_f(t) or 0)))
-        m_dev = m_dev_by.get((slug, backend, int(_f(t) or 0)))
+        m = m_by.get((slug, backend, int(fmt.number(t) or 0)))
+        m_dev = m_dev_by.get((slug, backend, int(fmt.number(t) or 0)))
         pred = (b_off - b_on) * m if None not in (b_on, b_off, m) else None
         pred_dev = (b_off - b_on) * m_dev if None not in (b_on, b_off, m_dev) else None
-        layers = _f(on.get("num_layers"))
-        p_on, p_off = _stat(on, "step_ms"), _stat(off, "step_ms")
-        meas = _sub(p_off, p_on)
+        layers = fmt.number(on.get("num_layers"))
+        p_on, p_off = fmt.stat(on, "step_ms"), fmt.stat(off, "step_ms")
+        meas = fmt.diff(p_off, p_on)
         out.append({"gpu": slug, "model": model, "seq_len": t, "backend": backend, "compiled": compiled,
                     "builds_on": b_on, "builds_off": b_off, "m_ms": m, "predicted_ms": pred,
                     "predicted_device_ms": pred_dev,
@@ -135,7 +122,7 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
                     "on_ms": p_on, "off_ms": p_off, "measured_ms": meas,
                     "ratio": meas / pred if meas is not None and pred else None,
                     "ratio_device": meas / pred_dev if meas is not None and pred_dev else None,
-                    "gain_pct": _ratio_pct(p_off, p_on), "noise_pct": _noise_pct(on, off),
+                    "gain_pct": fmt.gain_pct(p_off, p_on), "noise_pct": _noise_pct(on, off),
                     "noise_ms": _width_ms(on, off)})
     return out
 
@@ -144,7 +131,7 @@ def _noise_pct(*rows) -> float | None:
     """The larger within-run step-time spread (p80/p20 − 1, in %) of the rows compared."""
     spreads = []
     for r in rows:
-        p20, p80 = _stat(r, "step_ms", "p20"), _stat(r, "step_ms", "p80")
+        p20, p80 = fmt.stat(r, "step_ms", "p20"), fmt.stat(r, "step_ms", "p80")
         if p20 and p80:
             spreads.append(p80 / p20)
     return (max(spreads) - 1) * 100 if spreads else None
@@ -152,8 +139,8 @@ def _noise_pct(*rows) -> float | None:
 
 def _width_ms(*rows) -> float | None:
     """The wider p20–p80 step-time band (ms) of the rows compared."""
-    widths = [p80 - p20 for r in rows if (p20 := _stat(r, "step_ms", "p20")) is not None
-              and (p80 := _stat(r, "step_ms", "p80")) is not None]
+    widths = [p80 - p20 for r in rows if (p20 := fmt.stat(r, "step_ms", "p20")) is not None
+              and (p80 := fmt.stat(r, "step_ms", "p80")) is not None]
     return max(widths) if widths else None
 
 
@@ -167,13 +154,13 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
     if not pts:
         return ""
     body = [[p["gpu"], p["model"], p["seq_len"], _backend_label(p),
-             f"{_num(p['builds_on'], '.1f')} / {_num(p['builds_off'], '.1f')}", _ms(p["m_ms"]),
-             _ms(p["predicted_ms"]), _ms(p["predicted_device_ms"]), _ms(p["seeds_ms"]),
-             f"{_ms(p['off_ms'])} → {_ms(p['on_ms'])}",
-             _ms(p["measured_ms"]), _ratio_cell(p["ratio"]), _ratio_cell(p["ratio_device"]), _gain(p["gain_pct"]),
-             _pct(seeds.get(p["model"])) if p["model"] in seeds else DASH]
+             f"{fmt.num(p['builds_on'], '.1f')} / {fmt.num(p['builds_off'], '.1f')}", fmt.ms(p["m_ms"]),
+             fmt.ms(p["predicted_ms"]), fmt.ms(p["predicted_device_ms"]), fmt.ms(p["seeds_ms"]),
+             f"{fmt.ms(p['off_ms'])} → {fmt.ms(p['on_ms'])}",
+             fmt.ms(p["measured_ms"]), ratio_cell(p["ratio"]), ratio_cell(p["ratio_device"]), gain_cell(p["gain_pct"]),
+             fmt.signed_pct(seeds.get(p["model"])) if p["model"] in seeds else DASH]
             for p in pts]
-    return ("### Cache on vs off: predicted and measured saving per step\n\n" + _table(
+    return ("### Cache on vs off: predicted and measured saving per step\n\n" + fmt.table(
         ["GPU", "model", "seq_len", "backend", "structure builds / step on / off", "m ms",
          "predicted (off − on)·m ms", "device part of it ms", "seeds' (L−1)·m ms", "step ms off → on",
          "measured saving ms",
@@ -225,7 +212,7 @@ def _bound_summary(pts: list[dict]) -> str:
 
 
 def _missing_m_note(pts: list[dict]) -> str:
-    missing = sorted({(p["gpu"], int(_f(p["seq_len"]) or 0)) for p in pts if p["m_ms"] is None})
+    missing = sorted({(p["gpu"], int(fmt.number(p["seq_len"]) or 0)) for p in pts if p["m_ms"] is None})
     if not missing:
         return ""
     return (" The bench has no m for " + ", ".join(f"{t} tokens on {g}" for g, t in missing)
@@ -254,14 +241,14 @@ def packing_vs_stock_points(rows: list[dict], spec: dict) -> list[dict]:
     if not stock_v:
         return []
     out = []
-    for slug, g in _gpu_steps(rows).items():
+    for slug, g in steps_by_gpu(rows).items():
         points = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") == stock_v
-                  and r.get("model") and (_stat(r, "step_ms") if r.get("status") == "ok" else r.get("status"))}
-        for model, t in sorted(points, key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
+                  and r.get("model") and (fmt.stat(r, "step_ms") if r.get("status") == "ok" else r.get("status"))}
+        for model, t in sorted(points, key=lambda k: (fmt.natural(k[0]), fmt.number(k[1]) or 0)):
             mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
-            stock, _, stock_failed = _p50_by(mine, model, t, [stock_v])
-            compiled, _, _ = _p50_by(mine, model, t, [compiled_v] if compiled_v else [])
-            best, variant, failed = _p50_by(mine, model, t, _packed_variants(mine))
+            stock, _, stock_failed = best_p50(mine, model, t, [stock_v])
+            compiled, _, _ = best_p50(mine, model, t, [compiled_v] if compiled_v else [])
+            best, variant, failed = best_p50(mine, model, t, _packed_variants(mine))
             out.append({"gpu": slug, "model": model, "seq_len": t, "stock_ms": stock,
                         "stock_compiled_ms": compiled, "best_ms": best, "best_variant": variant,
                         "failed": failed, "stock_failed": [_failure_text(r) for r in mine if r.get("variant")
@@ -308,17 +295,17 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
                 + (f" (REFERENCE: {ref})" if ref else ""))
         for p in hits or [None]:
             if p is None or p["ratio"] is None:
-                measured = ("not measured" if p is None else f"{stock_v} {_ms(p['stock_ms'])} ms, no packed row"
+                measured = ("not measured" if p is None else f"{stock_v} {fmt.ms(p['stock_ms'])} ms, no packed row"
                             if p["stock_ms"] else f"{stock_v} {'; '.join(p['stock_failed'])}")
                 targets.append([goal, measured, DASH])
                 continue
-            measured = (f"{_times(p['ratio'])} ({stock_v} {_ms(p['stock_ms'])} → {p['best_variant']} "
-                        f"{_ms(p['best_ms'])} ms); over {compiled_v} {_times(p['compiled_ratio'])}")
+            measured = (f"{fmt.times(p['ratio'])} ({stock_v} {fmt.ms(p['stock_ms'])} → {p['best_variant']} "
+                        f"{fmt.ms(p['best_ms'])} ms); over {compiled_v} {fmt.times(p['compiled_ratio'])}")
             targets.append([goal + (f" ({p['gpu']})" if many else ""), measured,
                             "met" if p["ratio"] >= want else "not met"])
 
     for model, seeds in (spec.get("seeds_cache_gain_pct") or {}).items():
-        goal = f"cache on saves ≥ the seeds' {_pct(seeds)} per step ({model})"
+        goal = f"cache on saves ≥ the seeds' {fmt.signed_pct(seeds)} per step ({model})"
         pts = [p for p in cache if p["model"] == model and p["gain_pct"] is not None]
         if not pts:
             targets.append([goal, "not measured", DASH])
@@ -335,20 +322,20 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
             result = "met"
         else:
             result = "not met: see the measured / predicted column; the saving is (builds_off − builds_on)·m"
-        targets.append([goal, f"best {_gain(best['gain_pct'])} ({where}{noise})", result])
+        targets.append([goal, f"best {gain_cell(best['gain_pct'])} ({where}{noise})", result])
 
-    parts = [] if not targets else ["### Packing targets\n\n" + _table(["target", "measured", "result"], targets)
+    parts = [] if not targets else ["### Packing targets\n\n" + fmt.table(["target", "measured", "result"], targets)
              + "\n\nThe result compares the measured value only; `–` means not judged. For the cache targets, "
                "measured is the best cache gain over backends and lengths in the cache on vs off table "
                "among those larger than the spread (p80/p20 − 1) of the two rows compared."]
 
     if vs:
         body = [[p["gpu"], p["model"], p["seq_len"],
-                 _ms(p["stock_ms"]) if p["stock_ms"] else "; ".join(p["stock_failed"]),
-                 f"{_ms(p['best_ms'])} ({p['best_variant']})" if p["best_ms"]
+                 fmt.ms(p["stock_ms"]) if p["stock_ms"] else "; ".join(p["stock_failed"]),
+                 f"{fmt.ms(p['best_ms'])} ({p['best_variant']})" if p["best_ms"]
                  else ("; ".join(p["failed"]) or "not run"),
-                 _times(p["ratio"]), _ms(p["stock_compiled_ms"]), _times(p["compiled_ratio"])] for p in vs]
-        text = (f"#### Best packed path vs {stock_v}\n\n" + _table(
+                 fmt.times(p["ratio"]), fmt.ms(p["stock_compiled_ms"]), fmt.times(p["compiled_ratio"])] for p in vs]
+        text = (f"#### Best packed path vs {stock_v}\n\n" + fmt.table(
             ["GPU", "model", "tokens", f"{stock_v} ms p50", "best packed ms p50 (variant)", f"{stock_v} / best",
              f"{compiled_v} ms p50", f"{compiled_v} / best"], body)
             + "\n\nBest packed = the lowest step p50 among variants with packing_backend sdpa, flex or "
@@ -358,26 +345,26 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
               "(`results/<experiment>/<gpu>.jsonl`).")
         for p in hits:
             if p["best_rows"]:
-                note = _run_note([(stock_v, p["stock_rows"]), (p["best_variant"], p["best_rows"])])
+                note = run_note([(stock_v, p["stock_rows"]), (p["best_variant"], p["best_rows"])])
                 where = f" on {p['gpu']}" if many else ""
                 text += f" In the {target_model} {t0} comparison{where}, {note}"
         parts.append(text)
 
     peaks = []
-    for slug, g in _gpu_steps(rows).items():
+    for slug, g in steps_by_gpu(rows).items():
         for model, t in sorted({(r.get("model"), r.get("seq_len")) for r in g},
-                               key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
+                               key=lambda k: (fmt.natural(k[0]), fmt.number(k[1]) or 0)):
             at = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
             by = {b: _plain_packed(at, b) for b in ("sdpa", "flex", "varlen")}
             if not any(by.values()):
                 continue
-            peak = {v: _median_of(rs, lambda r: r.get("peak_allocated_gib")) for v, rs in by.items()}
-            batch = _median_of([r for rs in by.values() for r in rs], lambda r: r.get("batch_size"))
-            mask = batch * _f(t) ** 2 / GIB if batch and _f(t) else None
-            same = _one_run([r for rs in by.values() for r in rs])
-            diffs = " / ".join(_num(_sub(peak["sdpa"], peak[b]), "+.3f") for b in ("flex", "varlen"))
-            peaks.append([slug, model, t, *(_num(peak[v], ".3f") for v in by), diffs,
-                          _num(mask, ".3f"), DASH if same is None else ("yes" if same else "no")])
+            peak = {v: median_of(rs, lambda r: r.get("peak_allocated_gib")) for v, rs in by.items()}
+            batch = median_of([r for rs in by.values() for r in rs], lambda r: r.get("batch_size"))
+            mask = batch * fmt.number(t) ** 2 / GIB if batch and fmt.number(t) else None
+            same = from_one_run([r for rs in by.values() for r in rs])
+            diffs = " / ".join(fmt.num(fmt.diff(peak["sdpa"], peak[b]), "+.3f") for b in ("flex", "varlen"))
+            peaks.append([slug, model, t, *(fmt.num(peak[v], ".3f") for v in by), diffs,
+                          fmt.num(mask, ".3f"), DASH if same is None else ("yes" if same else "no")])
     if peaks:
         parts.append(
             "#### No T×T mask on the flex or varlen path\n\n"
@@ -386,7 +373,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
             "paths (cache on, not compiled) side by side: the SDPA path holds a (B, T, T) mask, the others "
             "do not. The one run? column says yes when the rows were recorded within 30 minutes of each other "
             "running the same code (one code hash; one commit for rows older than the hash); peaks from "
-            "different runs may differ for other reasons.\n\n" + _table(
+            "different runs may differ for other reasons.\n\n" + fmt.table(
                 ["GPU", "model", "tokens", "packed sdpa GiB", "packed flex GiB", "packed varlen GiB",
                  "sdpa − flex / sdpa − varlen GiB", "bool B·T² mask GiB", "one run?"], peaks))
     return "\n\n".join(parts)

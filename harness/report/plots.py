@@ -10,7 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from harness.report.fmt import _bytes, _point_label
+from harness.report import fmt
 from harness.report.frames import PHASE_COLORS, PHASES, STATS, points_frame
 from harness.report.output import save_png
 from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLE_MARKER, ROLES
@@ -166,7 +166,7 @@ def plot_phase_split(df_steps: pd.DataFrame, path: Path) -> Path | None:
     wide = wide[wide["repeat"] == wide["repeat"].min()] if not wide.empty else wide
     if wide.empty or wide[[f"{p}_p50" for p in PHASES]].isna().all().all():
         return None
-    labels = [_point_label(r.model, r.seq_len, r.variant) for r in wide.itertuples()]
+    labels = [fmt.point_label(r.model, r.seq_len, r.variant) for r in wide.itertuples()]
     fig = Figure(figsize=(max(6, 0.9 * len(labels)), 4.5))
     ax = fig.subplots()
     bottom = [0.0] * len(wide)
@@ -188,7 +188,7 @@ def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
     if wide.empty or wide[cols].isna().all().all():
         return None  # CPU rows carry no CUDA allocator peaks
     wide = wide[wide["repeat"] == wide["repeat"].min()]
-    labels = [_point_label(r.model, r.seq_len, r.variant) for r in wide.itertuples()]
+    labels = [fmt.point_label(r.model, r.seq_len, r.variant) for r in wide.itertuples()]
     fig = Figure(figsize=(max(6, 0.9 * len(labels)), 4.5))
     ax = fig.subplots()
     xs = list(range(len(labels)))
@@ -230,7 +230,7 @@ def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | 
                       hatch="//" if dashed else None, edgecolor="white" if dashed else None)
         ax.bar_label(bars, fmt="%.2f×", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-    ax.set_xticks(range(len(groups)), [_point_label(m, t) for m, t in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [fmt.point_label(m, t) for m, t in groups], fontsize=8)
     baselines = ", ".join(sorted(df_speedup["baseline_variant"].unique()))
     ax.set_ylabel(f"speedup vs {baselines} (× of step p50)")
     ax.set_title("speedup vs baseline variant (> 1 is faster)")
@@ -251,7 +251,7 @@ def plot_bandwidth(df_bw: pd.DataFrame, path: Path) -> Path | None:
     for ceiling in sorted(df_bw["pcie_ceiling_gbps"].dropna().unique()):
         ax.axhline(ceiling, color="gray", linestyle="--", label=f"PCIe ceiling {ceiling:.1f} GB/s")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _bytes(int(v)) if v >= 1 else ""))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt.size(int(v)) if v >= 1 else ""))
     ax.set_xlabel("copy size")
     ax.set_ylabel("GB/s")
     ax.set_title("host → device copy bandwidth (p20–p80 band)")
@@ -261,7 +261,7 @@ def plot_bandwidth(df_bw: pd.DataFrame, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def _embed(path: Path | None, alt: str) -> str:
+def embed_figure(path: Path | None, alt: str) -> str:
     return f"![{alt}]({path.name})" if path else ""
 
 

@@ -6,7 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from harness.report.fmt import DASH, _f, _num, _table
+from harness.report.fmt import DASH
+from harness.report import fmt
 
 # ---------------------------------------------------------------------------------------------
 # Profiles: `python -m harness profile ... --out results/<experiment>/profiles/<gpu_slug>`
@@ -44,31 +45,31 @@ def load_profiles(results_root: Path | str, experiment: str) -> list[dict]:
 
 def _share(x) -> str:
     """x in percent, unsigned: a part of a whole."""
-    return f"{v:.1f}%" if (v := _f(x)) is not None else DASH
+    return f"{v:.1f}%" if (v := fmt.number(x)) is not None else DASH
 
 
 def profile_md(s: dict) -> str:
     """One profiled step: its phases, then its kernel time by family (per 1k tokens too)."""
     steps = int(s.get("steps") or 1)
-    tokens = _f(s.get("seq_len"))
-    phases = _table(["phase", "GPU span ms", "host span ms", "GPU busy", "launches", "host syncs"],
-                    [[name, _num(p.get("gpu_span_ms"), ".1f"), _num(p.get("cpu_span_ms"), ".1f"),
+    tokens = fmt.number(s.get("seq_len"))
+    phases = fmt.table(["phase", "GPU span ms", "host span ms", "GPU busy", "launches", "host syncs"],
+                    [[name, fmt.num(p.get("gpu_span_ms"), ".1f"), fmt.num(p.get("cpu_span_ms"), ".1f"),
                       _share(p.get("gpu_busy_pct")), p.get("launches", DASH), p.get("host_syncs", DASH)]
                      for name, p in s["phases"].items()])
-    total = _f(s["kernel_ms_total"]) or 0.0
+    total = fmt.number(s["kernel_ms_total"]) or 0.0
     fams: dict[str, float] = {}
     for k in s["top_kernels"]:
         fam = kernel_family(str(k.get("name", "")))
-        fams[fam] = fams.get(fam, 0.0) + (_f(k.get("ms")) or 0.0)
+        fams[fam] = fams.get(fam, 0.0) + (fmt.number(k.get("ms")) or 0.0)
     listed = sum(fams.values())
     rows = sorted(fams.items(), key=lambda kv: -kv[1])
     if total - listed > 0.05:
         rows.append((f"kernels outside the top {len(s['top_kernels'])}", total - listed))
-    per_k = (lambda ms: _num(ms / steps / tokens * 1024, ".1f")) if tokens else (lambda ms: DASH)
-    kinds = _table(["kernel family", "ms per step", "of kernel time", "ms per 1k tokens"],
-                   [[fam, _num(ms / steps, ".1f"), _share(100 * ms / total if total else None), per_k(ms)]
+    per_k = (lambda ms: fmt.num(ms / steps / tokens * 1024, ".1f")) if tokens else (lambda ms: DASH)
+    kinds = fmt.table(["kernel family", "ms per step", "of kernel time", "ms per 1k tokens"],
+                   [[fam, fmt.num(ms / steps, ".1f"), _share(100 * ms / total if total else None), per_k(ms)]
                     for fam, ms in rows]
-                   + [["all kernels", _num(total / steps, ".1f"), _share(100.0 if total else None), per_k(total)]])
+                   + [["all kernels", fmt.num(total / steps, ".1f"), _share(100.0 if total else None), per_k(total)]])
     head = (f"#### {s.get('model')} at {s.get('seq_len')} tokens, `{s.get('variant')}` on "
             f"{s.get('device_name', s.get('device'))}")
     return (f"{head}\n\n{steps} profiled step(s), {s.get('profiled', 'eager steps')}, after warm-up; from "

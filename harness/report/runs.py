@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from harness.report.fmt import _f, _values
+from harness.report import fmt
 
 SAME_RUN_MINUTES = 30  # rows recorded further apart than this come from different sweep runs
 
 
-def _median_of(rows: list[dict], get) -> float | None:
-    vals = sorted(v for r in rows if (v := _f(get(r))) is not None)
+def median_of(rows: list[dict], get) -> float | None:
+    vals = sorted(v for r in rows if (v := fmt.number(get(r))) is not None)
     return vals[len(vals) // 2] if vals else None
 
 
 
 
-def _when(r: dict):
+def recorded_at(r: dict):
     from datetime import datetime, timezone
 
     try:
@@ -24,21 +24,21 @@ def _when(r: dict):
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def _code_ids(rows: list[dict]) -> set:
+def code_ids(rows: list[dict]) -> set:
     """What ran: the hash of the measuring code where rows record it (env.code_sha), else the commit."""
     return {e.get("code_sha") or e.get("git_sha") for r in rows if (e := r.get("env") or {})} - {None}
 
 
-def _one_run(rows: list[dict]) -> bool | None:
+def from_one_run(rows: list[dict]) -> bool | None:
     """True when the rows were recorded within SAME_RUN_MINUTES of each other running the same code
     (one code hash, or one commit for rows without one), False when not, None when a time is missing."""
-    times = [_when(r) for r in rows]
+    times = [recorded_at(r) for r in rows]
     if not rows or None in times:
         return None
-    return (max(times) - min(times)).total_seconds() <= SAME_RUN_MINUTES * 60 and len(_code_ids(rows)) <= 1
+    return (max(times) - min(times)).total_seconds() <= SAME_RUN_MINUTES * 60 and len(code_ids(rows)) <= 1
 
 
-def _run_note(labelled: list[tuple[str, list[dict]]]) -> str:
+def run_note(labelled: list[tuple[str, list[dict]]]) -> str:
     """One sentence: when (and at which commit) each compared row was recorded, and whether that
     reads as one run."""
     rows = [r for _, rs in labelled for r in rs]
@@ -46,14 +46,14 @@ def _run_note(labelled: list[tuple[str, list[dict]]]) -> str:
         return ""
 
     def seen(rs):
-        when = _values(r.get("recorded_at") for r in rs)
-        shas = _values(str(s)[:8] for r in rs if (s := (r.get("env") or {}).get("git_sha")))
+        when = fmt.distinct(r.get("recorded_at") for r in rs)
+        shas = fmt.distinct(str(s)[:8] for r in rs if (s := (r.get("env") or {}).get("git_sha")))
         return f"{when} (git {shas})"
 
     text = " and ".join(f"{name} recorded {seen(rs)}" for name, rs in labelled)
-    times = [t for r in rows if (t := _when(r)) is not None]
+    times = [t for r in rows if (t := recorded_at(r)) is not None]
     span = (max(times) - min(times)).total_seconds() / 60 if len(times) == len(rows) else None
-    shas = _code_ids(rows)
+    shas = code_ids(rows)
     if span is None:
         verdict = "a recording time is missing, so it is unknown whether they come from one run"
     elif span > SAME_RUN_MINUTES:
@@ -65,7 +65,7 @@ def _run_note(labelled: list[tuple[str, list[dict]]]) -> str:
     return f"{text}: {verdict}."
 
 
-def _gpu_steps(rows: list[dict]) -> dict[str, list[dict]]:
+def steps_by_gpu(rows: list[dict]) -> dict[str, list[dict]]:
     steps = [r for r in rows if r.get("kind") == "step"]
     return {slug: [r for r in steps if (r.get("gpu_slug") or "unknown") == slug]
             for slug in sorted({r.get("gpu_slug") or "unknown" for r in steps})}
@@ -73,22 +73,22 @@ def _gpu_steps(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 
-def _runs(rows: list[dict]) -> list[list[dict]]:
+def split_runs(rows: list[dict]) -> list[list[dict]]:
     """The rows split into runs, oldest first: rows recorded within SAME_RUN_MINUTES of a run's
     first row, running the same code (env.code_sha, else the commit), belong to it. Rows without a
     recording time form one run of their own, first."""
-    timed = sorted((r for r in rows if _when(r) is not None), key=_when)
-    runs: list[list[dict]] = [[r for r in rows if _when(r) is None]]
+    timed = sorted((r for r in rows if recorded_at(r) is not None), key=recorded_at)
+    runs: list[list[dict]] = [[r for r in rows if recorded_at(r) is None]]
     for r in timed:
         cur = runs[-1]
-        if (len(runs) > 1 and (_when(r) - _when(cur[0])).total_seconds() <= SAME_RUN_MINUTES * 60
-                and _code_ids(cur + [r]) == _code_ids(cur)):
+        if (len(runs) > 1 and (recorded_at(r) - recorded_at(cur[0])).total_seconds() <= SAME_RUN_MINUTES * 60
+                and code_ids(cur + [r]) == code_ids(cur)):
             cur.append(r)
         else:
             runs.append([r])
     return [run for run in runs if run]
 
 
-def _run_label(run: list[dict]) -> str:
-    t = _when(run[0]) if run else None
+def run_label(run: list[dict]) -> str:
+    t = recorded_at(run[0]) if run else None
     return t.strftime("%m-%d %H:%M") if t else "unknown"

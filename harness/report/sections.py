@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.report.fmt import (
-    _bytes,
-    _isnum,
-    _slug,
-    _truncate,
-    fmt_ms,
-    fmt_num,
-    fmt_pct,
-    md_table,
-)
+from harness.report.fmt import is_known, fmt_ms, fmt_num, fmt_pct, md_table
+from harness.report import fmt
 from harness.report.frames import PLOT_VARIANTS, STATISTIC, Section, points_frame, role_frame, speedup_frame
 from harness.report.palette import ROLE_LABEL
 from harness.report.plots import (
-    _embed,
+    embed_figure,
     plot_bandwidth,
     plot_memory,
     plot_phase_split,
@@ -41,7 +33,7 @@ def section_results(df_steps, df_bw, rows, out_dir) -> str:
               "p80/p20"]
     body = []
     for r in wide.itertuples():
-        spread = r.step_ms_p80 / r.step_ms_p20 if _isnum(r.step_ms_p20) and r.step_ms_p20 else float("nan")
+        spread = r.step_ms_p80 / r.step_ms_p20 if is_known(r.step_ms_p20) and r.step_ms_p20 else float("nan")
         body.append([
             r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.variant, r.repeat,
             f"{fmt_ms(r.step_ms_p50)} [{fmt_ms(r.step_ms_p20)}–{fmt_ms(r.step_ms_p80)}]",
@@ -95,24 +87,24 @@ def _roles_note(df_steps) -> str:
 
 def section_step_time(df_steps, df_bw, rows, out_dir) -> str:
     frame, styles = _plotted(df_steps)
-    path = plot_step_time(frame, out_dir / f"{_slug(rows)}-step-time.png", styles)
+    path = plot_step_time(frame, out_dir / f"{fmt.gpu_slug(rows)}-step-time.png", styles)
     if not path:
         return ""
-    return "### Step time vs sequence length\n\n" + _embed(path, "step time vs sequence length") + _roles_note(df_steps)
+    return "### Step time vs sequence length\n\n" + embed_figure(path, "step time vs sequence length") + _roles_note(df_steps)
 
 
 def section_phase_split(df_steps, df_bw, rows, out_dir) -> str:
-    path = plot_phase_split(_plotted(df_steps)[0], out_dir / f"{_slug(rows)}-phase-split.png")
+    path = plot_phase_split(_plotted(df_steps)[0], out_dir / f"{fmt.gpu_slug(rows)}-phase-split.png")
     if not path:
         return ""
-    return "### Forward / backward / optimizer split\n\n" + _embed(path, "phase split")
+    return "### Forward / backward / optimizer split\n\n" + embed_figure(path, "phase split")
 
 
 def section_memory(df_steps, df_bw, rows, out_dir) -> str:
     if df_steps.empty:
         return ""
-    path = plot_memory(_plotted(df_steps)[0], out_dir / f"{_slug(rows)}-peak-memory.png")
-    body = _embed(path, "peak VRAM") if path else "No device memory peaks recorded (CPU run)."
+    path = plot_memory(_plotted(df_steps)[0], out_dir / f"{fmt.gpu_slug(rows)}-peak-memory.png")
+    body = embed_figure(path, "peak VRAM") if path else "No device memory peaks recorded (CPU run)."
     return "### Peak memory\n\n" + body
 
 
@@ -123,7 +115,7 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
     if sp.empty:
         return "### Speedup vs baseline\n\nNo variant has a matching ok baseline point."
     frame, styles = _plotted(df_steps)
-    path = plot_speedup(sp if styles is None else speedup_frame(frame), out_dir / f"{_slug(rows)}-speedup.png",
+    path = plot_speedup(sp if styles is None else speedup_frame(frame), out_dir / f"{fmt.gpu_slug(rows)}-speedup.png",
                         frame, styles)
     multi = _multi_gpu(sp)
     body = [[r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.repeat, r.baseline_variant, r.variant,
@@ -131,22 +123,22 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
     header = ["model", "seq_len", "batch", *(["GPUs"] if multi else []), "repeat", "baseline", "variant",
               "baseline step ms p50", "variant step ms p50", "speedup"]
     same = "same model, seq_len, batch" + (", GPUs" if multi else "") + " and repeat"
-    return ("### Speedup vs baseline\n\n" + _embed(path, "speedup vs baseline") + "\n\n" + md_table(header, body)
+    return ("### Speedup vs baseline\n\n" + embed_figure(path, "speedup vs baseline") + "\n\n" + md_table(header, body)
             + f"\n\nspeedup = baseline step ms p50 / variant step ms p50, {same}.")
 
 
 def section_bandwidth(df_steps, df_bw, rows, out_dir) -> str:
     if df_bw.empty:
         return "### Host → device bandwidth\n\nNo bandwidth rows for this GPU type."
-    path = plot_bandwidth(df_bw, out_dir / f"{_slug(rows)}-h2d-bandwidth.png")
+    path = plot_bandwidth(df_bw, out_dir / f"{fmt.gpu_slug(rows)}-h2d-bandwidth.png")
     body = []
     for r in df_bw.itertuples():
-        known = _isnum(r.pcie_ceiling_gbps) and _isnum(r.p50)
+        known = is_known(r.pcie_ceiling_gbps) and is_known(r.p50)
         of_ceiling = f"{100 * r.p50 / r.pcie_ceiling_gbps:.0f}%" if known else "n/a"
         gbps = f"{fmt_num(r.p50, '.2f')} [{fmt_num(r.p20, '.2f')}–{fmt_num(r.p80, '.2f')}]"
-        body.append([r.memory, _bytes(r.size_bytes), gbps, of_ceiling])
+        body.append([r.memory, fmt.size(r.size_bytes), gbps, of_ceiling])
     table = md_table(["memory", "size", "GB/s p50 [p20–p80]", "of PCIe ceiling"], body)
-    return "### Host → device bandwidth\n\n" + _embed(path, "H2D bandwidth") + "\n\n" + table
+    return "### Host → device bandwidth\n\n" + embed_figure(path, "H2D bandwidth") + "\n\n" + table
 
 
 def section_failed(df_steps, df_bw, rows, out_dir) -> str:
@@ -160,16 +152,9 @@ def section_failed(df_steps, df_bw, rows, out_dir) -> str:
 
     body = [[r.get("kind", ""), r.get("model", ""), r.get("seq_len", ""), r.get("batch_size", ""),
              r.get("variant", r.get("memory", "")), r.get("repeat", ""), r.get("status", ""),
-             _truncate(r.get("message", ""))] for r in sorted(failed, key=key)]
+             fmt.truncate(r.get("message", ""))] for r in sorted(failed, key=key)]
     return "### Failed points\n\n" + md_table(
         ["kind", "model", "seq_len", "batch", "variant", "repeat", "status", "message"], body)
-
-
-def _values(items, fmt=str) -> str:
-    """Distinct values, sorted; several mean the rows were recorded under different set-ups,
-    which the reader must see rather than have one silently chosen."""
-    seen = sorted({fmt(v) for v in items if v is not None and v != ""})
-    return ", ".join(seen) if seen else "unknown"
 
 
 def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
@@ -177,7 +162,7 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
     steps = [r for r in rows if r.get("kind") == "step"]
 
     def env(key: str, unit: str = "") -> str:
-        return _values(e.get(key) for e in envs) + unit if any(e.get(key) is not None for e in envs) else "unknown"
+        return fmt.distinct(e.get(key) for e in envs) + unit if any(e.get(key) is not None for e in envs) else "unknown"
 
     def git(e):
         sha = e.get("git_sha")
@@ -186,23 +171,23 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
         return sha[:12] + (" (dirty)" if e.get("git_dirty") else "")
 
     def pcie(gen_key, width_key):
-        return _values(f"Gen{e.get(gen_key)} x{e.get(width_key)}" for e in envs
+        return fmt.distinct(f"Gen{e.get(gen_key)} x{e.get(width_key)}" for e in envs
                        if e.get(gen_key) is not None or e.get(width_key) is not None)
 
-    device = _values([e.get("device_name") for e in envs] + [r.get("device_name") for r in rows])
+    device = fmt.distinct([e.get("device_name") for e in envs] + [r.get("device_name") for r in rows])
     repeats = {r.get("repeat") for r in steps if r.get("repeat") is not None}
     parts = [
         f"Measured on {device} (device count {env('device_count')}), host {env('hostname')}, {env('platform')}.",
         f"Driver {env('driver')}, CUDA {env('cuda')}, Python {env('python')}, torch {env('torch')}, "
-        f"transformers {env('transformers')}, peft {env('peft')}; git {_values(git(e) for e in envs)}.",
+        f"transformers {env('transformers')}, peft {env('peft')}; git {fmt.distinct(git(e) for e in envs)}.",
         f"PCIe link {pcie('pcie_gen', 'pcie_width')} (max {pcie('pcie_max_gen', 'pcie_max_width')}); "
         f"SM clock {env('sm_clock_mhz', ' MHz')} (max {env('max_sm_clock_mhz', ' MHz')}), memory clock "
         f"{env('mem_clock_mhz', ' MHz')}, power limit {env('power_limit_w', ' W')}.",
-        f"Each point runs in its own fresh process: {_values(r.get('warmup_steps') for r in steps)} warm-up steps, "
-        f"then {_values(r.get('measured_steps') for r in steps)} measured steps, "
-        f"{len(repeats) if repeats else 'unknown'} repeat(s); dtype {_values(r.get('dtype') for r in steps)}, "
-        f"LoRA rank {_values(r.get('lora_rank') for r in steps)}, adapters in "
-        f"{_values(r.get('lora_dtype', 'fp32') for r in steps)} (fp32: peft's default upcast).",
+        f"Each point runs in its own fresh process: {fmt.distinct(r.get('warmup_steps') for r in steps)} warm-up steps, "
+        f"then {fmt.distinct(r.get('measured_steps') for r in steps)} measured steps, "
+        f"{len(repeats) if repeats else 'unknown'} repeat(s); dtype {fmt.distinct(r.get('dtype') for r in steps)}, "
+        f"LoRA rank {fmt.distinct(r.get('lora_rank') for r in steps)}, adapters in "
+        f"{fmt.distinct(r.get('lora_dtype', 'fp32') for r in steps)} (fp32: peft's default upcast).",
         f"Statistic: {STATISTIC}.",
         "The Python garbage collector is collected, frozen and disabled for the measured steps.",
         "Speedups are ratios of medians measured side by side in one run, on the same GPU type.",
@@ -277,10 +262,10 @@ def section_scaling(df_steps, df_bw, rows, out_dir) -> str:
     body = []
     for r in sorted(multi, key=lambda r: (r["model"], r["seq_len"], r["variant"], r["world_size"])):
         ranks = r.get("per_rank") or []
-        coll = [x.get("collective_ms") for x in ranks if _isnum(x.get("collective_ms"))]
+        coll = [x.get("collective_ms") for x in ranks if is_known(x.get("collective_ms"))]
         eff = r.get("scaling_efficiency")
         body.append([r["model"], r["seq_len"], r["variant"], r["world_size"], fmt_ms(r["step_ms"]["p50"]),
-                     fmt_num(r.get("tokens_per_s_per_gpu"), ",.0f"), f"{100 * eff:.1f}%" if _isnum(eff) else "-",
+                     fmt_num(r.get("tokens_per_s_per_gpu"), ",.0f"), f"{100 * eff:.1f}%" if is_known(eff) else "-",
                      " / ".join(fmt_num(x.get("peak_allocated_gib"), ".2f") for x in ranks) or "-",
                      " / ".join(fmt_ms(c) for c in coll) or "-"])
     header = ["model", "seq_len", "variant", "GPUs", "step ms p50 (rank 0)", "tokens/s per GPU",
@@ -315,9 +300,9 @@ def summary(experiment: str, rows: list[dict], df_steps: pd.DataFrame) -> str:
     ok = [r for r in steps if r.get("status") == "ok"]
     failed = [r for r in rows if r.get("status") in ("oom", "error", "skipped")]
     n_bw = sum(1 for r in rows if r.get("kind") == "bandwidth" and r.get("status") == "ok")
-    models = _values(r.get("model") for r in steps)
-    variants = _values(r.get("variant") for r in steps)
-    gpus = _values(r.get("gpu_slug") for r in rows)
+    models = fmt.distinct(r.get("model") for r in steps)
+    variants = fmt.distinct(r.get("variant") for r in steps)
+    gpus = fmt.distinct(r.get("gpu_slug") for r in rows)
     return (f"{len(ok)} ok step points ({models}; variants {variants}), {len(failed)} failed, "
             f"{n_bw} bandwidth points, on {gpus}.")
 

@@ -10,8 +10,9 @@ file; and the targets of ``[report.user]``.
 
 from __future__ import annotations
 
-from harness.report.fmt import DASH, _f, _ms, _natural, _spread, _stat, _table, _times
-from harness.report.runs import _gpu_steps, _run_note
+from harness.report.fmt import DASH
+from harness.report import fmt
+from harness.report.runs import steps_by_gpu, run_note
 
 ROLES = ("stock", "liger", "user")
 
@@ -19,15 +20,15 @@ ROLES = ("stock", "liger", "user")
 def _best(rows: list[dict], variant: str) -> dict | None:
     """The variant's row at a point: the ok repeat with the median step p50, else its failure."""
     mine = [r for r in rows if r.get("variant") == variant]
-    ok = sorted((r for r in mine if r.get("status") == "ok" and _stat(r, "step_ms") is not None),
-                key=lambda r: _stat(r, "step_ms"))
+    ok = sorted((r for r in mine if r.get("status") == "ok" and fmt.stat(r, "step_ms") is not None),
+                key=lambda r: fmt.stat(r, "step_ms"))
     if ok:
         return ok[len(ok) // 2]
     return mine[0] if mine else None
 
 
 def _peak(r: dict | None) -> float | None:
-    return _f((r or {}).get("peak_allocated_gib")) if (r or {}).get("status") == "ok" else None
+    return fmt.number((r or {}).get("peak_allocated_gib")) if (r or {}).get("status") == "ok" else None
 
 
 def user_points(rows: list[dict], spec: dict) -> list[dict]:
@@ -35,17 +36,17 @@ def user_points(rows: list[dict], spec: dict) -> list[dict]:
     ratios a reader asks for, and the other variants' rows."""
     names = {role: spec.get(role) for role in ROLES}
     out = []
-    for slug, g in _gpu_steps(rows).items():
+    for slug, g in steps_by_gpu(rows).items():
         keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in names.values()}
-        for model, t in sorted(keys, key=lambda k: (_natural(k[0]), _f(k[1]) or 0)):
+        for model, t in sorted(keys, key=lambda k: (fmt.natural(k[0]), fmt.number(k[1]) or 0)):
             mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
             got = {role: _best(mine, v) if v else None for role, v in names.items()}
-            ms = {role: _stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
+            ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
             others = sorted({r["variant"] for r in mine if r.get("variant") not in names.values()})
             out.append({
                 "gpu": slug, "model": model, "seq_len": t, "rows": got, "ms": ms,
                 "peak": {role: _peak(r) for role, r in got.items()},
-                "hfu": _f((got["user"] or {}).get("hfu")),
+                "hfu": fmt.number((got["user"] or {}).get("hfu")),
                 "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
                 "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
                 "others": {v: _best(mine, v) for v in others},
@@ -58,7 +59,7 @@ def _cell(r: dict | None) -> str:
         return DASH
     if r.get("status") == "skipped":
         return f"skipped: {str(r.get('message') or '')[:80]}"
-    return _spread(r, "step_ms")
+    return fmt.spread(r, "step_ms")
 
 
 def _gib(x) -> str:
@@ -77,8 +78,8 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     for p in pts:
         body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
                      " / ".join(_gib(p["peak"][role]) for role in ROLES),
-                     _times(p["over_stock"]) if p["over_stock"] else DASH,
-                     _times(p["over_liger"]) if p["over_liger"] else DASH,
+                     fmt.times(p["over_stock"]) if p["over_stock"] else DASH,
+                     fmt.times(p["over_liger"]) if p["over_liger"] else DASH,
                      f"{100 * p['hfu']:.1f}%" if p["hfu"] is not None else DASH])
     header = [*(["GPU"] if many else []), "model", "tokens", f"stock (`{names['stock']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
               f"optim.enable (`{names['user']}`) ms", "peak GiB stock / liger / user", "user vs stock",
@@ -88,25 +89,25 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
             "stock transformers + peft, the same with Liger-Kernel's patches, and `optim.enable(model)` with "
             "its defaults (the variant's `stack`). Peak is `torch.cuda.max_memory_allocated` over the measured "
             "steps.",
-            _table(header, body)]
+            fmt.table(header, body)]
     others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
-               _times(p["ms"]["user"] / _stat(r, "step_ms")) if p["ms"]["user"] and _peak(r) is not None else DASH]
+               fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["ms"]["user"] and _peak(r) is not None else DASH]
               for p in pts for v, r in p["others"].items()]
     if others:
         text += ["Every other variant of the file at those points (ablations of the defaults):",
-                 _table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
+                 fmt.table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
     for p in pts:
         labelled = [(names[role], [r]) for role in ROLES if (r := p["rows"][role]) is not None]
         if len(labelled) > 1:
-            text.append(f"{p['model']} at {p['seq_len']} tokens ({p['gpu']}): " + _run_note(labelled))
+            text.append(f"{p['model']} at {p['seq_len']} tokens ({p['gpu']}): " + run_note(labelled))
     goals = user_targets(pts, spec.get("targets") or [], trainer_rows or [])
     if goals:
-        text += ["Targets:", _table(["target", "measured", "met?"], goals)]
+        text += ["Targets:", fmt.table(["target", "measured", "met?"], goals)]
     return "\n\n".join(text)
 
 
 def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu) -> float | None:
-    ms = [_f(r.get("ms")) for r in trainer_rows if r.get("mode") == "graphed" and r.get("model") == model
+    ms = [fmt.number(r.get("ms")) for r in trainer_rows if r.get("mode") == "graphed" and r.get("model") == model
           and r.get("tokens") == seq_len and r.get("status") == "ok" and (gpu is None or r.get("gpu_slug") == gpu)]
     return ms[-1] if ms else None
 
@@ -121,12 +122,12 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
             checks = []
             if "max_user_ms" in t:
                 v = p and p["ms"]["user"]
-                checks.append((f"user ≤ {t['max_user_ms']:g} ms", f"{_ms(v)} ms" if v else "not measured",
+                checks.append((f"user ≤ {t['max_user_ms']:g} ms", f"{fmt.ms(v)} ms" if v else "not measured",
                                v <= t["max_user_ms"] if v else None))
             if "max_graphed_trainer_ms" in t:
                 v = _graphed_trainer(trainer_rows or [], model, seq_len, p and p["gpu"])
                 checks.append((f"GraphedTrainer ≤ {t['max_graphed_trainer_ms']:g} ms per step",
-                               f"{_ms(v)} ms (`harness.bench.trainer`)" if v else "not measured",
+                               f"{fmt.ms(v)} ms (`harness.bench.trainer`)" if v else "not measured",
                                v <= t["max_graphed_trainer_ms"] if v else None))
             if "min_speedup_over_liger" in t:
                 v = p and p["over_liger"]
@@ -166,15 +167,15 @@ def trainer_tables(rows: list[dict]) -> str:
     for r in found:
         by_model.setdefault((r.get("model"), r.get("tokens"), r.get("lora_rank")), []).append(r)
     for (model, tokens, rank), group in sorted(by_model.items(), key=lambda kv: str(kv[0])):
-        stock = next((_f(r.get("ms")) for r in group if r.get("mode") == "stock"), None)
+        stock = next((fmt.number(r.get("ms")) for r in group if r.get("mode") == "stock"), None)
         body = []
         for r in sorted(group, key=lambda r: order.get(r.get("mode"), 9)):
-            ms = _f(r.get("ms"))
-            diff = _f(r.get("max_rel_loss_diff_vs_stock"))
+            ms = fmt.number(r.get("ms"))
+            diff = fmt.number(r.get("max_rel_loss_diff_vs_stock"))
             body.append([labels.get(r.get("mode"), r.get("mode")),
-                         f"{_ms(ms)} [{_ms(r.get('ms_p20'))}–{_ms(r.get('ms_p80'))}]",
-                         _times(stock / ms) if stock and ms else DASH, _gib(r.get("peak_gib")),
+                         f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
+                         fmt.times(stock / ms) if stock and ms else DASH, _gib(r.get("peak_gib")),
                          DASH if diff is None else f"{diff:.1e}", f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
         parts.append(f"**{model}**: {tokens} tokens per step, LoRA r={rank}")
-        parts.append(_table(["run", "ms/step", "× stock", "peak GiB", "loss diff", "steps"], body))
+        parts.append(fmt.table(["run", "ms/step", "× stock", "peak GiB", "loss diff", "steps"], body))
     return "\n\n".join(parts)

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import row as rowmod
-from harness.errors import InputError
+from harness.run.fields import ExperimentError, check_keys, choice, int_list, integer
+from harness.run.gate_spec import GateSpec, parse_gate
 from harness.run.policy import LAUNCHERS, MULTI_GPU_LAUNCHERS
+from harness.run.report_spec import parse_report
 from harness.switches import OWNER, SWITCHES, resolve
 from harness.workload import models as model_registry
 
@@ -28,17 +30,6 @@ DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
 LOSSES = ("full", "chunked")
 LORA_DTYPES = model_registry.LORA_DTYPES
-
-
-class ExperimentError(InputError):
-    """A malformed experiment file. The message names the file, the key and the valid choices."""
-
-    def __init__(self, path: str | Path, key: str, problem: str, choices: Any = None):
-        self.path, self.key, self.problem, self.choices = str(path), key, problem, choices
-        msg = f"{path}: [{key}] {problem}"
-        if choices is not None:
-            msg += f" (valid: {', '.join(map(str, choices))})"
-        super().__init__(msg)
 
 
 @dataclass(frozen=True)
@@ -190,103 +181,14 @@ class Experiment:
         return out
 
 
-@dataclass(frozen=True)
-class Guard:
-    """A switch's own on/off pair in a gate suite: the gate fails when the measured speedup of
-    ``on`` over ``off`` falls below ``min_speedup``, or when their loss and gradients on one fixed
-    batch differ by more than the tolerances (relative; bf16 rounding stays well inside them)."""
-
-    switch: str  # a switch name, or "optim.enable" for the user path against stock
-    model: str
-    seq_len: int
-    on: str
-    off: str
-    min_speedup: float
-    parity: bool = True
-    loss_tol: float = 2e-2
-    grad_tol: float = 5e-2
-
-
-@dataclass(frozen=True)
-class GateSpec:
-    """``[gate]``: how ``python -m harness gate --base --head`` runs and judges this suite."""
-
-    rounds: int = 5  # per side, interleaved base, head, base, head, ...
-    alpha: float = 0.01  # a change counts only when significant at this level (Mann-Whitney U)
-    max_slowdown: float = 0.05  # ... and larger than this fraction of step time
-    max_memory_mib: float = 64.0  # ... or this much peak allocated memory
-    guards: tuple[Guard, ...] = ()
-    # The variants judged base against head, swept in every round of both sides (default: all).
-    # The others exist for the guards alone: swept in head's first ``guard_rounds`` rounds only.
-    judge: tuple[str, ...] = ()
-    guard_rounds: int = 0  # 0: every round
-
-    def variants_for(self, side: str, number: int, variants: list[str]) -> list[str]:
-        """The variants a round sweeps: the judged ones, and on head's guard rounds every one."""
-        judged = [v for v in variants if not self.judge or v in self.judge]
-        if side == "head" and number <= (self.guard_rounds or self.rounds):
-            return list(variants)
-        return judged
-
-
-ENABLE_GUARD = "optim.enable"  # a guard's switch name for the user path (stack "user") vs stock
-_GATE_KEYS = {"rounds", "alpha", "max_slowdown", "max_memory_mib", "guards", "judge", "guard_rounds"}
-_GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity", "loss_tol", "grad_tol"}
-
 _TOP_KEYS = {"experiment", "data", "variants", "report", "gate"}
 
-# What a report section may read from ``[report.<section>]``: the keys naming a variant of this
-# file (checked here, so renaming a variant fails at load instead of emptying a section), and the
-# targets it judges against. The section modules under harness/report/ read these tables.
-REPORT_VARIANT_KEYS = {
-    "packing": ("stock", "stock_compiled"),
-    "moe": ("eager_experts", "loop", "sorted"),
-    "offload": (),
-    "user": ("stock", "liger", "user"),
-    "scaling": ("stock", "ours"),
-}
-REPORT_TARGET_KEYS = {
-    "packing": ("speedup", "seeds_cache_gain_pct", "seeds_m"),
-    "moe": ("speedup", "sorted_over_loop", "completes", "fit_model", "seeds_ms", "seeds_routing"),
-    "offload": ("seeds",),
-    "user": ("targets",),
-    "scaling": ("targets",),
-}
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
     "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype", "requires", "parallel",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
-
-
-def _check_keys(path, where: str, table: Any, valid: set[str]) -> None:
-    if not isinstance(table, dict):
-        raise ExperimentError(path, where, f"must be a table, got {type(table).__name__}")
-    for key in table:
-        if key not in valid:
-            raise ExperimentError(path, f"{where}.{key}" if where else key, "unknown key", sorted(valid))
-
-
-def _int(path, key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ExperimentError(path, key, f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise ExperimentError(path, key, f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _int_list(path, key: str, value: Any, minimum: int) -> list[int]:
-    if not isinstance(value, list) or not value:
-        raise ExperimentError(path, key, f"must be a non-empty list of integers, got {value!r}")
-    return [_int(path, f"{key}[{i}]", v, minimum) for i, v in enumerate(value)]
-
-
-def _choice(path, key: str, value: Any, choices) -> Any:
-    # by type too: 1 == True in Python, so `packing_cache = 1` would pass as the bool it is not
-    if not any(value == c and type(value) is type(c) for c in choices):
-        raise ExperimentError(path, key, f"{value!r} is not a valid choice", choices)
-    return value
 
 
 def load(path: str | Path) -> Experiment:
@@ -308,11 +210,11 @@ def load(path: str | Path) -> Experiment:
 
 
 def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
-    _check_keys(path, "", raw, _TOP_KEYS)
+    check_keys(path, "", raw, _TOP_KEYS)
     if "experiment" not in raw:
         raise ExperimentError(path, "experiment", "missing table")
     exp = raw["experiment"]
-    _check_keys(path, "experiment", exp, _EXPERIMENT_KEYS)
+    check_keys(path, "experiment", exp, _EXPERIMENT_KEYS)
     for required in ("name", "models", "seq_lens"):
         if required not in exp:
             raise ExperimentError(path, f"experiment.{required}", "missing required key")
@@ -331,20 +233,20 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         except KeyError:
             raise ExperimentError(path, f"experiment.models[{i}]", f"unknown model {m!r}", model_registry.names()) from None
 
-    seq_lens = _int_list(path, "experiment.seq_lens", exp["seq_lens"], 16)
-    batch_size = _int(path, "experiment.batch_size", exp.get("batch_size", 1), 1)
+    seq_lens = int_list(path, "experiment.seq_lens", exp["seq_lens"], 16)
+    batch_size = integer(path, "experiment.batch_size", exp.get("batch_size", 1), 1)
     raw_gpus = exp.get("gpus", 1)
-    gpus = (_int_list(path, "experiment.gpus", raw_gpus, 1) if isinstance(raw_gpus, list)
-            else [_int(path, "experiment.gpus", raw_gpus, 1)])
-    parallel = _choice(path, "experiment.parallel", exp.get("parallel", "none"), ("none", *rowmod.PARALLEL[1:]))
+    gpus = (int_list(path, "experiment.gpus", raw_gpus, 1) if isinstance(raw_gpus, list)
+            else [integer(path, "experiment.gpus", raw_gpus, 1)])
+    parallel = choice(path, "experiment.parallel", exp.get("parallel", "none"), ("none", *rowmod.PARALLEL[1:]))
     parallel = "" if parallel == "none" else parallel
-    warmup = _int(path, "experiment.warmup_steps", exp.get("warmup_steps", MIN_WARMUP_STEPS), MIN_WARMUP_STEPS)
-    measured = _int(path, "experiment.measured_steps", exp.get("measured_steps", MIN_MEASURED_STEPS), MIN_MEASURED_STEPS)
-    repeats = _int(path, "experiment.repeats", exp.get("repeats", 1), 1)
-    lora_rank = _int(path, "experiment.lora_rank", exp.get("lora_rank", 16), 1)
-    dtype = _choice(path, "experiment.dtype", exp.get("dtype", "bf16"), DTYPES)
-    device = _choice(path, "experiment.device", exp.get("device", "auto"), DEVICES)
-    launcher = _choice(path, "experiment.launcher", exp.get("launcher", "process"), LAUNCHERS)
+    warmup = integer(path, "experiment.warmup_steps", exp.get("warmup_steps", MIN_WARMUP_STEPS), MIN_WARMUP_STEPS)
+    measured = integer(path, "experiment.measured_steps", exp.get("measured_steps", MIN_MEASURED_STEPS), MIN_MEASURED_STEPS)
+    repeats = integer(path, "experiment.repeats", exp.get("repeats", 1), 1)
+    lora_rank = integer(path, "experiment.lora_rank", exp.get("lora_rank", 16), 1)
+    dtype = choice(path, "experiment.dtype", exp.get("dtype", "bf16"), DTYPES)
+    device = choice(path, "experiment.device", exp.get("device", "auto"), DEVICES)
+    launcher = choice(path, "experiment.launcher", exp.get("launcher", "process"), LAUNCHERS)
     if max(gpus) > 1 and not parallel:
         raise ExperimentError(path, "experiment.parallel", f"{max(gpus)} GPUs per point shard the model over "
                               "one process per GPU: set parallel = \"fsdp2\"", list(rowmod.PARALLEL[1:]))
@@ -356,10 +258,10 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         raise ExperimentError(path, "experiment.pin_cpu", f"must be true or false, got {pin_cpu!r}")
     # full: the model's own loss (fp32 logits of the whole batch); chunked: harness.workload.loss, lm_head +
     # cross-entropy in checkpointed token chunks, so the logits do not set the peak
-    loss = _choice(path, "experiment.loss", exp.get("loss", "full"), LOSSES)
+    loss = choice(path, "experiment.loss", exp.get("loss", "full"), LOSSES)
     # fp32: peft's default, adapter weights (and so their grads and AdamW states) upcast to
     # float32; model: adapters in the model's dtype (bf16 on GPU), half the trainable state
-    lora_dtype = _choice(path, "experiment.lora_dtype", exp.get("lora_dtype", "fp32"), LORA_DTYPES)
+    lora_dtype = choice(path, "experiment.lora_dtype", exp.get("lora_dtype", "fp32"), LORA_DTYPES)
     bandwidth = exp.get("bandwidth", True)
     if not isinstance(bandwidth, bool):
         raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
@@ -376,13 +278,13 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                 raise ExperimentError(path, "experiment.seq_lens", f"{t} exceeds {m}'s max_position_embeddings {spec.max_position_embeddings}")
 
     data_raw = raw.get("data", {})
-    _check_keys(path, "data", data_raw, _DATA_KEYS)
+    check_keys(path, "data", data_raw, _DATA_KEYS)
     data = DataSpec(
-        distribution=_choice(path, "data.distribution", data_raw.get("distribution", "lognormal"), DISTRIBUTIONS),
-        median_doc_len=_int(path, "data.median_doc_len", data_raw.get("median_doc_len", 300), 1),
+        distribution=choice(path, "data.distribution", data_raw.get("distribution", "lognormal"), DISTRIBUTIONS),
+        median_doc_len=integer(path, "data.median_doc_len", data_raw.get("median_doc_len", 300), 1),
         sigma=float(data_raw.get("sigma", 1.0)),
-        min_doc_len=_int(path, "data.min_doc_len", data_raw.get("min_doc_len", 1), 1),
-        seed=_int(path, "data.seed", data_raw.get("seed", 0), 0),
+        min_doc_len=integer(path, "data.min_doc_len", data_raw.get("min_doc_len", 1), 1),
+        seed=integer(path, "data.seed", data_raw.get("seed", 0), 0),
     )
     if data.sigma < 0:
         raise ExperimentError(path, "data.sigma", f"must be >= 0, got {data.sigma}")
@@ -400,20 +302,20 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     variant_models: dict[str, list[str]] = {}
     roles: dict[str, str] = {}
     for vname, settings in variants_raw.items():
-        _check_keys(path, f"variants.{vname}", settings,
+        check_keys(path, f"variants.{vname}", settings,
                     set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role", "stack", "models"})
         settings = dict(settings)
         if "models" in settings:  # this variant runs on these of the file's models only
             variant_models[vname] = _variant_models(path, vname, settings.pop("models"), canon)
         if "role" in settings:  # what the variant stands for in a comparison; reports read it
-            roles[vname] = _choice(path, f"variants.{vname}.role", settings.pop("role"), rowmod.ROLES)
+            roles[vname] = choice(path, f"variants.{vname}.role", settings.pop("role"), rowmod.ROLES)
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
-            variant_loss[vname] = _choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
+            variant_loss[vname] = choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
         if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
-            variant_lora_dtype[vname] = _choice(path, f"variants.{vname}.lora_dtype",
+            variant_lora_dtype[vname] = choice(path, f"variants.{vname}.lora_dtype",
                                                 settings.pop("lora_dtype"), LORA_DTYPES)
         if "stack" in settings:  # built as a user (optim.enable) or a peer (Liger-Kernel) would
-            stack = variant_stack[vname] = _choice(path, f"variants.{vname}.stack", settings.pop("stack"), rowmod.STACKS)
+            stack = variant_stack[vname] = choice(path, f"variants.{vname}.stack", settings.pop("stack"), rowmod.STACKS)
             ours = sorted(k for k in settings if k in OWNER)
             if stack == "liger" and ours:
                 raise ExperimentError(path, f"variants.{vname}.stack",
@@ -445,7 +347,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                                       "'sdpa', or [data] distribution = 'fixed'")
             variant_cuda_graph[vname] = graphed
         for key, value in settings.items():
-            _choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
+            choice(path, f"variants.{vname}.{key}", value, SWITCHES[key].choices)
         if settings.get("offload", "none") != "none" and settings.get("gradient_checkpointing", True) is False:
             raise ExperimentError(path, f"variants.{vname}.offload",
                                   "offloads checkpointed layer inputs, so it needs gradient_checkpointing = true")
@@ -459,9 +361,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                                       "hooks issue around every layer; graph this variant in a file with "
                                       "parallel = \"none\"")
     baseline = exp.get("baseline", next(iter(variants)))
-    _choice(path, "experiment.baseline", baseline, list(variants))
-    report = _report(path, raw.get("report", {}), variants)
-    gate = _gate(path, raw["gate"], canon, seq_lens, variants, variant_models, variant_stack) if "gate" in raw else None
+    choice(path, "experiment.baseline", baseline, list(variants))
+    report = parse_report(path, raw.get("report", {}), variants)
+    gate = parse_gate(path, raw["gate"], canon, seq_lens, variants, variant_models, variant_stack) if "gate" in raw else None
 
     return Experiment(
         name=name, path=str(path), description=str(exp.get("description", "")), models=canon,
@@ -472,81 +374,6 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
         variant_cuda_graph=variant_cuda_graph, variant_stack=variant_stack, roles=roles, report=report,
         requires=requires, variant_models=variant_models, gate=gate,
-    )
-
-
-def _positive_number(path, key: str, value: Any, *, below: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (below and value >= below):
-        bound = f" and below {below:g}" if below else ""
-        raise ExperimentError(path, key, f"must be a number above 0{bound}, got {value!r}")
-    return float(value)
-
-
-def _gate(path, raw: Any, models: list[str], seq_lens: list[int], variants: dict, variant_models: dict,
-          variant_stack: dict) -> GateSpec:
-    """``[gate]`` and its ``[[gate.guards]]``, each guard's pair checked against the variants."""
-    from harness.gate.files import parse_fraction
-
-    _check_keys(path, "gate", raw, _GATE_KEYS)
-    try:
-        max_slowdown = parse_fraction(raw.get("max_slowdown", "5%"))
-    except ValueError as e:
-        raise ExperimentError(path, "gate.max_slowdown", str(e)) from None
-    max_memory = raw.get("max_memory_mib", 64)
-    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or max_memory < 0:
-        raise ExperimentError(path, "gate.max_memory_mib", f"must be a number of MiB >= 0, got {max_memory!r}")
-    guards_raw = raw.get("guards", [])
-    if not isinstance(guards_raw, list):
-        raise ExperimentError(path, "gate.guards", "must be an array of tables ([[gate.guards]])")
-    guards = []
-    for i, g in enumerate(guards_raw):
-        where = f"gate.guards[{i}]"
-        _check_keys(path, where, g, _GUARD_KEYS)
-        for key in ("switch", "model", "seq_len", "on", "off", "min_speedup"):
-            if key not in g:
-                raise ExperimentError(path, f"{where}.{key}", "missing required key")
-        try:
-            model = model_registry.get(g["model"]).name
-        except KeyError:
-            model = None
-        _choice(path, f"{where}.model", model if model in models else g["model"], models)
-        _choice(path, f"{where}.seq_len", g["seq_len"], seq_lens)
-        for side in ("on", "off"):
-            v = _choice(path, f"{where}.{side}", g[side], list(variants))
-            if model not in variant_models.get(v, [model]):
-                raise ExperimentError(path, f"{where}.{side}", f"variant {v!r} does not run on {model} (its models)")
-        switch, on, off = g["switch"], g["on"], g["off"]
-        if switch == ENABLE_GUARD:
-            if variant_stack.get(on) != "user" or variant_stack.get(off, "") or any(k in OWNER for k in variants[off]):
-                raise ExperimentError(path, f"{where}.switch", f"{ENABLE_GUARD!r} guards optim.enable against "
-                                      "stock: 'on' needs stack = 'user', 'off' no stack and no optim switch")
-        else:
-            _choice(path, f"{where}.switch", switch, [*SWITCHES, ENABLE_GUARD])
-            if resolve(variants[on]).get(switch) == resolve(variants[off]).get(switch):
-                raise ExperimentError(path, f"{where}.switch", f"variants {on!r} and {off!r} set {switch} alike, "
-                                      "so this pair measures something else")
-        parity = g.get("parity", True)
-        if not isinstance(parity, bool):
-            raise ExperimentError(path, f"{where}.parity", f"must be true or false, got {parity!r}")
-        guards.append(Guard(
-            switch=switch, model=model, seq_len=g["seq_len"], on=on, off=off,
-            min_speedup=_positive_number(path, f"{where}.min_speedup", g["min_speedup"]), parity=parity,
-            loss_tol=_positive_number(path, f"{where}.loss_tol", g.get("loss_tol", Guard.loss_tol), below=1),
-            grad_tol=_positive_number(path, f"{where}.grad_tol", g.get("grad_tol", Guard.grad_tol), below=1),
-        ))
-    judge = raw.get("judge", [])
-    if not isinstance(judge, list):
-        raise ExperimentError(path, "gate.judge", "must be a list of variant names", list(variants))
-    for i, v in enumerate(judge):
-        _choice(path, f"gate.judge[{i}]", v, list(variants))
-    rounds = _int(path, "gate.rounds", raw.get("rounds", GateSpec.rounds), 2)
-    guard_rounds = _int(path, "gate.guard_rounds", raw.get("guard_rounds", rounds), 1)
-    if guard_rounds > rounds:
-        raise ExperimentError(path, "gate.guard_rounds", f"must be at most rounds ({rounds}), got {guard_rounds}")
-    return GateSpec(
-        rounds=rounds, judge=tuple(judge), guard_rounds=guard_rounds,
-        alpha=_positive_number(path, "gate.alpha", raw.get("alpha", GateSpec.alpha), below=0.5),
-        max_slowdown=max_slowdown, max_memory_mib=float(max_memory), guards=tuple(guards),
     )
 
 
@@ -598,24 +425,6 @@ def check_requires(exp: Experiment) -> None:
         if have is None or have not in SpecifierSet(spec, prereleases=True):
             raise ExperimentError(exp.path, f"experiment.requires.{pkg}",
                                   f"needs {pkg}{spec}, this environment has {have or 'none installed'}")
-
-
-def _report(path, raw: Any, variants: dict) -> dict[str, dict[str, Any]]:
-    """``[report.<section>]``: which optimization sections the report adds from the sweep rows,
-    the variants each compares (by name, checked against ``variants``) and its targets."""
-    if not isinstance(raw, dict):
-        raise ExperimentError(path, "report", "must be a table of [report.<section>] tables", sorted(REPORT_VARIANT_KEYS))
-    out = {}
-    for section, table in raw.items():
-        if section not in REPORT_VARIANT_KEYS:
-            raise ExperimentError(path, f"report.{section}", "unknown report section", sorted(REPORT_VARIANT_KEYS))
-        _check_keys(path, f"report.{section}", table,
-                    set(REPORT_VARIANT_KEYS[section]) | set(REPORT_TARGET_KEYS[section]))
-        for key in REPORT_VARIANT_KEYS[section]:
-            if key in table:
-                _choice(path, f"report.{section}.{key}", table[key], list(variants))
-        out[section] = dict(table)
-    return out
 
 
 def subset(exp: Experiment, *, models=None, seq_lens=None, variants=None) -> Experiment:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI builds its parser from this module: keep torch out of its import
-    from harness.run.experiment import Experiment, Guard
+    from harness.run.experiment import Experiment
+    from harness.run.gate_spec import Guard
 
 
 def _side(point, spec) -> tuple[float, dict]:

@@ -96,7 +96,8 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from harness.run.point import attention_kernels, prepare
+    from harness.run.point import prepare
+    from harness.run.record import attention_kernels
     from harness.workload import models as model_registry
 
     spec = model_registry.get(point.model)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from optim.offload.offloader import Offloader
 
 
-class _Record:
+class Record:
     """One checkpointed call's layer input: where it lives between forward and backward."""
 
     __slots__ = ("rid", "pos", "slot", "x", "nbytes", "shape", "dtype", "device", "requires_grad",
@@ -69,7 +69,7 @@ def _elapsed_ms(a, b) -> float:
     return a.elapsed_time(b)
 
 
-def _split_args(args: tuple) -> tuple[list[torch.Tensor], Callable[[list], list]]:
+def split_args(args: tuple) -> tuple[list[torch.Tensor], Callable[[list], list]]:
     """Positional tensors go through autograd (they get grads); the rest stay in a closure."""
     idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     tensors = [args[i] for i in idx]
@@ -91,7 +91,7 @@ def _autocast_state(device_type: str) -> tuple:
             torch.is_autocast_cache_enabled())
 
 
-class _OffloadFunction(torch.autograd.Function):
+class OffloadFunction(torch.autograd.Function):
     """Forward without grad, remembering only the inputs (the first one offloaded); backward
     reloads it, recomputes under grad mode and backpropagates through the recomputed graph.
 
@@ -121,7 +121,7 @@ class _OffloadFunction(torch.autograd.Function):
     @staticmethod
     def backward(fctx, *grad_outputs):
         mgr: Offloader = fctx.mgr
-        rec: _Record | None = fctx.record
+        rec: Record | None = fctx.record
         rest = fctx.saved_tensors
         first = [mgr._acquire(rec)] if rec is not None else []
         inputs = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point())

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from optim.offload.function import StepStats, _OffloadFunction, _Record, _split_args
+from optim.offload.function import StepStats, OffloadFunction, Record, split_args
 from optim.switches import OFFLOAD_MODES, Switch, switches_of
 
 log = logging.getLogger("optim.offload")
@@ -88,9 +88,9 @@ class Offloader:
         if self.mode == "none" or self._kw_needs_grad(function, kwargs):
             return _torch_checkpoint(function, *args, use_reentrant=False,
                                      preserve_rng_state=preserve, **kwargs)
-        tensors, rebuild = _split_args(args)
+        tensors, rebuild = split_args(args)
         anchor = self._anchor(tensors[0].device if tensors else torch.device("cpu"))
-        return _OffloadFunction.apply(self, function, kwargs, rebuild, preserve, anchor, *tensors)
+        return OffloadFunction.apply(self, function, kwargs, rebuild, preserve, anchor, *tensors)
 
     checkpoint = __call__
 
@@ -148,7 +148,7 @@ class Offloader:
                 return True
         return False
 
-    def _on_forward(self, x: torch.Tensor | None) -> _Record | None:
+    def _on_forward(self, x: torch.Tensor | None) -> Record | None:
         if self._in_backward:  # first forward after a backward: a new step
             self._new_step()
         self._step.layers += 1
@@ -165,7 +165,7 @@ class Offloader:
             self._order = [r for r in self._order if r() is not None]
             for i, r in enumerate(self._order):
                 r().pos = i
-        rec = _Record(self._next_rid, len(self._order), x)
+        rec = Record(self._next_rid, len(self._order), x)
         self._next_rid += 1
         self._order.append(weakref.ref(rec, functools.partial(_release_dead, weakref.ref(self),
                                                               rec.rid)))
@@ -198,7 +198,7 @@ class Offloader:
             self._stream = torch.cuda.Stream()
         return self._stream
 
-    def _offload(self, rec: _Record) -> None:
+    def _offload(self, rec: Record) -> None:
         x = rec.x
         if not self._ensure_staging(0, rec):
             rec.state = "kept"
@@ -225,7 +225,7 @@ class Offloader:
         self._step.bytes_per_layer.append(rec.nbytes)
         self.trace.append(("d2h", slot))
 
-    def _host_buffer(self, slot: int, rec: _Record) -> torch.Tensor | None:
+    def _host_buffer(self, slot: int, rec: Record) -> torch.Tensor | None:
         buf = self._host.get(slot)
         if buf is not None and buf.numel() >= rec.nbytes:
             return buf
@@ -247,7 +247,7 @@ class Offloader:
 
     # -- staging buffers and the memory guard ----------------------------------------------
 
-    def _ensure_staging(self, i: int, rec: _Record) -> bool:
+    def _ensure_staging(self, i: int, rec: Record) -> bool:
         buf = self._staging[i]
         if buf is not None and buf.numel() >= rec.nbytes and buf.device == rec.device:
             return True
@@ -302,7 +302,7 @@ class Offloader:
     def _headroom(self, total: int) -> int:
         return self.headroom_bytes if self.headroom_bytes is not None else max(512 << 20, int(0.02 * total))
 
-    def _guard_ok(self, rec: _Record) -> bool:
+    def _guard_ok(self, rec: Record) -> bool:
         """The second buffer stays allocated for the rest of training, so it must fit beside the
         step's peak, not just in the memory free at this moment (mid-backward, when it is
         allocated, the loss and the last layer's recompute have come and gone; they come back
@@ -346,7 +346,7 @@ class Offloader:
 
     # -- backward side ---------------------------------------------------------------------
 
-    def _load(self, rec: _Record, *, prefetch: bool) -> bool:
+    def _load(self, rec: Record, *, prefetch: bool) -> bool:
         """Issue the reload of ``rec`` into the next staging buffer (alternating in double)."""
         i = self._loads % (2 if self.mode == "double" else 1)
         if i == 1 and not self._ensure_staging(1, rec):
@@ -389,7 +389,7 @@ class Offloader:
         self.trace.append(("h2d", rec.slot, i, "prefetch" if prefetch else "demand"))
         return True
 
-    def _acquire(self, rec: _Record) -> torch.Tensor:
+    def _acquire(self, rec: Record) -> torch.Tensor:
         """The layer input for ``rec``'s recompute; issues the one-ahead prefetch in double."""
         self._in_backward = True
         self._pending = None  # whatever was waiting for a successor stays on the device
@@ -415,7 +415,7 @@ class Offloader:
                                "retain_graph is not supported with offloaded checkpointing")
         return x
 
-    def _previous_offloaded(self, rec: _Record) -> _Record | None:
+    def _previous_offloaded(self, rec: Record) -> Record | None:
         """The layer whose backward comes next: the nearest earlier live offloaded record."""
         for j in range(rec.pos - 1, -1, -1):
             if j >= len(self._order):
@@ -428,7 +428,7 @@ class Offloader:
             return None  # already loaded (or pending): nothing to prefetch
         return None
 
-    def _done(self, rec: _Record) -> None:
+    def _done(self, rec: Record) -> None:
         """After ``rec``'s recompute + backward is issued: free its staging buffer and slot."""
         if rec.buf is not None and self._staging[rec.buf] is not None and \
                 self._staging_owner[rec.buf] == rec.rid:

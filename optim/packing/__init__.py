@@ -31,8 +31,8 @@ What runs where (``routing``): calls without a KV cache run the packed attention
 calls with a KV cache, ``generate()`` and masks of another form run the implementation ``enable``
 replaced. ``disable`` (or ``packing_backend="off"``) restores the model as it was.
 
-Layout: ``metadata`` (the batch's boundaries, their per-device cache and the structures built from
-them), ``backends`` (the three kernels), ``collator`` (``PackingCollator``), ``routing`` (which
+Layout: ``metadata`` (the batch's boundaries and their per-device cache), ``structures`` (the
+SDPA mask, flex BlockMask and varlen arguments built from them), ``backends`` (the three kernels), ``collator`` (``PackingCollator``), ``routing`` (which
 attention each forward runs), ``checks`` (the caller's position_ids against their metadata, on the
 device); this module holds the switches, the attention function transformers
 calls, ``enable`` and ``disable``.
@@ -63,11 +63,11 @@ from typing import Iterable
 import torch
 
 from optim.packing.backends import (
-    _KERNELS,
+    KERNELS,
     AUTO_ON_CUDA,
     FusedFlexUnavailable,
-    _flex_core,
-    _flex_output,
+    flex_core,
+    flex_output,
     fused_flex_failure,
     resolve_backend,
     varlen_available,
@@ -83,14 +83,10 @@ from optim.packing.metadata import (
     KERNEL_CALLS,
     STRUCTURES_KWARG,
     PackedMetadata,
-    _entry_for,
-    _ReleaseOnBackward,
-    _structure,
+    ReleaseOnBackward,
     build_entry,
-    build_flex_block_mask,
-    build_sdpa_mask,
-    build_varlen_args,
     cached_entry,
+    entry_for,
     counters,
     kernels,
     packed_kwargs,
@@ -98,6 +94,7 @@ from optim.packing.metadata import (
     reset_counters,
 )
 from optim.packing.checks import raise_pending
+from optim.packing.structures import build_flex_block_mask, build_sdpa_mask, build_varlen_args, cached_structure
 from optim.packing.routing import in_stock_mode
 from optim.switches import Switch, switches_of
 
@@ -167,8 +164,8 @@ def packed_attention_forward(
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
             gqa = query.shape[1] != key.shape[1]
-            out, lse = _flex_core(flex_attention, query, key, value, block_mask, scale, gqa, sinks is not None)
-            return _flex_output(out, lse, sinks, query.dtype), None
+            out, lse = flex_core(flex_attention, query, key, value, block_mask, scale, gqa, sinks is not None)
+            return flex_output(out, lse, sinks, query.dtype), None
     return _packed_attention_eager(module, query, key, value, attention_mask, scaling, dropout,
                                    sliding_window, s_aux, position_ids, packing, **kwargs)
 
@@ -191,7 +188,7 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     device = query.device
     validate = settings.validate
-    entry = _entry_for(packing, position_ids, B, T, device, settings.cache, validate,
+    entry = entry_for(packing, position_ids, B, T, device, settings.cache, validate,
                        kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"))
     grad = torch.is_grad_enabled() and query.requires_grad
     layer = getattr(module, "layer_idx", None)
@@ -205,9 +202,9 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
         # the first layer of the model that trains takes it over
         entry.first_module, entry.owner_grad = id(module), True
     if settings.cache and grad and entry.first_module == id(module):
-        query = _ReleaseOnBackward.apply(query, entry.key, device)
+        query = ReleaseOnBackward.apply(query, entry.key, device)
     backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
-    out = _KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
+    out = KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
     return out, None
 
 
@@ -253,8 +250,8 @@ def _prebuild_hook(module, args, kwargs):
     if resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) != "flex":
         return None
     B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
-    entry = _entry_for(meta, pos, B, T, device, True, settings.validate, cu, max_len)
-    masks = {w: _structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
+    entry = entry_for(meta, pos, B, T, device, True, settings.validate, cu, max_len)
+    masks = {w: cached_structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
              for w in windows}
     return args, {**kwargs, STRUCTURES_KWARG: masks}
 
@@ -281,7 +278,7 @@ def prebuild_structures(model) -> int:
     windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
                            key=lambda w: -1 if w is None else w))
     n = 0
-    for m in routing._stacks(model):
+    for m in routing.decoder_stacks(model):
         if _PREBUILT not in vars(m):
             m.register_forward_pre_hook(_prebuild_hook, with_kwargs=True)
         vars(m)[_PREBUILT] = (settings, windows)

@@ -11,13 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from optim._fallback import passes_through, recompile_limit
-from optim.packing.metadata import (
-    KERNEL_CALLS,
-    _structure,
-    build_flex_block_mask,
-    build_sdpa_mask,
-    build_varlen_args,
-)
+from optim.packing.metadata import KERNEL_CALLS
+from optim.packing.structures import build_flex_block_mask, build_sdpa_mask, build_varlen_args, cached_structure
 
 log = logging.getLogger("optim.packing")
 
@@ -33,7 +28,7 @@ def _sdpa(entry, q, k, v, scale, window, sinks, cache):
     B, H, T, D = q.shape
     k, v = _repeat_kv(k, H // k.shape[1]), _repeat_kv(v, H // v.shape[1])
     sink_cols = 0 if sinks is None else 1
-    mask = _structure(entry, ("sdpa", window, q.dtype, sink_cols),
+    mask = cached_structure(entry, ("sdpa", window, q.dtype, sink_cols),
                       lambda: build_sdpa_mask(entry, window, q.dtype, sink_cols), cache)
     if sinks is not None:
         # Exact sinks with SDPA, which returns no log-sum-exp: append one "sink" key per head whose
@@ -90,7 +85,7 @@ class _RanEager(Exception):
     """dynamo ran the fused-flex body as plain Python: flex_attention would take its unfused path."""
 
 
-def _flex_core(flex, q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
+def flex_core(flex, q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
     """One flex_attention call, (out, lse or None); ``flex`` is traced or compiled by the caller."""
     if not want_lse:
         return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
@@ -106,7 +101,7 @@ def _fused_flex_body(q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
         raise _RanEager
     from torch.nn.attention.flex_attention import flex_attention
 
-    return _flex_core(flex_attention, q, k, v, block_mask, scale, gqa, want_lse)
+    return flex_core(flex_attention, q, k, v, block_mask, scale, gqa, want_lse)
 
 
 def fused_flex_failure() -> str | None:
@@ -136,19 +131,19 @@ def _fused_flex(q, k, v, block_mask, scale, gqa: bool, want_lse: bool):
 
 
 def _flex(entry, q, k, v, scale, window, sinks, cache):
-    block_mask = _structure(entry, ("flex", window), lambda: build_flex_block_mask(entry, window), cache)
+    block_mask = cached_structure(entry, ("flex", window), lambda: build_flex_block_mask(entry, window), cache)
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":
         from torch.nn.attention.flex_attention import flex_attention
 
         KERNEL_CALLS["flex-unfused"] += 1
-        out, lse = _flex_core(flex_attention, q, k, v, block_mask, scale, gqa, sinks is not None)
-        return _flex_output(out, lse, sinks, q.dtype)
+        out, lse = flex_core(flex_attention, q, k, v, block_mask, scale, gqa, sinks is not None)
+        return flex_output(out, lse, sinks, q.dtype)
     res = _fused_flex(q, k, v, block_mask, scale, gqa, sinks is not None)
     if res is None:
         return _flex_stand_in(entry, q, k, v, scale, window, sinks, cache)
     KERNEL_CALLS["flex-fused"] += 1
-    return _flex_output(*res, sinks, q.dtype)
+    return flex_output(*res, sinks, q.dtype)
 
 
 _stand_in_logged = False
@@ -172,7 +167,7 @@ def _flex_stand_in(entry, q, k, v, scale, window, sinks, cache):
     return _varlen(entry, q, k, v, scale, window, sinks, cache)
 
 
-def _flex_output(out, lse, sinks, dtype):
+def flex_output(out, lse, sinks, dtype):
     """(B, H, T, D) -> (B, T, H, D), with exact sinks: renormalize with the kernel's log-sum-exp,
     out * Z / (Z + e^s) = out * sigmoid(lse - s). flex propagates gradients through lse."""
     if sinks is not None:
@@ -259,7 +254,7 @@ def varlen_available() -> bool:
 
 def _varlen(entry, q, k, v, scale, window, sinks, cache):
     B, H, T, D = q.shape
-    cu, max_len = _structure(entry, ("varlen",), lambda: build_varlen_args(entry), cache)
+    cu, max_len = cached_structure(entry, ("varlen",), lambda: build_varlen_args(entry), cache)
     qf = q.transpose(1, 2).reshape(B * T, H, D)
     kf = k.transpose(1, 2).reshape(B * T, k.shape[1], D)
     vf = v.transpose(1, 2).reshape(B * T, v.shape[1], D)
@@ -274,7 +269,7 @@ def _varlen(entry, q, k, v, scale, window, sinks, cache):
     return out.view(B, T, H, D)
 
 
-_KERNELS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
+KERNELS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
 
 
 # What ``packing_backend = "auto"`` picks on CUDA, by whether optim.regional compiles the decoder

@@ -1,12 +1,11 @@
-"""Packed-batch metadata (lengths, cu_seqlens, max_seqlen, document ids), its per-device
-cache, and the attention structures built from it: the SDPA mask, the flex BlockMask and the
-varlen arguments, each once per batch when cached. The counters say how often each was built."""
+"""Packed-batch metadata (lengths, cu_seqlens, max_seqlen, document ids) and its per-device
+cache; ``structures`` builds the attention structures from a cached entry once per batch. The
+counters say how often each was built."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import numbers
 import weakref
@@ -232,7 +231,7 @@ def _lengths_from_position_ids(position_ids: torch.Tensor) -> list[list[int]]:
 
 
 @dataclass
-class _Entry:
+class Entry:
     """Device metadata of one batch plus the attention structures built from it."""
 
     key: tuple
@@ -250,7 +249,7 @@ class _Entry:
     checked: tuple | None = None  # (id, _version) of the position_ids last checked against it
 
 
-_CACHE: dict[torch.device, _Entry] = {}
+_CACHE: dict[torch.device, Entry] = {}
 
 
 def release(device: torch.device | str | None = None) -> None:
@@ -261,7 +260,7 @@ def release(device: torch.device | str | None = None) -> None:
         _CACHE.pop(torch.device(device), None)
 
 
-def cached_entry(device: torch.device | str) -> _Entry | None:
+def cached_entry(device: torch.device | str) -> Entry | None:
     """The entry cached for ``device`` (for tests and benchmarks)."""
     return _CACHE.get(_canonical(torch.device(device)))
 
@@ -273,7 +272,7 @@ def _canonical(device: torch.device) -> torch.device:
     return device
 
 
-def build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entry:
+def build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> Entry:
     """Device metadata from the host lengths: one small host-to-device copy, no sync."""
     COUNTERS["metadata"] += 1
     cu_host = meta.cu_seqlens()
@@ -283,7 +282,7 @@ def build_entry(key: tuple, meta: PackedMetadata, device: torch.device) -> _Entr
     return _entry_on_device(key, cu, meta.max_seqlen, meta.batch_size, meta.seq_len)
 
 
-def _entry_on_device(key: tuple, cu: torch.Tensor, max_seqlen: int, B: int, T: int) -> _Entry:
+def _entry_on_device(key: tuple, cu: torch.Tensor, max_seqlen: int, B: int, T: int) -> Entry:
     """The per-token document index and document start from int32 ``cu`` offsets already on the
     device: mark the starts, cumsum. Vectorized, no loop per document, no sync."""
     n, device = B * T, cu.device
@@ -295,11 +294,11 @@ def _entry_on_device(key: tuple, cu: torch.Tensor, max_seqlen: int, B: int, T: i
     doc = torch.cumsum(seg[:n], 0, dtype=torch.int32)
     row0 = (torch.arange(n, device=device) // T) * T
     start = cu[doc.long()].long() - row0
-    return _Entry(key, B, T, cu, int(max_seqlen), doc.view(B, T), start.view(B, T))
+    return Entry(key, B, T, cu, int(max_seqlen), doc.view(B, T), start.view(B, T))
 
 
 def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int, B: int, T: int,
-                          device: torch.device) -> _Entry:
+                          device: torch.device) -> Entry:
     """Device metadata from ``cu_seqlens`` offsets over the flattened (B*T) batch and a host
     ``max_seqlen``, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` and TRL's
     padding-free batches carry them (``cu_seq_lens_q``, ``max_length_q``): built on the device
@@ -320,7 +319,7 @@ def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int,
     return _entry_on_device(key, cu, max_seqlen, B, T)
 
 
-def entry_from_position_ids(key: tuple, position_ids: torch.Tensor, B: int, T: int, device: torch.device) -> _Entry:
+def entry_from_position_ids(key: tuple, position_ids: torch.Tensor, B: int, T: int, device: torch.device) -> Entry:
     """Device metadata from position ids restarting at 0 per document, computed on the device with
     fixed shapes and no host sync: what a CUDA graph can capture, so one graph replays batches whose
     document lengths differ (the caller refills the static position_ids). The positions are trusted
@@ -332,11 +331,11 @@ def entry_from_position_ids(key: tuple, position_ids: torch.Tensor, B: int, T: i
     pos = pos.expand(B, T).long()
     doc = torch.cumsum((pos == 0).flatten(), 0, dtype=torch.int32).view(B, T) - 1
     start = torch.arange(T, device=device) - pos  # row-local index of the token's document start
-    return _Entry(key, B, T, None, None, doc, start)
+    return Entry(key, B, T, None, None, doc, start)
 
 
-def _entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache: bool,
-               validate: bool, cu_seqlens: torch.Tensor | None = None, max_seqlen=None) -> _Entry:
+def entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache: bool,
+               validate: bool, cu_seqlens: torch.Tensor | None = None, max_seqlen=None) -> Entry:
     """The batch's entry: from the cache when the batch is the cached one, else built from (in
     this order) ``packing``, ``cu_seqlens`` with ``max_seqlen``, or ``position_ids``."""
     from_cu = packing is None and cu_seqlens is not None and max_seqlen is not None
@@ -398,7 +397,7 @@ def _identity(t: torch.Tensor) -> tuple[int, int]:
     return id(t), t._version
 
 
-def _check(entry: _Entry, packing, position_ids: torch.Tensor, from_cu: bool) -> None:
+def _check(entry: Entry, packing, position_ids: torch.Tensor, from_cu: bool) -> None:
     """The caller's positions against the metadata they came with (a padded mask's documents, and
     metadata read from the positions themselves, need none)."""
     if from_cu or (packing is not None and packing.source == "lengths"):
@@ -407,7 +406,7 @@ def _check(entry: _Entry, packing, position_ids: torch.Tensor, from_cu: bool) ->
     entry.checked = _identity(position_ids)
 
 
-class _ReleaseOnBackward(torch.autograd.Function):
+class ReleaseOnBackward(torch.autograd.Function):
     """Identity on the query of the batch's first attention call. Its backward runs after that
     layer's attention backward, i.e. after the last use of the cached structures in the step,
     and drops the entry so that no T×T mask stays resident."""
@@ -425,97 +424,3 @@ class _ReleaseOnBackward(torch.autograd.Function):
             COUNTERS["releases"] += 1
         checks.raise_pending()  # the batch's inputs, if the GPU has checked them by now: before the optimizer steps
         return grad, None, None
-
-
-# ---------------------------------------------------------------------------------------------
-# Structures (one build per batch, per backend and window, when cached)
-# ---------------------------------------------------------------------------------------------
-
-
-def _structure(entry: _Entry, key: tuple, build, cache: bool):
-    if cache and key in entry.structures:
-        return entry.structures[key]
-    value = build()
-    if cache:
-        entry.structures[key] = value
-    return value
-
-
-def _allowed(entry: _Entry, window: int | None) -> torch.Tensor:
-    """(B, T, T) bool: same document, causal, and inside the sliding window. Broadcast, no loop."""
-    idx = torch.arange(entry.T, device=entry.doc.device)
-    ok = (entry.doc[:, :, None] == entry.doc[:, None, :]) & (idx[:, None] >= idx[None, :])
-    if window is not None:
-        ok &= (idx[:, None] - idx[None, :]) < window
-    return ok
-
-
-def build_sdpa_mask(entry: _Entry, window: int | None, dtype: torch.dtype, sink_cols: int) -> torch.Tensor:
-    """Additive (B, 1, T, T + sink_cols) mask in the attention dtype. Additive rather than bool
-    because SDPA converts a bool mask to a float one on every call; the last dim is allocated
-    padded to a multiple of 8 so the memory-efficient kernel gets an aligned stride (it would
-    otherwise copy the mask per call)."""
-    COUNTERS["sdpa_mask"] += 1
-    B, T = entry.B, entry.T
-    width = T + sink_cols
-    mask = torch.full((B, 1, T, -(-width // 8) * 8), float("-inf"), dtype=dtype, device=entry.doc.device)
-    mask[:, 0, :, :T].masked_fill_(_allowed(entry, window), 0.0)
-    if sink_cols:
-        mask[..., T:width] = 0.0
-    return mask[..., :width]
-
-
-def build_flex_block_mask(entry: _Entry, window: int | None):
-    """Document (+window) causal BlockMask built at block granularity: O((T/128)²), no T×T.
-
-    For query t the visible keys are one interval [lo(t), t], lo(t) = max(doc start, t-w+1),
-    and lo is non-decreasing, so a query block [qa, qb] sees the key interval [lo(qa), qb]; a key
-    block [ka, kb] is fully visible iff kb <= qa and ka >= lo(qb). Visible-but-not-full blocks are
-    partial and get the mask_mod."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    COUNTERS["flex_block_mask"] += 1
-    T, dev = entry.T, entry.doc.device
-    bs = FLEX_BLOCK
-    nb = -(-T // bs)
-    idx = torch.arange(T, device=dev)
-    lo = entry.start if window is None else torch.maximum(entry.start, idx - window + 1)
-    qa = torch.arange(nb, device=dev) * bs
-    qb = torch.clamp(qa + bs, max=T) - 1
-    lo_a, lo_b = lo[:, qa], lo[:, qb]  # (B, nb)
-    j = torch.arange(nb, device=dev)
-    i = j.view(nb, 1)
-    visible = (j >= (lo_a // bs)[:, :, None]) & (j <= (qb // bs)[:, None])
-    full = (j >= ((lo_b + bs - 1) // bs)[:, :, None]) & (j <= i - 1)
-    partial = visible & ~full
-
-    def ordered(m):  # dense (B, nb, nb) bool -> (counts, indices) with the chosen blocks first
-        counts = m.sum(-1, dtype=torch.int32)[:, None]
-        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
-        return counts, order
-
-    doc = F.pad(entry.doc, (0, nb * bs - T), value=-1)
-    # a partial of a module-level function rather than a closure: a compiled layer that takes the
-    # mask as input guards on the function, and a new closure per batch would recompile it
-    mask_mod = functools.partial(_doc_mask_mod, doc, window)
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
-                                    mask_mod=mask_mod, seq_lengths=(T, T))
-
-
-def _doc_mask_mod(doc, window, b, h, q_idx, kv_idx):
-    keep = (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
-    if window is not None:
-        keep = keep & (q_idx - kv_idx < window)
-    return keep
-
-
-def build_varlen_args(entry: _Entry) -> tuple[torch.Tensor, int]:
-    """varlen takes the metadata as is: int32 cu_seqlens on device and a host max_seqlen."""
-    if entry.cu_seqlens is None:
-        raise ValueError("packing: the varlen kernel needs the batch's max_seqlen on the host, which "
-                         "position_ids read inside a CUDA-graph capture cannot give; capture with "
-                         "packing_backend='flex' or 'sdpa', or hand the model packing=PackedMetadata")
-    COUNTERS["varlen_args"] += 1
-    return entry.cu_seqlens, entry.max_seqlen

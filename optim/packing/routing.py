@@ -167,7 +167,7 @@ def _routed_generate(self, *args, **kwargs):
         return type(self).generate(self, *args, **kwargs)
 
 
-def _stacks(model) -> list[torch.nn.Module]:
+def decoder_stacks(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)]
 
 
@@ -177,7 +177,7 @@ def install(model, stock: str, configs: list) -> Route:
     if route is not None:
         return route
     route = Route(stock, configs)
-    for stack in _stacks(model):
+    for stack in decoder_stacks(model):
         vars(stack)[_ATTR] = route
         # prepended: optim.regional's prebuild hook must see the documents this one hands on
         stack.register_forward_pre_hook(_rewrite_kwargs, with_kwargs=True, prepend=True)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from harness.report import spec as spec_file
 from harness.report import fmt, output
-from harness.report.fmt import _table
 from harness.report.blog import appendix, common, consistency, data, gate, moe, offload, packing, plan as plan_file
 from harness.report.blog.style import embed
 from harness.report.blog import figures
@@ -47,7 +46,7 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     peers = {}
     for p in pts:
         peers.setdefault(p.gpu_name, []).append(
-            f"{p.model} {p.seq_len}: " + " / ".join(common.ms(p.ms(r)) for r in ("stock", "peer", "default")) + " ms")
+            f"{p.model} {p.seq_len}: " + " / ".join(fmt.ms(p.ms(r)) for r in ("stock", "peer", "default")) + " ms")
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
              "peft and Liger-Kernel's patches, in one sweep per GPU; \"best\" is the fastest setting of ours "
@@ -69,7 +68,7 @@ def _tldr(heads: list[common.Headline], peers: dict, gpus: list[str]) -> str:
     body.append(["`optim.enable(model)`, all of it", "the above, as a user gets it in one call",
                  *("; ".join(peers.get(g, [])) + (" (stock / Liger-Kernel / enable)" if peers.get(g) else "not measured")
                    for g in gpus), "–"])
-    return "## TL;DR\n\n" + _table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
+    return "## TL;DR\n\n" + fmt.table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
                                     "the seeds' claim"], body)
 
 

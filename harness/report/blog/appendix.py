@@ -10,7 +10,7 @@ from harness.report import offload as offload_report
 from harness.report import packing as packing_report
 from harness.report import scaling as scaling_report
 from harness.report import user as user_report
-from harness.report.fmt import _f, _table
+from harness.report import fmt
 from harness.report.frames import STATISTIC
 from harness.report.blog import figures
 from harness.report.blog.style import embed, gpu_short
@@ -24,9 +24,9 @@ def hardware(rows: list[dict], fig_dir: Path, readme_dir: Path) -> str:
     ceilings = {}
     for r in bw:
         gpu = gpu_short(r.get("device_name"))
-        if (g := _f((r.get("gbps") or {}).get("p50"))) is not None:
+        if (g := fmt.number((r.get("gbps") or {}).get("p50"))) is not None:
             series.setdefault((gpu, str(r.get("memory"))), {}).setdefault(int(r["size_bytes"]), []).append(g)
-        if (c := _f(r.get("pcie_ceiling_gbps"))) is not None:
+        if (c := fmt.number(r.get("pcie_ceiling_gbps"))) is not None:
             ceilings[gpu] = c
     med = {k: [(s, sorted(v)[len(v) // 2]) for s, v in by.items()] for k, by in series.items()}
     body = []
@@ -42,7 +42,7 @@ def hardware(rows: list[dict], fig_dir: Path, readme_dir: Path) -> str:
         "What offload's reload c is made of: `python -m harness bandwidth`'s copies, 1 MiB to 1 GiB, "
         "median of each size; the ceiling is the link's PCIe generation and width as NVML reports them "
         "(128b/130b encoding, one direction).",
-        _table(["GPU", "pinned GB/s (best size)", "pageable GB/s", "PCIe ceiling GB/s", "pinned / ceiling"], body),
+        fmt.table(["GPU", "pinned GB/s (best size)", "pageable GB/s", "PCIe ceiling GB/s", "pinned / ceiling"], body),
         embed(fig, "host-to-device bandwidth against copy size", readme_dir)] if x)
 
 
@@ -59,7 +59,7 @@ def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "", 
             goals = user_report.user_targets(pts, spec["user"].get("targets") or [],
                                              [r for r in rows if r.get("kind") == "trainer"])
             if goals:
-                texts.append(_table(["target", "measured", "met?"], goals))
+                texts.append(fmt.table(["target", "measured", "met?"], goals))
         if "packing" in spec:
             m_rows = [r for r in rows if r.get("kind") == "packing_m"]
             texts.append(packing_report.packing_targets_md(steps, m_rows, spec["packing"]))
@@ -72,7 +72,7 @@ def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "", 
             pts = scaling_report.scaling_points(steps, sc)
             goals = scaling_report.scaling_targets(pts, sc.get("targets") or [], sc.get("ours", "ours"))
             if goals:
-                texts.append(_table(["target", "measured", "met?"], goals))
+                texts.append(fmt.table(["target", "measured", "met?"], goals))
         texts = [t for text in texts if text for t in _target_tables(text)]
         if not rows:
             texts.insert(0, "No rows yet: every target of this file is **not measured**.")
@@ -108,7 +108,7 @@ def _target_tables(md: str) -> list[str]:
 
 
 def _range(values) -> str:
-    nums = sorted({int(v) for v in values if _f(v) is not None})
+    nums = sorted({int(v) for v in values if fmt.number(v) is not None})
     return "–" if not nums else str(nums[0]) if len(nums) == 1 else f"{nums[0]}–{nums[-1]}"
 
 
@@ -135,7 +135,7 @@ def methodology(rows: list[dict], commands: dict[str, list[str]]) -> str:
         "weights (nothing is downloaded); data are generated packed rows. Speed-ups are ratios of "
         "medians measured in the same sweep on the same GPU; the \"one run\" column says whether the "
         "compared rows were recorded within 30 minutes of each other by the same code.",
-        _table(["GPU", "torch", "transformers", "peft", "Liger-Kernel", "CUDA", "driver", "SM clock / max MHz", "PCIe",
+        fmt.table(["GPU", "torch", "transformers", "peft", "Liger-Kernel", "CUDA", "driver", "SM clock / max MHz", "PCIe",
                 "host CPU"], body)
         if body else "",
         "The commands that wrote the rows behind each section (each row records its own):",

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.report.fmt import _f, _stat, _table
-from harness.report.fmt import _ms as ms, _times as times  # noqa: F401  (the sections' cell formats)
+from harness.report import fmt
 from harness.report.blog.data import RolePoint
-from harness.report.runs import _one_run
+from harness.report.runs import from_one_run
 from harness.report.blog.style import ROLE_LABEL, ROLES
 
 
@@ -23,7 +22,7 @@ class Headline:
 
 
 def gib(x) -> str:
-    return "–" if _f(x) is None else f"{_f(x):.1f}"
+    return "–" if fmt.number(x) is None else f"{fmt.number(x):.1f}"
 
 
 def cell(p: RolePoint, role: str) -> str:
@@ -31,7 +30,7 @@ def cell(p: RolePoint, role: str) -> str:
     if r is None:
         return p.failed.get(role, "not run").upper() if role in p.failed else "not run"
     s = p.speedup(role) if role != "stock" else None
-    return ms(p.ms(role)) + (f" ({times(s)})" if s else "") + (OTHER_RUN if _apart(p, role) else "")
+    return fmt.ms(p.ms(role)) + (f" ({fmt.times(s)})" if s else "") + (OTHER_RUN if _apart(p, role) else "")
 
 
 # marks a role measured by another run than the stock row beside it: its ratio compares two runs
@@ -40,7 +39,7 @@ OTHER_RUN = " †"
 
 def _apart(p: RolePoint, role: str) -> bool:
     stock, r = p.rows.get("stock"), p.rows.get(role)
-    return role != "stock" and stock is not None and r is not None and _one_run([stock, r]) is False
+    return role != "stock" and stock is not None and r is not None and from_one_run([stock, r]) is False
 
 
 def other_run_note(table: str) -> str:
@@ -59,7 +58,7 @@ def peers_table(points: list[RolePoint]) -> str:
         together = "–" if len(p.rows) < 2 else {True: "yes", False: "no", None: "?"}[p.one_run()]
         body.append([p.gpu_name, p.model, p.seq_len, *(cell(p, r) for r in ROLES),
                      f"`{best.get('variant')}`" if best else "–", together])
-    return other_run_note(_table(["GPU", "model", "tokens", *(f"{ROLE_LABEL[r]} ms" for r in ROLES), "best variant",
+    return other_run_note(fmt.table(["GPU", "model", "tokens", *(f"{ROLE_LABEL[r]} ms" for r in ROLES), "best variant",
                                   "one run"], body))
 
 
@@ -71,12 +70,12 @@ def split_table(points: list[RolePoint]) -> str:
             r = p.rows.get(role)
             if r is None:
                 continue
-            body.append([p.gpu_name, f"{p.model} T={p.seq_len}", ROLE_LABEL[role], ms(_stat(r, "step_ms")),
-                         ms(_stat(r, "forward_ms")), ms(_stat(r, "backward_ms")), ms(_stat(r, "optimizer_ms")),
+            body.append([p.gpu_name, f"{p.model} T={p.seq_len}", ROLE_LABEL[role], fmt.ms(fmt.stat(r, "step_ms")),
+                         fmt.ms(fmt.stat(r, "forward_ms")), fmt.ms(fmt.stat(r, "backward_ms")), fmt.ms(fmt.stat(r, "optimizer_ms")),
                          gib(r.get("peak_allocated_gib"))])
     if not body:
         return ""
-    return _table(["GPU", "point", "role", "step ms", "forward", "backward", "optimizer", "peak GiB"], body)
+    return fmt.table(["GPU", "point", "role", "step ms", "forward", "backward", "optimizer", "peak GiB"], body)
 
 
 def gains_text(values: list[tuple[str, float]]) -> str:

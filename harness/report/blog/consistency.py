@@ -4,8 +4,7 @@ current and where the time moved."""
 
 from __future__ import annotations
 
-from harness.report.fmt import _spread, _stat, _table
-from harness.report.blog.common import ms
+from harness.report import fmt
 from harness.report.blog.data import DISAGREE, Disagreement
 
 
@@ -16,8 +15,8 @@ def section(found: list[Disagreement]) -> str:
     for d in found:
         for exp, sha, when, r in d.runs:
             body.append([d.gpu, f"{d.model} {d.seq_len}", d.stack, f"`{exp}` @ {sha}", when[:16].replace("T", " "),
-                         _spread(r, "step_ms"), ms(_stat(r, "forward_ms")), ms(_stat(r, "backward_ms")),
-                         ms(_stat(r, "optimizer_ms")), _probe(r)])
+                         fmt.spread(r, "step_ms"), fmt.ms(fmt.stat(r, "forward_ms")), fmt.ms(fmt.stat(r, "backward_ms")),
+                         fmt.ms(fmt.stat(r, "optimizer_ms")), _probe(r)])
     return "\n\n".join([
         "## Measurements that disagree",
         f"The same configuration (model, length, stack, switches, data) measured by more than one run, "
@@ -26,7 +25,7 @@ def section(found: list[Disagreement]) -> str:
         "can do this. The host probe (a fixed piece of pure Python timed when the row was written, where "
         "recorded) shows a slower or busier host; `python -m harness gate --base A --head B` on one GPU "
         "tells a code change apart.",
-        _table(["GPU", "point", "stack", "run (experiment @ commit)", "recorded", "step ms [p20–p80]", "forward",
+        fmt.table(["GPU", "point", "stack", "run (experiment @ commit)", "recorded", "step ms [p20–p80]", "forward",
                 "backward", "optimizer", "host probe ms"], body)])
 
 
@@ -42,7 +41,7 @@ def targets_note(found: list[Disagreement]) -> str:
     if not found:
         return ""
     items = "; ".join(f"{d.model} {d.seq_len} ({d.stack}, {d.gpu}): "
-                      + ", ".join(f"`{exp}` @ {sha} {ms(_stat(r, 'step_ms'))} ms" for exp, sha, _, r in d.runs)
+                      + ", ".join(f"`{exp}` @ {sha} {fmt.ms(fmt.stat(r, 'step_ms'))} ms" for exp, sha, _, r in d.runs)
                       for d in found)
     return ("Each verdict is judged from its own experiment's rows. Another run measured these configurations "
             f"more than {DISAGREE:.0%} apart, so a verdict on them holds for the run it was judged from: {items}.")
@@ -51,7 +50,7 @@ def targets_note(found: list[Disagreement]) -> str:
 def tldr_note(found: list[Disagreement]) -> str:
     if not found:
         return ""
-    items = "; ".join(f"{d.model} {d.seq_len} ({d.stack}, {d.gpu}): {ms(_stat(d.runs[0][3], 'step_ms'))} to "
-                      f"{ms(_stat(d.runs[-1][3], 'step_ms'))} ms" for d in found)
+    items = "; ".join(f"{d.model} {d.seq_len} ({d.stack}, {d.gpu}): {fmt.ms(fmt.stat(d.runs[0][3], 'step_ms'))} to "
+                      f"{fmt.ms(fmt.stat(d.runs[-1][3], 'step_ms'))} ms" for d in found)
     return (f"**{len(found)} configuration{'s' if len(found) > 1 else ''} measured differently by two runs** "
             f"(see [Measurements that disagree](#measurements-that-disagree)): {items}.")

@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, field
 
 from harness import results as res
-from harness.report.fmt import _f, _natural, _stat
-from harness.report.runs import _one_run, _runs, _when
+from harness.report import fmt
+from harness.report.runs import from_one_run, split_runs, recorded_at
 from harness.report.blog.style import gpu_short
 
 OURS = ("ours", "ours-default")
@@ -29,14 +29,14 @@ class RolePoint:
         return gpu_short(self.device)
 
     def ms(self, role: str) -> float | None:
-        return _stat(self.rows.get(role), "step_ms")
+        return fmt.stat(self.rows.get(role), "step_ms")
 
     def speedup(self, role: str) -> float | None:
         s, x = self.ms("stock"), self.ms(role)
         return s / x if s and x else None
 
     def one_run(self) -> bool | None:
-        return _one_run(list(self.rows.values()))
+        return from_one_run(list(self.rows.values()))
 
 
 def load_rows(results_root, experiments) -> list[dict]:
@@ -44,8 +44,8 @@ def load_rows(results_root, experiments) -> list[dict]:
 
 
 def _median_repeat(rows: list[dict]) -> dict | None:
-    ok = sorted((r for r in rows if r.get("status") == "ok" and _stat(r, "step_ms") is not None),
-                key=lambda r: _stat(r, "step_ms"))
+    ok = sorted((r for r in rows if r.get("status") == "ok" and fmt.stat(r, "step_ms") is not None),
+                key=lambda r: fmt.stat(r, "step_ms"))
     return ok[(len(ok) - 1) // 2] if ok else None
 
 
@@ -67,9 +67,9 @@ SIDE_BY_SIDE = ("stock", "peer", "default")  # what a reader compares: measured 
 
 
 def _side_by_side(here: list[dict]) -> list[dict] | None:
-    """The newest run (``runs._runs``, rows with a recording time) whose ok rows hold stock, the peer
+    """The newest run (``runs.split_runs``, rows with a recording time) whose ok rows hold stock, the peer
     and enable() at this point, where there is one."""
-    for run in reversed([run for run in _runs([r for r in here if r.get("status") == "ok"]) if _when(run[0])]):
+    for run in reversed([run for run in split_runs([r for r in here if r.get("status") == "ok"]) if recorded_at(run[0])]):
         roles = set().union(*(role_of(r) for r in run))
         if all(role in roles for role in SIDE_BY_SIDE):
             return run
@@ -82,13 +82,13 @@ def role_points(rows: list[dict]) -> list[RolePoint]:
     run measured stock, the peer and enable() side by side, each role is read from the newest such
     run (best too, when that run ran a setting of ours beyond the defaults), so the ratios compare rows of one run;
     elsewhere each role's variant takes its median repeat over every run."""
-    steps = [r for r in rows if r.get("kind") == "step" and int(_f(r.get("gpus")) or 1) == 1]
-    keys = sorted({(r.get("gpu_slug") or "unknown", str(r.get("model")), int(_f(r.get("seq_len")) or 0))
-                   for r in steps}, key=lambda k: (k[0], _natural(k[1]), k[2]))
+    steps = [r for r in rows if r.get("kind") == "step" and int(fmt.number(r.get("gpus")) or 1) == 1]
+    keys = sorted({(r.get("gpu_slug") or "unknown", str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0))
+                   for r in steps}, key=lambda k: (k[0], fmt.natural(k[1]), k[2]))
     out = []
     for gpu, model, t in keys:
         here = [r for r in steps if (r.get("gpu_slug") or "unknown", str(r.get("model")),
-                                     int(_f(r.get("seq_len")) or 0)) == (gpu, model, t)]
+                                     int(fmt.number(r.get("seq_len")) or 0)) == (gpu, model, t)]
         pt = RolePoint(gpu=gpu, device=str(here[0].get("device_name") or gpu), model=model, seq_len=t)
         run = _side_by_side(here)
         for role in ("stock", "peer", "default", "best"):
@@ -101,7 +101,7 @@ def role_points(rows: list[dict]) -> list[RolePoint]:
                 by_variant.setdefault(str(r.get("variant")), []).append(r)
             picks = [p for v in by_variant.values() if (p := _median_repeat(v))]
             if picks:
-                pt.rows[role] = min(picks, key=lambda r: _stat(r, "step_ms"))
+                pt.rows[role] = min(picks, key=lambda r: fmt.stat(r, "step_ms"))
             elif cand:
                 pt.failed[role] = "/".join(sorted({str(r.get("status")) for r in cand}))
         out.append(pt)
@@ -138,7 +138,7 @@ class Disagreement:
 
     @property
     def ratio(self) -> float:
-        return _stat(self.runs[-1][3], "step_ms") / _stat(self.runs[0][3], "step_ms")
+        return fmt.stat(self.runs[-1][3], "step_ms") / fmt.stat(self.runs[0][3], "step_ms")
 
 
 def disagreements(rows: list[dict], tolerance: float = DISAGREE) -> list[Disagreement]:
@@ -147,7 +147,7 @@ def disagreements(rows: list[dict], tolerance: float = DISAGREE) -> list[Disagre
     (``code_sha``, else the commit)."""
     groups: dict[tuple, dict[tuple, list[dict]]] = {}
     for r in rows:
-        if r.get("kind") != "step" or int(_f(r.get("gpus")) or 1) != 1 or _stat(r, "step_ms") is None \
+        if r.get("kind") != "step" or int(fmt.number(r.get("gpus")) or 1) != 1 or fmt.stat(r, "step_ms") is None \
                 or r.get("status") != "ok":
             continue
         env = r.get("env") or {}
@@ -159,10 +159,10 @@ def disagreements(rows: list[dict], tolerance: float = DISAGREE) -> list[Disagre
             continue
         picks = sorted(((exp, str((m.get("env") or {}).get("git_sha") or "?")[:8], str(m.get("recorded_at") or "?"), m)
                         for (exp, _), rs in runs.items() if (m := _median_repeat(rs))),
-                       key=lambda x: _stat(x[3], "step_ms"))
+                       key=lambda x: fmt.stat(x[3], "step_ms"))
         first = picks[0][3]
-        d = Disagreement(str(first.get("model")), int(_f(first.get("seq_len")) or 0), gpu_short(first.get("device_name")),
+        d = Disagreement(str(first.get("model")), int(fmt.number(first.get("seq_len")) or 0), gpu_short(first.get("device_name")),
                          str(first.get("stack") or "transformers"), picks)
         if d.ratio > 1 + tolerance:
             out.append(d)
-    return sorted(out, key=lambda d: (d.gpu, _natural(d.model), d.seq_len, d.stack))
+    return sorted(out, key=lambda d: (d.gpu, fmt.natural(d.model), d.seq_len, d.stack))

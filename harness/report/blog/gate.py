@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.report.fmt import _table
+from harness.report import fmt
 
 DASH = "–"
 
@@ -85,4 +85,4 @@ def targets(root: Path | str, spec: dict) -> str:
             run, g = runs[-1]
             m = _minutes(g)
             body.append([goal, f"{m:.1f} min (`{run}`)", "met" if m <= spec["max_minutes"] else "not met"])
-    return "### `gate`\n\n" + _table(["target", "measured", "met?"], body) if body else ""
+    return "### `gate`\n\n" + fmt.table(["target", "measured", "met?"], body) if body else ""

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.report import bench
-from harness.report.fmt import _f, _natural, _stat, _table
+from harness.report import fmt
 from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
                                 gpu_memory_gib, moe_gap_md, moe_routing)
 from harness.report.blog import figures
-from harness.report.blog.common import Headline, cell, ms, other_run_note, split_table, stock_caveats, times
+from harness.report.blog.common import Headline, cell, other_run_note, split_table, stock_caveats
 from harness.report.blog.data import RolePoint, role_points
 from harness.report.blog.style import ROLE_LABEL, ROLES, embed, gpu_short
 
@@ -22,16 +22,16 @@ def _syncs_md(rows: list[dict]) -> str:
     body = [[gpu_short(r.get("device_name")), r.get("model"), r.get("num_experts"), r.get("backend"),
              r.get("forward_counted"), "–" if r.get("forward_observed") is None else r.get("forward_observed"),
              r.get("per_model_forward")]
-            for r in sorted(sy, key=lambda r: (str(r.get("gpu_slug")), _natural(str(r.get("model"))), str(r.get("backend"))))]
+            for r in sorted(sy, key=lambda r: (str(r.get("gpu_slug")), fmt.natural(str(r.get("model"))), str(r.get("backend"))))]
     return ("**Host syncs: ∝ E against 1.** The per-expert loop asks the device which rows each expert "
             "got, once per expert; grouping once (argsort + bincount) asks once; grouped_mm never asks.\n\n"
-            + _table(["GPU", "model", "E", "backend", "forward syncs per layer (counted)", "observed (CUDA sync debug)",
+            + fmt.table(["GPU", "model", "E", "backend", "forward syncs per layer (counted)", "observed (CUDA sync debug)",
                       "per model forward"], body))
 
 
 def _gain(pct) -> str:
     """A steps/s gain in %, as a ratio once it passes 2× (+793 % reads worse than 8.9×)."""
-    return "–" if pct is None else f"{pct:+.0f} %" if pct < 100 else times(1 + pct / 100)
+    return "–" if pct is None else f"{pct:+.0f} %" if pct < 100 else fmt.times(1 + pct / 100)
 
 
 def _per_gpu(rows: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -42,8 +42,8 @@ def _per_gpu(rows: list[dict]) -> list[tuple[str, list[dict]]]:
 
 def _routing_md(rows: list[dict], seeds: dict) -> str:
     body = [[gpu, p["model"], p["tokens"],
-             f"{ms(_stat(p['backends'].get('loop'), 'forward_ms'))} → {ms(_stat(p['backends'].get('sorted'), 'forward_ms'))}",
-             f"{ms(_stat(p['backends'].get('loop'), 'backward_ms'))} → {ms(_stat(p['backends'].get('sorted'), 'backward_ms'))}",
+             f"{fmt.ms(fmt.stat(p['backends'].get('loop'), 'forward_ms'))} → {fmt.ms(fmt.stat(p['backends'].get('sorted'), 'forward_ms'))}",
+             f"{fmt.ms(fmt.stat(p['backends'].get('loop'), 'backward_ms'))} → {fmt.ms(fmt.stat(p['backends'].get('sorted'), 'backward_ms'))}",
              _gain(p["sorted_over_loop_forward_ms"]), _gain(p["sorted_over_loop_backward_ms"])]
             for gpu, rs in _per_gpu(rows) for p in moe_routing(rs)]
     if not body:
@@ -52,14 +52,14 @@ def _routing_md(rows: list[dict], seeds: dict) -> str:
              "backward on the routing path (B200).") if seeds else ""
     return ("**The routing path alone** (gather rows per expert, weight, scatter back; no expert GEMMs), "
             "loop → sorted, p50 ms." + claim + "\n\n"
-            + _table(["GPU", "model", "tokens", "forward ms", "backward ms", "forward gain", "backward gain"], body))
+            + fmt.table(["GPU", "model", "tokens", "forward ms", "backward ms", "forward gain", "backward gain"], body))
 
 
 def _crossover_md(rows: list[dict]) -> str:
     body = [[gpu, *line] for gpu, rs in _per_gpu(rows) for line in moe_crossover_body(rs)]
     if not body:
         return ""
-    return "\n\n".join(x for x in ("**Split LoRA's crossover.**", _table(["GPU", *CROSSOVER_HEADER], body),
+    return "\n\n".join(x for x in ("**Split LoRA's crossover.**", fmt.table(["GPU", *CROSSOVER_HEADER], body),
                                      CROSSOVER_NOTE, _crossover_check(rows)) if x)
 
 
@@ -69,7 +69,7 @@ def _crossover_check(rows: list[dict]) -> str:
     lines, beyond = [], False
     for gpu, rs in _per_gpu(rows):
         pts = moe_crossover_points(rs)
-        for model in sorted({p["model"] for p in pts}, key=_natural):
+        for model in sorted({p["model"] for p in pts}, key=fmt.natural):
             mine = [p for p in pts if p["model"] == model and p["ms_merged"] and p["ms_split"]]
             pred = next((p["tokens"] * p["flops_merged"] / p["flops_split"] for p in mine
                          if p["flops_merged"] and p["flops_split"]), None)
@@ -78,13 +78,13 @@ def _crossover_check(rows: list[dict]) -> str:
             slower = [p for p in mine if p["ms_split"] >= p["ms_merged"]]
             if slower:
                 p = slower[0]
-                seen = f"split no faster from {p['tokens']:,} tokens ({ms(p['ms_split'])} against {ms(p['ms_merged'])} ms)"
+                seen = f"split no faster from {p['tokens']:,} tokens ({fmt.ms(p['ms_split'])} against {fmt.ms(p['ms_merged'])} ms)"
             else:
                 p = mine[-1]
                 beyond |= p["tokens"] > pred
                 seen = (f"split faster at every length run, up to {p['tokens']:,} tokens "
-                        f"({ms(p['ms_merged'])} → {ms(p['ms_split'])} ms, "
-                        f"{_f(p['flops_merged']) / 1e9:,.1f} → {_f(p['flops_split']) / 1e9:,.1f} GFLOP, merged → split)")
+                        f"({fmt.ms(p['ms_merged'])} → {fmt.ms(p['ms_split'])} ms, "
+                        f"{fmt.number(p['flops_merged']) / 1e9:,.1f} → {fmt.number(p['flops_split']) / 1e9:,.1f} GFLOP, merged → split)")
             lines.append(f"- {model}, {gpu}: predicted {pred:,.0f} tokens; measured: {seen}.")
     if not lines:
         return ""
@@ -108,8 +108,8 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[s
     body = []
     for t in lengths:
         us, tr = (seeds.get("unsloth") or {}).get(str(t)), (seeds.get("transformers") or {}).get(str(t))
-        row = [t, ms(_f(us)), ms(_f(tr)) if tr != "OOM" else "OOM",
-               times(_f(tr) / _f(us)) if _f(tr) and _f(us) else "–"]
+        row = [t, fmt.ms(fmt.number(us)), fmt.ms(fmt.number(tr)) if tr != "OOM" else "OOM",
+               fmt.times(fmt.number(tr) / fmt.number(us)) if fmt.number(tr) and fmt.number(us) else "–"]
         for gpu in gpus:
             p = next((p for p in mine if p.gpu_name == gpu and p.seq_len == t), None)
             gap = (short or {}).get(gpu, "not run")
@@ -118,7 +118,7 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[s
     sg = seeds.get("gpu", "?")
     header = ["tokens", f"seeds' Unsloth ({sg})", f"seeds' Transformers v5 ({sg})", "seeds' ratio"]
     header += [f"{ROLE_LABEL[r]}, {gpu}" for gpu in gpus for r in ROLES]
-    return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + other_run_note(_table(header, body))
+    return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + other_run_note(fmt.table(header, body))
 
 
 def _too_small(rows: list[dict], need: dict[str, float]) -> dict[str, dict[str, str]]:
@@ -135,8 +135,8 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
     head = Headline("MoE: routing grouped once, grouped_mm experts, split LoRA",
                     "a host sync per expert, and peft materializing B·A for all E experts every step")
     seeds_ms = seeds.get("models") or {}
-    head.seeds = "; ".join(f"{m}: {times(_f(s['transformers'].get('2048')) / _f(s['unsloth'].get('2048')))} at 2048 tokens ({s.get('gpu')})"
-                           for m, s in seeds_ms.items() if _f((s.get("transformers") or {}).get("2048")))
+    head.seeds = "; ".join(f"{m}: {fmt.times(fmt.number(s['transformers'].get('2048')) / fmt.number(s['unsloth'].get('2048')))} at 2048 tokens ({s.get('gpu')})"
+                           for m, s in seeds_ms.items() if fmt.number((s.get("transformers") or {}).get("2048")))
     if not rows:
         return "", head
     parts = ["## 3. MoE: routing grouped once, grouped_mm experts, split LoRA"]
@@ -145,7 +145,7 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
             parts.append(text)
     q = [r for r in rows if r.get("kind") == "moe_query_model"]
     if fig := figures.predicted_vs_measured(
-            [(gpu_short(r.get("device_name")), _f(r.get("predicted_saving_ms")), _f(r.get("measured_saving_ms"))) for r in q],
+            [(gpu_short(r.get("device_name")), fmt.number(r.get("predicted_saving_ms")), fmt.number(r.get("measured_saving_ms"))) for r in q],
             fig_dir / "moe-predicted-vs-measured.png", "routing saving per layer (ms)"):
         parts.append("**Sorted over loop, predicted from the per-query cost.** Each of the loop's E dynamic "
                      "queries costs c = (loop − sorted)/(E − 1) on the routing path; (E − 1)·c predicts the "
@@ -155,7 +155,7 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
         parts.append(cross)
     rp = role_points(rows)
     short = _too_small(rows, min_gib or {})
-    for model in sorted({p.model for p in rp}, key=_natural):
+    for model in sorted({p.model for p in rp}, key=fmt.natural):
         parts.append(_seeds_table(rp, model, seeds_ms.get(model, {}), short.get(model)))
     if caveat := stock_caveats(rp):
         parts.append(caveat)
@@ -165,7 +165,7 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
     if table := split_table(heads):
         parts.append("### Where the time and memory go (2048 tokens)\n\n" + table)
     limits = []
-    for model in sorted({p.model for p in rp}, key=_natural):
+    for model in sorted({p.model for p in rp}, key=fmt.natural):
         for gpu in sorted({p.gpu_name for p in rp}):
             pairs = {p.seq_len: {"stock": p.ms("stock"), "ours": p.ms("best")} for p in rp
                      if p.model == model and p.gpu_name == gpu}
@@ -175,8 +175,8 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
         parts.append("### Where the ratio stops growing\n\n" + "\n\n".join(limits))
     for gpu in sorted({p.gpu_name for p in rp}):
         # the one call where the sweep ran it; else the best setting, named, as it is beyond the defaults
-        at = [f"{p.model} {p.seq_len}: enable() {times(p.speedup('default'))}" if p.speedup("default") else
-              f"{p.model} {p.seq_len}: {times(p.speedup('best'))} with `{p.rows['best'].get('variant')}`"
+        at = [f"{p.model} {p.seq_len}: enable() {fmt.times(p.speedup('default'))}" if p.speedup("default") else
+              f"{p.model} {p.seq_len}: {fmt.times(p.speedup('best'))} with `{p.rows['best'].get('variant')}`"
               for p in rp if p.gpu_name == gpu and p.seq_len == 2048 and p.speedup("best")]
         if at:
             head.measured[gpu] = ", ".join(at) + " over stock"

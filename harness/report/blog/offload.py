@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.report.fmt import _table
+from harness.report import fmt
 from harness.report.offload import offload_points
 from harness.report.blog import figures
-from harness.report.blog.common import Headline, gains_text, gib, ms
+from harness.report.blog.common import Headline, gains_text, gib
 from harness.report.blog.style import embed, gpu_short
 
 
@@ -52,12 +52,12 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
     for gpu, pts in per_gpu.items():
         for p in pts:
             body.append([gpu, p["model"], f"{p['seq_len']}×{p['batch']}", "–" if p["n"] is None else f"{p['n']:.0f}",
-                         ms(p["c"]), ms(p["g"]), ms(p["predicted"]), ms(p["measured"]),
+                         fmt.ms(p["c"]), fmt.ms(p["g"]), fmt.ms(p["predicted"]), fmt.ms(p["measured"]),
                          "–" if p["ratio"] is None else f"{p['ratio']:.2f}", _pct(p["double_over_single_pct"]),
                          _pct(p["bound_pct"]), gib(p["buffer_peak_gib"]), gib(p["saved_vs_none_gib"]),
                          _pct(p["double_vs_none_pct"])])
             pairs.append((gpu, p["predicted"], p["measured"]))
-    parts.append(_table(["GPU", "model", "tokens × rows", "n", "c ms", "g ms", "(n−1)·min(c,g) ms",
+    parts.append(fmt.table(["GPU", "model", "tokens × rows", "n", "c ms", "g ms", "(n−1)·min(c,g) ms",
                          "measured single − double", "measured / predicted", "double over single",
                          "bound", "2nd buffer GiB", "VRAM saved vs GPU ckpt, GiB", "double's step time over GPU ckpt"], body))
     if fig := figures.predicted_vs_measured(pairs, fig_dir / "offload-predicted-vs-measured.png", "saving per step (ms)"):

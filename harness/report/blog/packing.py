@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.report.fmt import _f, _table
+from harness.report import fmt
 from harness.report.packing import packing_cache_points
 from harness.report.blog import figures
-from harness.report.blog.common import Headline, gains_text, ms, peers_table, split_table
+from harness.report.blog.common import Headline, gains_text, peers_table, split_table
 from harness.report.blog.data import role_points
 from harness.report.blog.style import embed, gpu_short
 
@@ -25,7 +25,7 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
     if not pts and not rows:
         return "", head
     parts = ["## 1. Packed-sequence metadata, built once per batch"]
-    layers = {r.get("model"): _f(r.get("num_layers")) for r in rows if r.get("kind") == "step"}
+    layers = {r.get("model"): fmt.number(r.get("num_layers")) for r in rows if r.get("kind") == "step"}
     parts.append(
         "With gradient checkpointing an uncached path builds the packing structure in every layer's "
         "forward and again in its recompute, so the builds are counted per step rather than assumed "
@@ -36,14 +36,14 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
     for p in pts:
         if p["backend"] != BACKEND:
             continue
-        body.append([names.get(p["gpu"], p["gpu"]), p["model"], _f(layers.get(p["model"])) and int(layers[p["model"]]),
+        body.append([names.get(p["gpu"], p["gpu"]), p["model"], fmt.number(layers.get(p["model"])) and int(layers[p["model"]]),
                      p["seq_len"], f"{p['builds_off']:.0f} → {p['builds_on']:.0f}" if p["builds_off"] is not None else "–",
-                     ms(p["m_ms"]), ms(p["predicted_ms"]), ms(p["seeds_ms"]), ms(p["measured_ms"]),
+                     fmt.ms(p["m_ms"]), fmt.ms(p["predicted_ms"]), fmt.ms(p["seeds_ms"]), fmt.ms(p["measured_ms"]),
                      f"{p['ratio']:.2f}" if p["ratio"] is not None else "–",
                      f"{p['gain_pct']:+.1f} %" if p["gain_pct"] is not None else "–",
                      f"±{p['noise_pct']:.1f} %" if p["noise_pct"] is not None else "–"])
     if body:
-        parts.append(_table(["GPU", "model", "L", "tokens", "builds/step off → on", "m ms", "predicted ms",
+        parts.append(fmt.table(["GPU", "model", "L", "tokens", "builds/step off → on", "m ms", "predicted ms",
                              "seeds' (L−1)·m", "measured ms", "measured / predicted", "step gain", "noise"], body))
     scatter = figures.predicted_vs_measured(
         [(names.get(p["gpu"], p["gpu"]), p["predicted_ms"], p["measured_ms"],
