@@ -40,7 +40,7 @@ A ``step`` row (one sweep point, ``harness.row.Row``) adds:
     when that row was already there). A row
     run through a cluster engine (``--cluster ray``) adds node (the host that ran it).
 A microbenchmark row (``python -m harness.bench.offload|moe|packing``) has a kind in
-``BENCH_KINDS`` and the fields its benchmark measures (see each bench module); it also records
+``harness.measured``'s bench kinds and the fields its benchmark measures (see each bench module); it also records
 ``command``, ``env``, ``gpu_slug``, ``device_name`` and ``recorded_at``. A rerun replaces the rows
 with the same ``bench_key``.
 A ``bandwidth`` row adds:
@@ -64,17 +64,11 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from harness import measured
 from harness.errors import InputError
 
 SCHEMA_VERSION = 1
 FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
-BENCH_KINDS = frozenset({
-    "offload", "offload_summary",  # harness.bench.offload
-    "moe_routing", "moe_experts", "moe_syncs", "moe_split_crossover", "moe_query_model",  # harness.bench.moe
-    "packing_m", "packing_counts",  # harness.bench.packing
-    "loss_kernel",  # harness.bench.loss
-    "trainer",  # harness.bench.trainer
-})
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type")
@@ -251,9 +245,9 @@ def write_bench_rows(root: str | Path, experiment: str, rows: list[dict], *, env
              "command": command, "recorded_at": now()}
     new = [{**r, **stamp} for r in rows]
     for r in new:
-        if r.get("kind") not in BENCH_KINDS:
-            raise ValueError(f"not a microbenchmark row kind: {r.get('kind')!r} (valid: {sorted(BENCH_KINDS)})")
+        if r.get("kind") not in (kinds := measured.bench_kinds()):
+            raise ValueError(f"not a microbenchmark row kind: {r.get('kind')!r} (valid: {sorted(kinds)})")
     keys = {bench_key(r) for r in new}
     path = results_path(root, experiment, slug)
-    replace_rows(path, lambda r: r.get("kind") in BENCH_KINDS and bench_key(r) in keys, new)
+    replace_rows(path, lambda r: r.get("kind") in kinds and bench_key(r) in keys, new)
     return path

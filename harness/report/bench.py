@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.report import loss, moe, offload, packing, user
+from harness.measured import REGISTRY, bench_kinds
 from harness.report import fmt
-from harness.results import BENCH_KINDS
 
 
 @dataclass
@@ -27,7 +26,7 @@ class BenchGroup:
 
 
 def bench_rows(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("kind") in BENCH_KINDS]
+    return [r for r in rows if r.get("kind") in bench_kinds()]
 
 
 def groups(rows: list[dict]) -> list[BenchGroup]:
@@ -64,13 +63,11 @@ def sections(rows: list[dict], experiment: str, spec: dict | None = None) -> lis
             f"Microbenchmark rows from `results/{experiment}/`, one table set per GPU type."]
     targets = []
     for g in found:
-        points = offload.offload_points(g.rows)
-        body = [text for text in (offload.offload_tables(points, g.rows) if points else "",
-                                  moe.moe_tables(g.rows), packing.packing_tables(g.rows, spec.get("packing") or {}),
-                                  loss.loss_tables(g.rows), user.trainer_tables(g.rows)) if text]
+        body = [text for entry in REGISTRY.values() if (tables := entry.hook("bench_tables"))
+                and (text := tables(g.rows, spec.get(entry.name) or {}))]
         side += [f"### {_device(g)}", _provenance(g, experiment), *(body or ["No rows this report knows how to read."])]
-        goals = [text for text in (offload.offload_targets_md(points, spec["offload"]) if "offload" in spec else "",
-                                   moe.moe_targets_md(g.rows, spec["moe"]) if "moe" in spec else "") if text]
+        goals = [text for name, entry in REGISTRY.items() if name in spec and (judge := entry.hook("bench_targets"))
+                 and (text := judge(g.rows, spec[name]))]
         if goals:
             targets += [f"### {_device(g)}", *goals]
     out = ["\n\n".join(side)]
@@ -86,13 +83,7 @@ def sweep_targets(spec: dict, rows: list[dict]) -> list[str]:
     steps = [r for r in rows if r.get("kind") == "step"]
     if not steps:
         return []
-    texts = []  # [report.user] leads its report (harness.report.build_report)
-    if "moe" in spec:
-        fit = spec["moe"].get("fit_model")
-        texts += [moe.moe_e2e_targets_md(steps, spec["moe"]), moe.moe_fit_md(steps, fit) if fit else ""]
-    if "packing" in spec:
-        m_rows = [r for r in bench_rows(rows) if r.get("kind") == "packing_m"]
-        texts += [packing.packing_cache_md(steps, m_rows, spec["packing"]),
-                  packing.packing_targets_md(steps, m_rows, spec["packing"])]
+    texts = [judge(steps, rows, spec[name]) for name, entry in REGISTRY.items()
+             if name in spec and (judge := entry.hook("sweep_targets"))]
     text = "\n\n".join(x for x in texts if x)
     return ["## From the sweep rows: end-to-end comparisons and models\n\n" + text] if text else []

@@ -459,3 +459,17 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
               "weights need code this project does not have (no bitsandbytes here)." + measured_bf16)
 
 
+
+
+# The report's parts (harness.measured)
+def bench_tables(rows: list[dict], spec: dict) -> str:
+    return moe_tables(rows)
+
+
+def bench_targets(rows: list[dict], spec: dict) -> str:
+    return moe_targets_md(rows, spec)
+
+
+def sweep_targets(steps: list[dict], rows: list[dict], spec: dict) -> str:
+    fit = spec.get("fit_model")
+    return "\n\n".join(t for t in (moe_e2e_targets_md(steps, spec), moe_fit_md(steps, fit) if fit else "") if t)

@@ -249,3 +249,13 @@ def offload_targets_md(points: list[dict], spec: dict) -> str:
     return "\n\n".join(parts)
 
 
+
+
+# The report's parts (harness.measured)
+def bench_tables(rows: list[dict], spec: dict) -> str:
+    points = offload_points(rows)
+    return offload_tables(points, rows) if points else ""
+
+
+def bench_targets(rows: list[dict], spec: dict) -> str:
+    return offload_targets_md(offload_points(rows), spec)

@@ -379,3 +379,13 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
     return "\n\n".join(parts)
 
 
+
+
+# The report's parts (harness.measured)
+def bench_tables(rows: list[dict], spec: dict) -> str:
+    return packing_tables(rows, spec)
+
+
+def sweep_targets(steps: list[dict], rows: list[dict], spec: dict) -> str:
+    m_rows = [r for r in rows if r.get("kind") == "packing_m"]
+    return "\n\n".join(t for t in (packing_cache_md(steps, m_rows, spec), packing_targets_md(steps, m_rows, spec)) if t)

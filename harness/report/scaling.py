@@ -115,3 +115,8 @@ def scaling_targets(pts: list[dict], targets: list[dict], ours: str) -> list[lis
                             else "not measured",
                             DASH if not r else ("met" if _ok(r) else "not met")])
     return out
+
+
+# The report's parts (harness.measured)
+def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
+    return scaling_md(steps, spec)

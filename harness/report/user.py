@@ -179,3 +179,13 @@ def trainer_tables(rows: list[dict]) -> str:
         parts.append(f"**{model}**: {tokens} tokens per step, LoRA r={rank}")
         parts.append(fmt.table(["run", "ms/step", "× stock", "peak GiB", "loss diff", "steps"], body))
     return "\n\n".join(parts)
+
+
+# The report's parts (harness.measured)
+def bench_tables(rows: list[dict], spec: dict) -> str:
+    return trainer_tables(rows)
+
+
+def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
+    """What a user gets beside the peers: the report's first section."""
+    return user_md(steps, spec, trainer_rows=[r for r in rows if r.get("kind") == "trainer"])

@@ -12,11 +12,14 @@ the experiments each part reads.
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
+from harness.measured import REGISTRY
 from harness.report import spec as spec_file
 from harness.report import fmt, output
-from harness.report.blog import appendix, common, consistency, data, gate, moe, offload, packing, plan as plan_file
+from harness.report.blog import appendix, common, consistency, data, gate, plan as plan_file
 from harness.report.blog.style import embed
 from harness.report.blog import figures
 from harness.run import experiment as experiment_file
@@ -72,6 +75,15 @@ def _tldr(heads: list[common.Headline], peers: dict, gpus: list[str]) -> str:
                                     "the seeds' claim"], body)
 
 
+@dataclass(frozen=True)
+class BlogContext:
+    """What a blog part may need beside its rows and ``[report]`` table."""
+
+    fig_dir: Path
+    reports_root: Path
+    plan: plan_file.Plan
+
+
 def build_blog(results_root: Path | str, reports_root: Path | str, plan_path: Path | str) -> Path:
     """Write reports/README.md and reports/figures/*.png from results/, as the plan says."""
     plan = plan_file.load(plan_path)
@@ -83,11 +95,12 @@ def build_blog(results_root: Path | str, reports_root: Path | str, plan_path: Pa
         rows = {s: [r for name in names for r in per_exp[name][0]] for s, names in plan.sources.items()}
         user_md, peers = _user_section(rows.get("user", []), fig_dir, reports_root)
         sections, heads = [], []
-        for name, make in (("packing", lambda r: packing.section(r, specs.get("packing", {}), fig_dir, reports_root)),
-                            ("offload", lambda r: offload.section(r, specs.get("offload", {}), fig_dir, reports_root)),
-                            ("moe", lambda r: moe.section(r, specs.get("moe", {}), plan.seeds.get("moe", {}),
-                                                          fig_dir, reports_root, plan.min_gib()))):
-            text, head = make(rows.get(name, []))
+        ctx = BlogContext(fig_dir, reports_root, plan)
+        for name in plan.sources:  # each measured optimization's part, in the plan's order
+            entry = REGISTRY.get(name)
+            if entry is None or not entry.blog:
+                continue
+            text, head = importlib.import_module(entry.blog).part(rows.get(name, []), specs.get(name, {}), ctx)
             heads.append(head)
             if text:
                 sections.append(text)

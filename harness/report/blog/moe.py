@@ -181,3 +181,8 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
         if at:
             head.measured[gpu] = ", ".join(at) + " over stock"
     return "\n\n".join(p for p in parts if p), head
+
+
+def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
+    """Its part of the blog (harness.measured)."""
+    return section(rows, spec, ctx.plan.seeds.get("moe", {}), ctx.fig_dir, ctx.reports_root, ctx.plan.min_gib())

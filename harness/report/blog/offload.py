@@ -77,3 +77,8 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
         head.measured[gpu] = gains_text([(f"{p['model']} {p['seq_len']}×{p['batch']}", p["double_over_single_pct"]) for p in pts
                                          if p["double_over_single_pct"] is not None]) + " steps/s over single"
     return "\n\n".join(parts), head
+
+
+def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
+    """Its part of the blog (harness.measured)."""
+    return section(rows, spec, ctx.fig_dir, ctx.reports_root)

@@ -85,3 +85,8 @@ def _headline_model(points) -> str:
     """The model the split table shows: the one most lengths ran."""
     models = [p.model for p in points]
     return max(sorted(set(models)), key=models.count)
+
+
+def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
+    """Its part of the blog (harness.measured)."""
+    return section(rows, spec, ctx.fig_dir, ctx.reports_root)

@@ -9,9 +9,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.measured import REGISTRY
 from harness.run.experiment import ExperimentError
-
-SECTIONS = ("user", "packing", "offload", "moe", "scaling")
 
 
 @dataclass(frozen=True)
@@ -101,11 +100,11 @@ def load(path: Path | str) -> Plan:
         raise ExperimentError(path, "blog.gate", f"unknown keys {sorted(bad)}", ["a_a", "must_fail", "must_pass", "max_minutes"])
     raw = blog.get("sources")
     if not isinstance(raw, dict) or not raw:
-        raise ExperimentError(path, "blog.sources", "missing: name the experiments each section reads", SECTIONS)
+        raise ExperimentError(path, "blog.sources", "missing: name the experiments each section reads", sorted(REGISTRY))
     sources = {}
     for section, names in raw.items():
-        if section not in SECTIONS:
-            raise ExperimentError(path, f"blog.sources.{section}", "is not a section", SECTIONS)
+        if section not in REGISTRY:  # each a measured optimization (harness.measured)
+            raise ExperimentError(path, f"blog.sources.{section}", "is not a section", sorted(REGISTRY))
         sources[section] = _strs(path, f"blog.sources.{section}", names)
     steps, seen = [], set()
     for i, s in enumerate(blog.get("steps") or []):
