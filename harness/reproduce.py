@@ -124,7 +124,7 @@ def seconds_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str)
         return step.estimate_s if pending(step, plan_dir, results, slug) else 0.0
     here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug)
     return sum(res.point_estimate_s(here, p.point_id, step.estimate_s, elsewhere)
-               for _, pts in _work(step, plan_dir, results, slug) for p in pts)
+               for _, pts in work(step, plan_dir, results, slug) for p in pts)
 
 
 def _minutes(seconds: float) -> str:
@@ -209,7 +209,7 @@ def _ran(step: plan_file.Step, command: str) -> bool:
     return not args or any(words[i:i + len(args)] == args for i in range(len(words)))
 
 
-def _work(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[tuple[list[str], list]]:
+def work(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[tuple[list[str], list]]:
     """The step's command lines, each with the points it will run (none for a bench): one, or for
     a together step one per group with work, cut to that model and length (and to its missing
     variants, or all of them with --overwrite)."""
@@ -225,10 +225,6 @@ def _work(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> lis
               "--models", pts[0].model, "--seq-lens", str(pts[0].seq_len),
               "--variants", *dict.fromkeys(p.variant for p in pts), *(["--overwrite"] if over else [])], pts)
             for pts, over in todo]
-
-
-def _commands(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list[list[str]]:
-    return [argv for argv, _ in _work(step, plan_dir, results, slug)]
 
 
 # what a sweep process spends before its clock starts (interpreter, torch and transformers imports)
@@ -279,7 +275,7 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
             print(f"done {step.name}", file=sys.stderr)
             continue
         here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug) if step.sweep else ({}, {})
-        for argv, pts in _work(step, plan_dir, results, slug):
+        for argv, pts in work(step, plan_dir, results, slug):
             remaining = budget - (time.monotonic() - start) - (_START_S if step.sweep else 0.0)
             if remaining < _needs(step, pts, here, elsewhere, budget):
                 continue

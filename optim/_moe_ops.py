@@ -2,7 +2,7 @@
 
 Three ways to run one MoE experts layer, all producing the same numbers:
 
-- ``loop``: one ``torch.where(router_indices == e)`` per expert (the seeds' reference). Every
+- ``loop``: one ``torch.where(router_indices == e)`` per expert (the published reference). Every
   ``where`` has a data-dependent output size, so the host waits for the device once per expert.
 - ``sorted``: group all (token, expert) pairs once: a stable argsort of the flattened expert ids
   and one count per expert, then contiguous per-expert slices. The counts are read on the host

@@ -8,7 +8,7 @@ Backends (``moe_backend``, env ``OPTIM_MOE_BACKEND``) are registered in transfor
 interface as ``optim_<backend>`` and selected through ``config._experts_implementation``, so the
 model code is untouched:
 
-- ``loop``: per-expert ``torch.where`` (the seeds' reference; E host syncs per layer);
+- ``loop``: per-expert ``torch.where`` (the published reference; E host syncs per layer);
 - ``sorted``: stable argsort + one count per expert, contiguous slices (1 host sync per layer);
 - ``grouped_mm``: the same grouping feeding ``grouped_mm`` with device offsets (no host sync);
 - ``auto``: ``grouped_mm`` on CUDA SM90+ where the kernel exists, else ``sorted``; decided per

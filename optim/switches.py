@@ -17,11 +17,10 @@ class Switch:
     choices: tuple[Any, ...]
     default: Any
     help: str
-    env: str = ""
 
     @property
     def env_var(self) -> str:
-        return self.env or f"OPTIM_{self.name.upper()}"
+        return f"OPTIM_{self.name.upper()}"
 
     def parse(self, raw: Any) -> Any:
         """Validate a value (from code or an environment string) against the choices."""
@@ -64,7 +63,7 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 (True, False),
                 True,
                 "build packed-sequence metadata and attention structures once per batch (off: in "
-                "every layer call and every recompute, the behaviour the seeds measured against)",
+                "every layer call and every recompute, the behaviour the published figures measured against)",
             ),
             # "auto" picks the fastest path that can run, from the measured table in
             # backends.AUTO_ON_CUDA: flex where optim.regional compiles the layers (traced into their

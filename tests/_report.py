@@ -59,7 +59,7 @@ def _offload_rows() -> list[dict]:
         {"none": 40.0, "single": 30.0, "double": 30.2, "save_on_cpu": 31.0},
         {"layers_reloaded": 39, "c_ms": 2.0, "g_ms": 100.0, "second_buffer_gib": 80 * MIB / GIB,
          "second_buffer_peak_gib": 0.2, "trace": None})
-    # A model the seeds give no figure for, with a summary missing every field.
+    # A model with no published figure, with a summary missing every field.
     small = _offload_point("llama-3.2-1b", 1024, 2, None, {"double": 90.0}, {"double": None}, {})
     oom = [{"kind": "offload", "model": "qwen3-32b", "seq_len": 8192, "batch_size": 2, "mode": "build",
             "status": "oom", "message": "CUDA out of memory.\nTried to allocate 2 GiB"}]

@@ -339,7 +339,7 @@ def test_a_together_step_runs_each_group_cut_to_its_model_and_length(tmp_path, w
                    {"kind": "step", "status": "ok", "point_id": pt.point_id, "variant": "a",
                     "recorded_at": "2026-01-01T00:00:00+00:00", "env": {"code_sha": "old"}})
     assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (4, 4)
-    cmds = reproduce._commands(step, tmp_path, tmp_path / "r", "cpu")
+    cmds = [argv for argv, _ in reproduce.work(step, tmp_path, tmp_path / "r", "cpu")]
     assert [c[c.index("--seq-lens") + 1] for c in cmds] == ["64", "128"]
     assert cmds[0][-4:] == ["--variants", "a", "b", "--overwrite"] and cmds[1][-3:] == ["--variants", "a", "b"]
     assert reproduce.run(p, results=tmp_path / "r", dry_run=True) == 0
@@ -360,7 +360,7 @@ def test_a_together_step_holds_only_stock_the_peer_and_enable_to_one_run(tmp_pat
             when = {"a": "2026-01-01T00:00:00", "b": "2026-01-01T00:00:00", "u": "2026-01-02T00:00:00"}[pt.variant]
             res.append_row(path, {"kind": "step", "status": "ok", "point_id": pt.point_id, "variant": pt.variant,
                                   "recorded_at": when + "+00:00", "env": {"code_sha": "old"}})
-    cmds = [c[c.index("--seq-lens") + 1:] for c in reproduce._commands(step, tmp_path, tmp_path / "r", "cpu")]
+    cmds = [c[c.index("--seq-lens") + 1:] for c, _ in reproduce.work(step, tmp_path, tmp_path / "r", "cpu")]
     assert cmds == [["64", "--variants", "a", "u", "--overwrite"],  # b keeps its row
                     ["128", "--variants", "a", "u"], ["128", "--variants", "b"]]
 

@@ -16,7 +16,7 @@ Rows (``kind``):
   per-query cost c = (loop − sorted)/(E − 1) measured on the routing path at each token count,
   the saving predicted from the median c vs the one measured, and the predicted saving per model
   forward (num_layers × (E − 1) × c; double it per training step under gradient checkpointing).
-- ``moe_split_crossover``: the seeds' FLOP crossover s* = E·m·n / (k·(m+n)) · (1 + 1/(2r)) per
+- ``moe_split_crossover``: the published FLOP crossover s* = E·m·n / (k·(m+n)) · (1 + 1/(2r)) per
   projection, with the FLOPs of merged and split LoRA at each measured token count.
 
 Timings: CUDA events (one sync at the end), ``--warmup`` untimed iterations, median and p20/p80

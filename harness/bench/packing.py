@@ -8,7 +8,7 @@
 (b) ``measure_m``: m, the cost of one metadata-plus-structure build, per backend and packed
     length (CUDA events, warm-up, median with p20/p80).
 (c) ``rows``: result rows (``kind`` = "packing_m" / "packing_counts") with the predicted saving
-    (builds_off - builds_on) * m and the seeds' (L - 1) * m beside it. The measured saving comes
+    (builds_off - builds_on) * m and the published (L - 1) * m beside it. The measured saving comes
     from the sweep's step times (experiments/packing.toml); the report divides the two.
 
     python -m harness.bench.packing [--lengths 2048 8192 16384]

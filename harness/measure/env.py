@@ -106,8 +106,8 @@ def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
 def git_state() -> dict:
     """The commit measured. A copy of the tree without .git (a GPU machine the tree was copied to)
     takes it from PACKBENCH_GIT_SHA / PACKBENCH_GIT_DIRTY set by whoever shipped the tree."""
-    # Whoever shipped the tree knows best: a copy may carry a stale .git (seen on GPU machines the
-    # tree was copied to, whose .git stays at the first commit shipped while the files move on).
+    # Whoever shipped the tree knows best: a copy may carry a stale .git (a machine the tree is
+    # copied to again and again may keep the .git of the first copy while the files move on).
     if not os.environ.get("PACKBENCH_GIT_SHA"):
         sha = _git("rev-parse", "HEAD")
         if sha is not None:

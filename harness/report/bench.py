@@ -72,7 +72,7 @@ def sections(rows: list[dict], experiment: str, spec: dict | None = None) -> lis
             targets += [f"### {_device(g)}", *goals]
     out = ["\n\n".join(side)]
     if targets:
-        out.append("\n\n".join(["## Targets", "The seeds' figures are theirs (NVIDIA B200); measured on the GPU "
+        out.append("\n\n".join(["## Targets", "The published figures are Unsloth and NVIDIA's (NVIDIA B200); measured on the GPU "
                                 "named below. met? compares the measured value only.", *targets]))
     return out
 

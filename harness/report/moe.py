@@ -1,5 +1,5 @@
 """MoE: the layer benchmark's routing and LoRA tables, the end-to-end comparison with stock and
-the seeds, and what would make the largest model fit."""
+the published figures, and what would make the largest model fit."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def moe_targets_md(rows: list[dict], spec: dict) -> str:
                              fmt.met(None if gain is None else gain >= target)])
     if not body:
         return ""
-    return "#### MoE routing\n\n" + fmt.table(["target", "seeds' figure", "measured", "met?"], body)
+    return "#### MoE routing\n\n" + fmt.table(["target", "published figure", "measured", "met?"], body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def moe_gap_md(pairs: dict[int, dict], model: str) -> str:
 
 
 def _seeds_ms(spec: dict) -> dict[str, tuple[str, dict[int, float], str | None]]:
-    """``[report.moe.seeds_ms.<model>]``: the seeds' GPU, their ms per length, the GPU judged on."""
+    """``[report.moe.seeds_ms.<model>]``: the published GPU, their ms per length, the GPU judged on."""
     return {model: (t.get("gpu"), {int(k): v for k, v in (t.get("ms") or {}).items()}, t.get("judged_on"))
             for model, t in (spec.get("seeds_ms") or {}).items()}
 
@@ -269,7 +269,7 @@ def _seeds_ms(spec: dict) -> dict[str, tuple[str, dict[int, float], str | None]]
 def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
     """Per GPU: ours (optim.moe, split LoRA) vs stock transformers experts + peft per length, each
     pair from one run (``moe_pairs``), and the targets of ``spec`` (the experiment's
-    ``[report.moe]``: the speed-up, sorted over loop, what completes, the seeds' step times)."""
+    ``[report.moe]``: the speed-up, sorted over loop, what completes, the published step times)."""
     seeds_ms, eager = _seeds_ms(spec), spec.get("eager_experts")
     steps = [r for r in rows if r.get("kind") == "step"]
     out = []
@@ -351,14 +351,14 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
             if seeds and judged_on and judged_on in str(device):
                 beats = [(t, o < seeds[t]) for t in seeds
                          if (o := best_p50(g, model, t, ours)[0]) is not None]
-                targets.append([f"ours below the seeds' {seeds_gpu} figures at every length ({model})",
+                targets.append([f"ours below the published {seeds_gpu} figures at every length ({model})",
                                 ", ".join(f"{t}: {'yes' if b else 'no'}" for t, b in beats) or "not run",
                                 fmt.met(None if len(beats) < len(seeds) and all(b for _, b in beats)
                                      else all(b for _, b in beats) and len(beats) == len(seeds))])
         if body:
             out.append(f"### {device} (`{slug}`): ours vs stock, end to end\n\n" + fmt.table(
                 ["model", "tokens", "run", "best stock ms p50", "best ours ms p50", "stock / ours",
-                 "stock eager experts ms p50", "eager / ours", "seeds' ms", "ours below seeds'?"], body)
+                 "stock eager experts ms p50", "eager / ours", "published ms", "ours below published?"], body)
                 + "\n\nEach length's pair comes from one run: the latest run (rows recorded within "
                   f"{SAME_RUN_MINUTES} minutes of each other, same code) with an ok row on both sides; `run` "
                   "gives its start (UTC). Stock eager experts are transformers' per-expert loop, the other peer "

@@ -156,7 +156,7 @@ def offload_tables(points: list[dict], rows: list[dict]) -> str:
 
 def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
     """Target rows: {target, seeds, measured, ok (bool | None), note}; ``seeds`` is
-    ``[report.offload.seeds]`` (the seeds' headline per model size)."""
+    ``[report.offload.seeds]`` (the published headline per model size)."""
     out = []
     for pt in points:
         key = _seed_key(pt["model"], seeds)
@@ -223,9 +223,9 @@ def offload_bound_paragraph(points: list[dict], seeds: dict) -> str:
             short.append(f"{_point(pt)} (bound {fmt.signed_pct(pt['bound_pct'])} < {fmt.signed_pct(seeds[key]['gain_pct'])})")
     targeted = [pt for pt in known if _seed_key(pt["model"], seeds)]
     if short:
-        verdict = f" The seeds' target is not reachable where the bound is below it: {'; '.join(short)}."
+        verdict = f" The published target is not reachable where the bound is below it: {'; '.join(short)}."
     elif targeted:
-        verdict = " The bound is above the seeds' target at every point, so the target is reachable in principle."
+        verdict = " The bound is above the published target at every point, so the target is reachable in principle."
     else:
         verdict = ""
     return ("Double buffering can at best hide min(c, g) per reloaded layer (the next layer's copy runs "
@@ -241,7 +241,7 @@ def offload_targets_md(points: list[dict], spec: dict) -> str:
     if not rows:
         return ""
     body = [[r["target"], r["seeds"], r["measured"], fmt.met(r["ok"], r["note"])] for r in rows]
-    parts = ["#### Offloaded checkpointing\n\n" + fmt.table(["target", "seeds' figure", "measured", "met?"], body),
+    parts = ["#### Offloaded checkpointing\n\n" + fmt.table(["target", "published figure", "measured", "met?"], body),
              f"The buffer target lets the measured peak delta exceed one layer input by "
              f"{ALLOCATOR_SLACK_GIB * GIB / MIB:.0f} MiB, the caching allocator's block rounding."]
     if para := offload_bound_paragraph(points, seeds):

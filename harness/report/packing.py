@@ -62,7 +62,7 @@ def packing_tables(rows: list[dict], spec: dict) -> str:
                                                        str(r.get("backend")), not r.get("with_metadata")))]
         parts.append("#### Structure builds and host syncs per training step\n\n" + fmt.table(
             ["model", "seq_len", "backend", "metadata passed", "L", "builds cache on / off",
-             "packing host syncs on / off", "m ms", "predicted saving ms (off − on)·m", "seeds' (L−1)·m ms"], body))
+             "packing host syncs on / off", "m ms", "predicted saving ms (off − on)·m", "published (L−1)·m ms"], body))
     return "\n\n".join(parts)
 
 
@@ -77,7 +77,7 @@ def _compiled(r: dict) -> bool:
 def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
     """Per (gpu, model, seq_len, backend, compile_layers) with both cache on and off measured: builds
     per step (counted), m (bench rows of the same ``gpu_slug``, from lengths), the predicted
-    (builds_off − builds_on)·m, the seeds' (L−1)·m, the measured off − on step time and their ratio.
+    (builds_off − builds_on)·m, the published (L−1)·m, the measured off − on step time and their ratio.
     Rows with compiled layers are only ever paired with compiled rows (a missing key means not compiled)."""
     steps = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok"]
     plain_m = [r for r in m_rows if r.get("kind") == "packing_m" and not r.get("from_position_ids")
@@ -162,9 +162,9 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
             for p in pts]
     return ("### Cache on vs off: predicted and measured saving per step\n\n" + fmt.table(
         ["GPU", "model", "seq_len", "backend", "structure builds / step on / off", "m ms",
-         "predicted (off − on)·m ms", "device part of it ms", "seeds' (L−1)·m ms", "step ms off → on",
+         "predicted (off − on)·m ms", "device part of it ms", "published (L−1)·m ms", "step ms off → on",
          "measured saving ms",
-         "measured / predicted", "measured / device part", "cache gain", "seeds' gain"], body)
+         "measured / predicted", "measured / device part", "cache gain", "published gain"], body)
         + "\n\nBuilds are counted (optim.packing counters over the measured steps), m comes from the "
           "packing bench (from lengths, same GPU type), the step times from this experiment's rows. "
           "A ratio above 1.5 means the uncached path costs more per rebuild in a training step than "
@@ -277,7 +277,7 @@ def _plain_packed(rows: list[dict], backend: str) -> list[dict]:
 
 def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
     """The targets of ``spec`` (the experiment's ``[report.packing]``) from the sweep rows: best
-    packed path vs the stock path, cache on vs off vs the seeds' per-step gains, and the peak memory
+    packed path vs the stock path, cache on vs off vs the published per-step gains, and the peak memory
     of the packed paths."""
     vs = packing_vs_stock_points(rows, spec)
     stock_v, compiled_v = spec.get("stock") or "stock", spec.get("stock_compiled") or "stock compiled"
@@ -305,7 +305,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
                             "met" if p["ratio"] >= want else "not met"])
 
     for model, seeds in (spec.get("seeds_cache_gain_pct") or {}).items():
-        goal = f"cache on saves ≥ the seeds' {fmt.signed_pct(seeds)} per step ({model})"
+        goal = f"cache on saves ≥ the published {fmt.signed_pct(seeds)} per step ({model})"
         pts = [p for p in cache if p["model"] == model and p["gain_pct"] is not None]
         if not pts:
             targets.append([goal, "not measured", DASH])

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the registry is read where torch is not imported (checking an experiment file)
     import torch
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -162,7 +160,7 @@ def get(name: str) -> ModelSpec:
     return REGISTRY[key]
 
 
-def lora_config(spec: ModelSpec, rank: int, *, attention_only_for_moe: bool = True):
+def lora_config(spec: ModelSpec, rank: int):
     """peft LoRA: all linear projections on dense models; on MoE models the attention
     projections plus the experts' fused gate_up_proj/down_proj via ``target_parameters``."""
     from peft import LoraConfig

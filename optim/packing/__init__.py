@@ -20,7 +20,7 @@ or, with your own tensors, ``model(input_ids=..., position_ids=..., labels=...,
 
 Backends (switch ``packing_backend``):
   * ``sdpa``: ``scaled_dot_product_attention`` with a cached additive block-diagonal causal mask
-    (built vectorized, O(T²) memory — the seeds' path);
+    (built vectorized, O(T²) memory — the published path);
   * ``flex``: ``flex_attention`` with a cached document ``BlockMask`` built directly at block
     granularity (never a T×T tensor);
   * ``varlen``: FlashAttention-2 varlen (``torch.nn.attention.varlen.varlen_attn``) on

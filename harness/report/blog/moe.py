@@ -1,4 +1,4 @@
-"""The MoE section: host syncs ∝ E against 1, the routing path, split LoRA's crossover, the seeds'
+"""The MoE section: host syncs ∝ E against 1, the routing path, split LoRA's crossover, the published
 step-time tables rebuilt beside stock, Liger-Kernel and ours, and how the ratio moves with length."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _routing_md(rows: list[dict], seeds: dict) -> str:
             for gpu, rs in _per_gpu(rows) for p in moe_routing(rs)]
     if not body:
         return ""
-    claim = (f" The seeds measured +{seeds.get('forward_ms'):g} % forward and +{seeds.get('backward_ms'):g} % "
+    claim = (f" Unsloth and NVIDIA measured +{seeds.get('forward_ms'):g} % forward and +{seeds.get('backward_ms'):g} % "
              "backward on the routing path (B200).") if seeds else ""
     return ("**The routing path alone** (gather rows per expert, weight, scatter back; no expert GEMMs), "
             "loop → sorted, p50 ms." + claim + "\n\n"
@@ -98,7 +98,7 @@ def _crossover_check(rows: list[dict]) -> str:
 
 
 def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[str, str] | None = None) -> str:
-    """The seeds' table for one model, rebuilt: their two columns, then ours per GPU. A role with no
+    """The published table for one model, rebuilt: their two columns, then ours per GPU. A role with no
     row on a GPU the plan skips for the model (``short``: GPU -> why) says why, not "not run"."""
     mine = sorted((p for p in points if p.model == model), key=lambda p: (p.gpu_name, p.seq_len))
     lengths = sorted({p.seq_len for p in mine} | {int(t) for t in (seeds.get("unsloth") or {})})
@@ -116,7 +116,7 @@ def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[s
             row += [cell(p, r) if p and (r in p.rows or r in p.failed) else gap for r in ROLES]
         body.append(row)
     sg = seeds.get("gpu", "?")
-    header = ["tokens", f"seeds' Unsloth ({sg})", f"seeds' Transformers v5 ({sg})", "seeds' ratio"]
+    header = ["tokens", f"published Unsloth ({sg})", f"published Transformers v5 ({sg})", "published ratio"]
     header += [f"{ROLE_LABEL[r]}, {gpu}" for gpu in gpus for r in ROLES]
     return f"**{model}** (ms per step; ours with its speed-up over stock on the same GPU)\n\n" + other_run_note(fmt.table(header, body))
 

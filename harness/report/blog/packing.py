@@ -30,7 +30,7 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
         "With gradient checkpointing an uncached path builds the packing structure in every layer's "
         "forward and again in its recompute, so the builds are counted per step rather than assumed "
         "to be L−1. The predicted saving is (builds off − builds on)·m, with m the measured cost of one "
-        "build (`harness.bench.packing`); the seeds' (L−1)·m stands beside it. Measured is the step time "
+        "build (`harness.bench.packing`); the published (L−1)·m stands beside it. Measured is the step time "
         f"of the cache off minus on, layers not compiled, `{BACKEND}` backend.")
     body = []
     for p in pts:
@@ -44,7 +44,7 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
                      f"±{p['noise_pct']:.1f} %" if p["noise_pct"] is not None else "–"])
     if body:
         parts.append(fmt.table(["GPU", "model", "L", "tokens", "builds/step off → on", "m ms", "predicted ms",
-                             "seeds' (L−1)·m", "measured ms", "measured / predicted", "step gain", "noise"], body))
+                             "published (L−1)·m", "measured ms", "measured / predicted", "step gain", "noise"], body))
     scatter = figures.predicted_vs_measured(
         [(names.get(p["gpu"], p["gpu"]), p["predicted_ms"], p["measured_ms"],
           p["noise_pct"] is not None and p["gain_pct"] is not None and abs(p["gain_pct"]) <= p["noise_pct"])

@@ -1,5 +1,5 @@
 """``experiments/blog.toml``: which experiments' rows each part of the blog report reads, the
-seeds' claims it sets beside them, and the runs that reproduce them (``harness.reproduce``).
+published claims it sets beside them, and the runs that reproduce them (``harness.reproduce``).
 
 A plan is config, not data: the report still reads every figure from ``results/``."""
 
