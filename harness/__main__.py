@@ -1,22 +1,22 @@
 """``python -m harness``: the command line (``harness.cli``), and two internal entries the harness
 starts itself: ``_point`` (the child process of one sweep point) and ``_rounds`` (one side's sweeps
-for the revisions gate, ``harness.run.serve``, which runs the command line's sweep)."""
+for the revisions gate, ``harness.gate.side``, which runs the command line's sweep)."""
 
 import sys
 
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["_point"]:
-        from harness.run.stacks import stacks_on_request
+        from harness.run.stack_dumps import stacks_on_request
 
         stacks_on_request()  # before torch's import: a point stopped in it says so too
         from harness.run import point
 
         return point.main(*argv[1:3])
     if argv[:1] == ["_rounds"]:
-        from harness.run import serve
+        from harness.gate import side
 
-        return serve.main(argv[1:])
+        return side.main(argv[1:])
     from harness.cli import main
 
     return main(argv)

@@ -89,7 +89,7 @@ def cmd_sweep(args) -> int:
 
         server.start()
     from harness.run import sweep
-    from harness.run.stacks import stacks_every
+    from harness.run.stack_dumps import stacks_every
 
     # `timeout`, a CI runner or a job scheduler stops the sweep with SIGTERM: turn it into an
     # exit that unwinds, so the launcher kills the point in flight (its own session) on the way.

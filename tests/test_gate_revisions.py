@@ -52,7 +52,7 @@ def sweep(args):
 
 
 def serve():
-    # the round server (harness.run.serve's protocol), in revisions whose speed.json says "serve"
+    # the round server (harness.gate.side's protocol), in revisions whose speed.json says "serve"
     if not cfg.get("serve"):
         print("harness: error: argument COMMAND: invalid choice: '_rounds'", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ def _build(name, attn, moe_settings, one_doc=False):
                 p.copy_(torch.randn(p.shape, generator=g).mul_(0.05).to(p))
     if moe_settings:
         import optim
-        from harness.switches import optim_settings
+        from harness.variant_keys import optim_settings
 
         optim.enable(model, only=tuple(optim_settings(moe_settings)), **moe_settings)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -35,7 +35,7 @@ from torch import nn
 from harness.bench import add_store_arguments, store
 from harness.measure import env as envmod
 from harness.measure.timing import PhaseTimer, percentiles
-from harness.switches import SWITCHES
+from harness.variant_keys import SWITCHES
 from harness.workload import models as model_registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

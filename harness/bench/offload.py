@@ -35,7 +35,7 @@ from harness.measure import env as envmod
 from harness.measure.timing import percentiles
 from harness.measure.trace import covered, trace_events, union
 from harness.run.experiment import DataSpec
-from harness.switches import SWITCHES
+from harness.variant_keys import SWITCHES
 from harness.workload import models as model_registry
 from harness.workload.data import make_batch
 from harness.workload.loss import causal_lm_loss

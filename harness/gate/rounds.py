@@ -4,7 +4,7 @@ Rounds alternate base, head, base, head, ... so that whatever drifts on the mach
 temperature, a neighbour on a shared GPU) lands on both sides alike. Each round is one
 ``python -m harness sweep`` of that side's code, in its worktree, writing its rows (the raw step
 samples included) under ``<out>/rounds/<NN>-<side>/``; every point in it is a fresh process.
-By default each side's sweeps run in one process that stays (``Server``, ``harness.run.serve``),
+By default each side's sweeps run in one process that stays (``Server``, ``harness.gate.side``),
 so the side pays its imports once, not every round; ``fresh=True``, or a revision that predates
 it, runs one fresh process per round. A round that finished leaves a ``done.json``; a gate run
 again with the same ``--out`` and the same commits resumes after it.
@@ -59,7 +59,7 @@ def tree_env(tree: Path) -> dict:
 
 
 class Server:
-    """One side's ``python -m harness _rounds SUITE`` (``harness.run.serve``): started at its first
+    """One side's ``python -m harness _rounds SUITE`` (``harness.gate.side``): started at its first
     round, asked for each round's sweep, ended by ``close()``. ``mode`` says how that side's rounds
     ran: "server", or "fresh" (one process per round) when the revision has no round server or
     its server would not start; ``why`` says why."""

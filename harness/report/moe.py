@@ -7,7 +7,7 @@ from harness.report.fmt import DASH
 from harness.report import fmt
 from harness.report.offload import ratio_cell
 from harness.report.runs import SAME_RUN_MINUTES, run_label, split_runs
-from harness.switches import SWITCHES
+from harness.variant_keys import SWITCHES
 
 # the backends the layer benchmark compares: every choice of the switch but "auto"
 MOE_BACKENDS = tuple(b for b in SWITCHES["moe_backend"].choices if b != "auto")

@@ -6,7 +6,7 @@ import re
 
 from harness.report.fmt import DASH, GIB, MIB
 from harness.report import fmt
-from harness.switches import SWITCHES
+from harness.variant_keys import SWITCHES
 
 OFFLOAD_MODES = SWITCHES["offload"].choices
 # The caching allocator rounds large blocks up to 2 MiB, so a measured peak delta may exceed the

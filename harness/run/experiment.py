@@ -20,7 +20,7 @@ from harness.run.fields import ExperimentError, check_keys, choice, int_list, in
 from harness.run.gate_spec import GateSpec, parse_gate
 from harness.run.policy import LAUNCHERS, MULTI_GPU_LAUNCHERS
 from harness.run.report_spec import parse_report
-from harness.switches import OWNER, SWITCHES, resolve
+from harness.variant_keys import OWNER, SWITCHES, resolve
 from harness.workload import models as model_registry
 
 MIN_WARMUP_STEPS = 3

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.run.fields import ExperimentError, check_keys, choice, integer, positive_number
-from harness.switches import OWNER, SWITCHES, resolve
+from harness.variant_keys import OWNER, SWITCHES, resolve
 from harness.workload import models as model_registry
 
 

@@ -92,7 +92,7 @@ class Launcher:
                         log.flush()
 
             def stop(reason: str, grace_s: float) -> None:
-                # the point's stacks into its log first (see harness.run.stacks), then kill
+                # the point's stacks into its log first (see harness.run.stack_dumps), then kill
                 log.write(f"packbench: {reason}; last progress: {last_progress[0] if last_progress else 'none'}\n")
                 log.flush()
                 before = lines[0]
@@ -148,7 +148,7 @@ class Child:
         self.pid, self.stdout, self.wait = pid, stdout, wait
 
     def dump_stacks(self, grace_s: float) -> None:
-        """Ask the point for its Python stacks (SIGUSR1, see ``harness.run.stacks``) and
+        """Ask the point for its Python stacks (SIGUSR1, see ``harness.run.stack_dumps``) and
         give it ``grace_s`` to write them; a point that exits meanwhile is fine too."""
         try:
             os.kill(self.pid, signal.SIGUSR1)

@@ -43,7 +43,7 @@ def liger_patch(device: torch.device) -> Callable:
 
 def enable(model, stack: str, settings: dict[str, dict]) -> dict:
     """Apply ``optim`` as the variant's stack says; ``settings`` is the variant's optim switches
-    per module (``harness.switches.optim_settings``). Returns ``optim.enabled(model)``."""
+    per module (``harness.variant_keys.optim_settings``). Returns ``optim.enabled(model)``."""
     import optim
 
     flat = {k: v for per_module in settings.values() for k, v in per_module.items()}

@@ -21,7 +21,7 @@ from harness.measure import env as envmod
 from harness.measure.timing import PhaseTimer, percentiles
 from harness.run import distributed, peers, record
 from harness.run.experiment import SweepPoint
-from harness.run.stacks import stacks_on_request
+from harness.run.stack_dumps import stacks_on_request
 from harness.workload import models as model_registry
 from harness.workload.data import make_batch
 from harness.workload.loss import causal_lm_loss
@@ -372,7 +372,7 @@ def _enable_optim(model, switches: dict, stack: str = "") -> dict:
     the plain call with every default, so a sweep measures exactly what that call gives. Returns
     ``optim.enabled(model)``: per module applied, what it changed and the value each of its
     switches resolved to (the variant's setting, else OPTIM_<NAME>, else the default)."""
-    from harness.switches import optim_settings
+    from harness.variant_keys import optim_settings
 
     return peers.enable(model, stack, optim_settings(switches))
 

@@ -203,7 +203,7 @@ def build(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness.switches import stock_attn_for
+    from harness.variant_keys import stock_attn_for
 
     attn_implementation = stock_attn_for(spec.family, attn_implementation)
     config = spec.config()
