@@ -5,40 +5,11 @@ the old one under an exclusive lock, so a sweep killed at any instant leaves eit
 or the new one, never a torn line. Reports and gates read only these files.
 
 Row schema (``schema`` = 1). Every row has:
-    schema, kind ("step" | "bandwidth"), experiment, gpu_slug, device_name, status ("ok" | "oom" |
-    "error"), message (str, empty when ok), env (dict, see harness.measure.env), recorded_at (ISO-8601 UTC).
-A ``step`` row (one sweep point, ``harness.row.Row``) adds:
-    point_id and the point's identity (``harness.row.IDENTITY``: experiment, model, seq_len,
-    batch_size, variant, switches (dict), gpus, warmup_steps, measured_steps, lora_rank,
-    lora_dtype, dtype, device, data (dict), pin_cpu, loss_mode, cuda_graph (bool: the measured
-    steps were CUDA-graph replays, optim.graphs)), repeat, family, num_layers, baseline_variant,
-    role, command (the command line that ran the sweep), experiment_sha256 (the experiment file's
-    hash; the file is kept as <experiment>/experiments/<sha[:16]>.toml),
-    and when ok:
-    forward_ms / backward_ms / optimizer_ms / step_ms: {"p20", "p50", "p80", "samples": [...]},
-    steps_per_s, tokens_per_s, loss (list, one per measured step),
-    peak_allocated_gib, peak_reserved_gib, nvml_device_used_gib, nvml_process_gib (None on CPU),
-    flops_per_step, model_flops_per_step, hardware_flops_per_step, mfu, hfu (None with
-    mfu_note when the peak is unknown), num_docs, sum_len, sum_len_sq (per measured batch, lists),
-    trainable_params, total_params, wall_s, graph_capture_ms (None unless graphed), peak_scope
-    ("measured steps", or "capture and replays" when graphed: a replay allocates nothing),
-    compiled_graphs_warmup and compiled_graphs_per_step (the graphs torch.compile made before the
-    measured steps, and in each measured step: a step that compiled was timed with its compile),
-    attention_kernels ({kernel: calls or None}: the attention kernels that ran, e.g.
-    "flex-fused", "varlen", "flex-unfused"; see harness.run.record.attention_kernels) and
-    attention_fallback (why optim.packing's fused flex could not run, or None), optim (per optim
-    module applied: what it changed, and ``resolved``, the value each of its switches took) and
-    switches_resolved (those values, flat); setup_s (where the point's wall time went: wait, build,
-    enable, shard, warmup, capture, measured, in seconds) and launched_s (the sweep process's age
-    when it launched the point). A point with ``parallel`` = "fsdp2" (in its identity only when
-    set) adds world_size, per_rank (each rank's step/forward/backward/optimizer p50, peak
-    memory, losses and collective_ms: the NCCL kernel time of one more, profiled step, None on
-    gloo), tokens_per_s_per_gpu, loss_global (each global batch's loss over the ranks) and
-    loss_global_warmup (the same for the warm-up steps, the first included);
-    its tokens_per_s is the whole group's and its peak_allocated_gib the largest rank's; on
-    more than one GPU, scaling_efficiency (its tokens/s per GPU over the same point's on one GPU,
-    when that row was already there). A row
-    run through a cluster engine (``--cluster ray``) adds node (the host that ran it).
+    schema, kind ("step" | "bandwidth"), experiment, gpu_slug, device_name, status
+    (``harness.row.STATUSES``), message (str, empty when ok), env (dict, see harness.measure.env), recorded_at (ISO-8601 UTC).
+A ``step`` row (one sweep point) is ``harness.row.Row``: its identity, context and outcome, and
+    when ok what it measured (``harness.row.MEASURED``). docs/harness.md lists every field, from
+    ``harness.row.schema_markdown``.
 A microbenchmark row (``python -m harness.bench.offload|moe|packing``) has a kind in
 ``harness.measured``'s bench kinds and the fields its benchmark measures (see each bench module); it also records
 ``command``, ``env``, ``gpu_slug``, ``device_name`` and ``recorded_at``. A rerun replaces the rows

@@ -9,17 +9,12 @@ report's frames all read it from here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# In a row and in a SweepPoint alike.
-IDENTITY = ("experiment", "model", "seq_len", "batch_size", "variant", "switches", "gpus",
-            "warmup_steps", "measured_steps", "lora_rank", "lora_dtype", "dtype", "device", "data",
-            "pin_cpu", "loss_mode", "cuda_graph")
-# In the identity only when set, so adding them left every earlier point's id as it was.
-OPTIONAL_IDENTITY = ("stack", "parallel")
 # What builds the model around the variant's switches (harness.run.peers): "" the harness's own
 # stock build with just the optim modules the variant configures; "user" optim.enable(model) with
 # its defaults, as a user calls it; "liger" Liger-Kernel's patches on the stock model.
@@ -28,6 +23,7 @@ STACKS = ("user", "liger")
 # the model sharded (harness.run.distributed).
 PARALLEL = ("", "fsdp2")
 ROLES = ("stock", "peer", "ours", "ours-default", "reference", "ablation")
+STATUSES = ("ok", "oom", "error", "skipped")  # skipped: a peer that cannot run on that machine
 # stock: transformers + peft as shipped; peer: another tool users would pick instead (Liger-Kernel,
 # save_on_cpu); ours: an optim setting; ours-default: what optim.enable(model) gives with its
 # defaults; reference: the numerics or speed reference a comparison starts from; ablation: a
@@ -56,42 +52,55 @@ def match_key(fields: dict[str, Any]) -> str:
     return json.dumps(identity(fields), sort_keys=True, default=str)
 
 
+def _field(default: Any = dataclasses.MISSING, *, doc: str, identity: str = "", factory=None):
+    """A Row field: its meaning (the schema doc is generated from it) and its part in the
+    point's identity ("always", "when set", or "" for none)."""
+    meta = {"doc": doc, "identity": identity}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class Row:
     """A ``step`` row: the point's identity, its context and provenance, the outcome, and (when
     ok) the measurements, which ``to_dict`` flattens in. Failure rows have every field but the
-    measurements, whichever process wrote them."""
+    measurements, whichever process wrote them. This class is the schema: ``IDENTITY`` and the
+    table in docs/harness.md (``schema_markdown``) are read from its fields."""
 
-    experiment: str
-    model: str
-    seq_len: int
-    batch_size: int
-    variant: str
-    switches: dict
-    gpus: int
-    repeat: int
-    warmup_steps: int
-    measured_steps: int
-    lora_rank: int
-    lora_dtype: str
-    dtype: str
-    device: str
-    data: dict
-    pin_cpu: bool
-    loss_mode: str
-    cuda_graph: bool
-    stack: str = ""
-    parallel: str = ""  # PARALLEL: "" one process, "fsdp2" one per GPU, the model sharded
-    family: str = ""
-    num_layers: int | None = None
-    baseline_variant: str = ""
-    role: str = ""
-    command: str = ""
-    experiment_sha256: str = ""
-    status: str = "error"
-    message: str = ""
-    kind: str = "step"
-    measured: dict = field(default_factory=dict)
+    experiment: str = _field(doc="the experiment's name", identity="always")
+    model: str = _field(doc="the model (harness.workload.models)", identity="always")
+    seq_len: int = _field(doc="tokens per packed row", identity="always")
+    batch_size: int = _field(doc="rows per step", identity="always")
+    variant: str = _field(doc="the experiment file's variant", identity="always")
+    switches: dict = _field(doc="the variant's switches as the file sets them", identity="always")
+    gpus: int = _field(doc="GPUs the point runs on", identity="always")
+    repeat: int = _field(doc="which repeat of the point (in point_id, not in the gate's match)")
+    warmup_steps: int = _field(doc="untimed steps before the measured ones", identity="always")
+    measured_steps: int = _field(doc="timed steps", identity="always")
+    lora_rank: int = _field(doc="LoRA rank", identity="always")
+    lora_dtype: str = _field(doc="the adapters' dtype: fp32 (peft's default) or the model's", identity="always")
+    dtype: str = _field(doc="the model's dtype", identity="always")
+    device: str = _field(doc="auto, cuda or cpu", identity="always")
+    data: dict = _field(doc="the packed data's distribution (harness.run.experiment.DataSpec)", identity="always")
+    pin_cpu: bool = _field(doc="the point's process pinned to a NUMA-local CPU set", identity="always")
+    loss_mode: str = _field(doc="full or chunked loss", identity="always")
+    cuda_graph: bool = _field(doc="the measured steps were CUDA-graph replays (optim.graphs)", identity="always")
+    stack: str = _field("", doc="what builds the model: \"\" the harness, \"user\" optim.enable(model), "
+                                "\"liger\" Liger-Kernel (STACKS)", identity="when set")
+    parallel: str = _field("", doc="\"\" one process, \"fsdp2\" one per GPU, the model sharded (PARALLEL)",
+                           identity="when set")
+    family: str = _field("", doc="the model's architecture family")
+    num_layers: int | None = _field(None, doc="decoder layers")
+    baseline_variant: str = _field("", doc="the variant the report compares against")
+    role: str = _field("", doc="the variant's part in a comparison (ROLES)")
+    command: str = _field("", doc="the command line that ran the sweep")
+    experiment_sha256: str = _field("", doc="the experiment file's hash; the file is kept as "
+                                            "<experiment>/experiments/<sha[:16]>.toml")
+    status: str = _field("error", doc="ok, oom, error or skipped (STATUSES)")
+    message: str = _field("", doc="why it is not ok; empty when ok")
+    kind: str = _field("step", doc="step")
+    measured: dict = _field(doc="the measurements (MEASURED), flattened into the row when ok", factory=dict)
 
     @property
     def point_id(self) -> str:
@@ -102,3 +111,89 @@ class Row:
         measured = out.pop("measured")
         out["point_id"] = self.point_id
         return {**out, **measured}
+
+
+# A point's identity: what it measures, read from Row. The fields "when set" entered the identity
+# only when set, so adding them left every earlier point's id as it was.
+IDENTITY = tuple(f.name for f in dataclasses.fields(Row) if f.metadata["identity"] == "always")
+OPTIONAL_IDENTITY = tuple(f.name for f in dataclasses.fields(Row) if f.metadata["identity"] == "when set")
+
+# What an ok step row measured (``Row.measured``, flattened into the row). Stats are
+# {"p20", "p50", "p80", "samples": [...]} over the measured steps.
+MEASURED = {
+    "forward_ms": "forward time, stats (CUDA events on GPU, perf_counter on CPU)",
+    "backward_ms": "backward time, stats",
+    "optimizer_ms": "optimizer step time, stats",
+    "step_ms": "the whole step, stats",
+    "steps_per_s": "steps per second",
+    "tokens_per_s": "tokens per second (a parallel point's: the whole group's)",
+    "loss": "the loss of each measured step",
+    "warmup_losses": "the loss of each warm-up step, the first included",
+    "peak_allocated_gib": "peak allocated device memory (a parallel point's: the largest rank's)",
+    "peak_reserved_gib": "peak reserved device memory",
+    "peak_scope": "what the peak covers: \"measured steps\", or \"capture and replays\" when graphed",
+    "nvml_device_used_gib": "the device's used memory from NVML (None on CPU)",
+    "nvml_process_gib": "the process's device memory from NVML (None on CPU)",
+    "flops_per_step": "the step's FLOPs",
+    "model_flops_per_step": "the model's FLOPs (forward and backward, no recompute)",
+    "hardware_flops_per_step": "the FLOPs executed, recompute included",
+    "mfu": "model FLOPs utilization (None with mfu_note when the peak is unknown)",
+    "hfu": "hardware FLOPs utilization",
+    "mfu_note": "why mfu is None",
+    "num_docs": "documents per measured batch",
+    "sum_len": "tokens per measured batch",
+    "sum_len_sq": "the sum of squared document lengths per measured batch",
+    "trainable_params": "trainable parameters",
+    "total_params": "all parameters",
+    "wall_s": "the point's wall time",
+    "graph_capture_ms": "CUDA-graph capture time (None unless graphed)",
+    "compiled_graphs_warmup": "graphs torch.compile made before the measured steps",
+    "compiled_graphs_per_step": "graphs torch.compile made in each measured step (a step that compiled "
+                                "was timed with its compile)",
+    "attention_kernels": "{kernel: calls or None}: the attention kernels that ran (harness.run.record)",
+    "attention_fallback": "why optim.packing's fused flex could not run, or None",
+    "optim": "per optim module applied: what it changed, and resolved, the value each of its switches took",
+    "switches_resolved": "the value each switch took, flat",
+    "setup_s": "where the point's wall time went: wait, build, enable, shard, warmup, capture, measured (s)",
+    "launched_s": "the sweep process's age when it launched the point",
+    "world_size": "a parallel point's ranks",
+    "per_rank": "a parallel point's per-rank step, phase p50s, peak memory, losses and collective_ms",
+    "tokens_per_s_per_gpu": "a parallel point's tokens/s per GPU",
+    "loss_global": "a parallel point's loss of each global batch over the ranks",
+    "loss_global_warmup": "the same for the warm-up steps",
+    "scaling_efficiency": "on more than one GPU: its tokens/s per GPU over the same point's on one GPU",
+    "node": "the host that ran it (--cluster ray)",
+    "device_type": "cuda or cpu: where the point ran",
+    "dtype_used": "the dtype the model ran in",
+    "attn_implementation_used": "the model's attention implementation as it ran",
+    "pinned_core": "the CPU the point's process was pinned to (None unless pin_cpu)",
+    "peak_flops": "the GPU's dense peak FLOP/s that mfu and hfu divide by",
+    "offload_stats": "optim.offload's statistics (None where offload is off)",
+    "packing_counters": "optim.packing's counters: builds, cache hits, host syncs",
+    "compile_stats": "optim.regional's compiled layers and failures",
+}
+# Fields of earlier rows, kept readable: no code writes them now.
+RETIRED = {
+    "peak_allocated_note": "why a row's peak was not measured (now peak_scope says what a peak covers)",
+}
+# What the results file adds to every row it writes (harness.results).
+STAMPED = {
+    "schema": "the row format's version",
+    "point_id": "a digest of the identity and the repeat: what a sweep resumes on",
+    "gpu_slug": "the GPU type, as a file name",
+    "device_name": "the GPU's (or cpu's) name",
+    "env": "the environment (harness.measure.env)",
+    "recorded_at": "ISO-8601 UTC time the row was written",
+}
+
+
+def schema_markdown() -> str:
+    """The step row's fields as a Markdown table, from ``Row``, ``MEASURED`` and ``STAMPED``."""
+    lines = ["| field | in the identity | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(Row):
+        if f.name != "measured":
+            lines.append(f"| `{f.name}` | {f.metadata['identity'] or '–'} | {f.metadata['doc']} |")
+    lines += [f"| `{k}` | – | {v} |" for k, v in STAMPED.items()]
+    lines += [f"| `{k}` | – | measured: {v} |" for k, v in MEASURED.items()]
+    lines += [f"| `{k}` | – | earlier rows only: {v} |" for k, v in RETIRED.items()]
+    return "\n".join(lines)

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from harness import results as res
 from harness.errors import InputError
-from harness.row import IDENTITY, match_key
+from harness.row import IDENTITY, STATUSES, match_key
 
-STATUSES = ("ok", "oom", "error", "skipped")  # skipped: a peer that cannot run on that machine
 NOISE_MODES = ("auto", "off")
 
 

@@ -1,0 +1,47 @@
+"""Row is the schema: the identity is read from its fields, the schema table in docs/harness.md is
+generated from it, and every field of every committed step row is in it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from harness import row
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _committed_steps():
+    for path in sorted((ROOT / "results").glob("*/*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("kind") == "step":
+                yield path, r
+
+
+def test_identity_read_from_row_keeps_every_committed_point_id():
+    # the fields in the identity, in the order they always had: a change here renames every point
+    assert row.IDENTITY == ("experiment", "model", "seq_len", "batch_size", "variant", "switches", "gpus",
+                            "warmup_steps", "measured_steps", "lora_rank", "lora_dtype", "dtype", "device",
+                            "data", "pin_cpu", "loss_mode", "cuda_graph")
+    assert row.OPTIONAL_IDENTITY == ("stack", "parallel")
+    rows = list(_committed_steps())
+    assert len(rows) > 100
+    wrong = [(p.name, r["point_id"]) for p, r in rows if row.point_id(r) != r["point_id"]]
+    assert not wrong, wrong[:5]
+
+
+def test_every_committed_step_row_field_is_in_the_schema():
+    known = {f.name for f in dataclasses.fields(row.Row)} | set(row.MEASURED) | set(row.STAMPED) | set(row.RETIRED)
+    unknown = {k: f"{p.parent.name}/{p.name}" for p, r in _committed_steps() for k in r if k not in known}
+    assert not unknown, f"fields no schema entry explains (harness.row): {unknown}"
+    assert {r["status"] for _, r in _committed_steps()} <= set(row.STATUSES)
+
+
+def test_the_schema_table_in_the_docs_is_generated_from_row():
+    doc = (ROOT / "docs" / "harness.md").read_text()
+    table = doc.split("<!-- row-schema: generated -->\n", 1)[1].split("\n<!-- /row-schema -->", 1)[0]
+    assert table == row.schema_markdown(), "regenerate the table from harness.row.schema_markdown()"
+    for f in dataclasses.fields(row.Row):
+        assert f.metadata.get("doc"), f"Row.{f.name} has no doc"
