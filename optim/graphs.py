@@ -39,6 +39,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from optim.packing.checks import raise_pending
+
 # transformers skips its data-dependent mask checks while a stream captures (``is_tracing``), so
 # a captured forward can take another mask path than an eager one: with one document per row,
 # eager finds no packing and builds a plain causal mask, the capture builds the packed one, and a
@@ -141,6 +143,7 @@ class GraphedStep:
                 self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        raise_pending(wait=True)  # the warm-up batches' position checks, before the graph freezes one
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graphs' pool cannot use them
         self.optimizer.zero_grad(set_to_none=True)  # the backward graph allocates the grads it replays into
         fwd, bwd, opt = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

@@ -41,6 +41,7 @@ from optim.graphs import (
     check_capturable,
     check_checkpointing,
 )
+from optim.packing.checks import raise_pending
 
 # batch keys that are host-side descriptions of the batch, dropped so the capture reads the device
 _HOST_ONLY = ("packing",)
@@ -152,6 +153,7 @@ class GraphedTrainer(Trainer):
             forward_backward()  # one eager pass on a side stream, as torch asks before a capture
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        raise_pending(wait=True)  # the warm-up batches' position checks, before the graph freezes one
         for p in params:
             p.grad = None  # the graph allocates the gradients it replays into
         graph = torch.cuda.CUDAGraph()

@@ -51,8 +51,29 @@ def test_positions_that_disagree_with_packing_are_named_with_row_and_token(model
 
 def test_packing_alone_gets_its_positions_filled_in_and_passes(model):
     ids, meta, _ = _batch()
+    P.reset_counters()
     model(input_ids=ids, labels=ids, packing=meta).loss.backward()
+    c = P.counters()
+    # positions made from the metadata itself are not compared with it
+    assert c["position_ids_from_metadata"] == 1 and "position_id_checks" not in c, c
     P.release()
+
+
+def test_with_the_cache_off_a_batch_is_still_checked_once(model):
+    ids, meta, pos = _batch()
+    try:
+        optim.enable(model, packing_cache=False)
+        P.reset_counters()
+        model(input_ids=ids, labels=ids, position_ids=pos, packing=meta).loss.backward()
+        c = P.counters()
+        assert c["metadata"] > 2 and c["position_id_checks"] == 1, c  # rebuilt per layer call, checked once
+        bad = pos.clone()
+        bad[0, 5] = 9
+        with pytest.raises(ValueError, match="at row 0, token 5: position 9"):
+            model(input_ids=ids, position_ids=bad, packing=meta)
+    finally:
+        optim.enable(model)
+        P.release()
 
 
 def test_positions_beside_cu_seq_lens_are_checked(model):
@@ -64,8 +85,9 @@ def test_positions_beside_cu_seq_lens_are_checked(model):
     P.release()
     bad = batch["position_ids"].clone()
     bad[0, 3] = 3  # the second document's start continues the first
-    with pytest.raises(ValueError, match="passed with cu_seq_lens_q disagree .* at row 0, token 3: position 3, "
-                                         "where the documents give 0"):
+    with pytest.raises(ValueError, match=r"position_ids beside cu_seq_lens_q \(the caller's, or 0..T-1 counted .*\) "
+                                         r"disagree .* at row 0, token 3: position 3, where the documents give 0.*"
+                                         r"\(return_position_ids=True\)"):
         model(**dict(batch, position_ids=bad))
     P.release()
 

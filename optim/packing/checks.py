@@ -37,19 +37,20 @@ def compare(start: torch.Tensor, position_ids: torch.Tensor, passed: str) -> Non
     """Queue (on a GPU) or run (elsewhere) the check of ``position_ids`` against the documents
     whose row-local start index is ``start`` (B, T); ``passed`` names the metadata the caller gave."""
     B, T = start.shape
+    device = start.device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # nothing queued into a graph: it would replay the check of one batch every step
+    raise_pending()  # the answers already in: the list stays short where no backward reads it
     pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
     if pos.shape[-1] != T or pos.shape[0] not in (1, B):
         raise ValueError(f"packing: position_ids of shape {tuple(position_ids.shape)} do not fit {passed}: "
                          f"{B} rows of {T} tokens")
-    device = start.device
     pos = pos.to(device).expand(B, T).reshape(-1).long()
     want = (torch.arange(T, device=device) - start).reshape(-1)
     wrong = pos != want
     first = torch.argmax(wrong.to(torch.uint8)).view(1)  # the first disagreement (0 when none)
     found = torch.cat([wrong.any().view(1).long(), first, pos.gather(0, first), want.gather(0, first)])
     if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return  # a graph replays other batches: its positions are checked where they are refilled
         host = torch.empty(4, dtype=torch.long, pin_memory=True)
         host.copy_(found, non_blocking=True)
         event = torch.cuda.Event()
@@ -62,6 +63,8 @@ def compare(start: torch.Tensor, position_ids: torch.Tensor, passed: str) -> Non
 def raise_pending(wait: bool = False) -> None:
     """Read the answers of the checks the GPU has finished (all of them, waiting, with ``wait``),
     and raise ``ValueError`` for the first one that found a disagreement."""
+    if not _PENDING or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return  # an event may not be queried while a CUDA graph is being captured
     done, left = [], []
     for p in _PENDING:
         if wait:
@@ -84,9 +87,14 @@ def _raise_if_wrong(p: _Pending) -> None:
     row, token = divmod(index, p.seq_len)
     late = (f" This was found on {p.device} after the forward that used them had run: that step's outputs and "
             "gradients are wrong.") if p.device else ""
+    if p.passed == "cu_seq_lens_q":
+        what = "the position_ids beside cu_seq_lens_q (the caller's, or 0..T-1 counted by the model where none were passed)"
+        fix = ("Pass position_ids that restart at each document, as DataCollatorWithFlattening(return_position_ids=True) "
+               "and TRL's padding-free batches do")
+    else:
+        what = f"the position_ids passed with {p.passed}"
+        fix = "Pass the metadata alone (enable fills position_ids in from it), or build them with PackedMetadata.position_ids()"
     raise ValueError(
-        f"packing: the position_ids passed with {p.passed} disagree with its documents at row {row}, "
-        f"token {token}: position {given}, where the documents give {expected} (positions restart at 0 at "
-        f"each document start and count up by 1).{late} Pass the metadata alone (enable fills position_ids "
-        "in from it), or build them with PackedMetadata.position_ids(); optim.enable(model, validate=False) "
-        "skips this check.")
+        f"packing: {what} disagree with its documents at row {row}, token {token}: position {given}, where the "
+        f"documents give {expected} (positions restart at 0 at each document start and count up by 1).{late} "
+        f"{fix}; optim.enable(model, validate=False) skips this check.")

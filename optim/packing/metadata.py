@@ -246,7 +246,6 @@ class Entry:
     first_module: int | None = None  # id() of the attention module that owns (releases) the entry
     first_layer: int | None = None  # its layer_idx
     owner_grad: bool = False  # whether it took the entry in a call that records a backward
-    checked: tuple | None = None  # (id, _version) of the position_ids last checked against it
 
 
 _CACHE: dict[torch.device, Entry] = {}
@@ -362,8 +361,8 @@ def entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache
         if hit is not None and hit.key == key and (pos_ref is None or hit.pos_ref() is (cu_seqlens if from_cu
                                                                                        else position_ids)):
             COUNTERS["cache_hits"] += 1
-            if validate and position_ids is not None and hit.checked != _identity(position_ids):
-                _check(hit, packing, position_ids, from_cu)  # the batch's metadata, with other positions
+            if validate and position_ids is not None:
+                _check(hit, packing, position_ids, from_cu)  # the batch's metadata, maybe with other positions
             return hit
     checks.raise_pending()  # a new batch: what the GPU found in an earlier one's inputs, if it has
 
@@ -393,17 +392,29 @@ def entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache
     return entry
 
 
-def _identity(t: torch.Tensor) -> tuple[int, int]:
-    return id(t), t._version
+# Set by routing on the position_ids it made from a batch's metadata: the key of that metadata.
+FILLED_FROM = "_optim_packing_filled_from"
+# Per device, the metadata key and the positions (weakref, _version) last checked: each batch's are
+# checked once, whether its entry is cached or (cache off) rebuilt in every layer call.
+_CHECKED: dict[torch.device, tuple] = {}
 
 
 def _check(entry: Entry, packing, position_ids: torch.Tensor, from_cu: bool) -> None:
     """The caller's positions against the metadata they came with (a padded mask's documents, and
-    metadata read from the positions themselves, need none)."""
-    if from_cu or (packing is not None and packing.source == "lengths"):
-        COUNTERS["position_id_checks"] += 1
-        checks.compare(entry.start, position_ids, "cu_seq_lens_q" if from_cu else f"packing={packing!r}")
-    entry.checked = _identity(position_ids)
+    metadata read from the positions themselves, need none), once per batch."""
+    if not (from_cu or (packing is not None and packing.source == "lengths")):
+        return
+    device = _canonical(entry.doc.device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # a graph replays other batches: their positions are the caller's to refill
+    if getattr(position_ids, FILLED_FROM, None) == entry.key:
+        return  # made from this very metadata (routing)
+    last = _CHECKED.get(device)
+    if last is not None and last[0] == entry.key and last[1]() is position_ids and last[2] == position_ids._version:
+        return
+    COUNTERS["position_id_checks"] += 1
+    checks.compare(entry.start, position_ids, "cu_seq_lens_q" if from_cu else f"packing={packing!r}")
+    _CHECKED[device] = (entry.key, weakref.ref(position_ids), position_ids._version)
 
 
 class ReleaseOnBackward(torch.autograd.Function):

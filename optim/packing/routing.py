@@ -27,7 +27,7 @@ import types
 import torch
 
 from optim._hf import cache_of, causal_lm
-from optim.packing.metadata import ATTN_NAME, COUNTERS, FORWARD_KWARG, PackedMetadata, padding_documents
+from optim.packing.metadata import ATTN_NAME, COUNTERS, FILLED_FROM, FORWARD_KWARG, PackedMetadata, padding_documents
 
 _LOCAL = threading.local()
 _ATTR = "_optim_packing_route"
@@ -135,6 +135,7 @@ def _rewrite_kwargs(module, args, kwargs):
                 raise ValueError(f"packing: metadata describes {meta.batch_size}x{meta.seq_len} tokens but "
                                  f"the batch is {ref.shape[0]}x{ref.shape[1]}")
             pos = pos.to(ref.device, non_blocking=True)
+        setattr(pos, FILLED_FROM, ("meta", meta.serial))  # nothing to check against their own metadata
         new["position_ids"] = pos
         COUNTERS["position_ids_from_metadata"] += 1
     return args, new
