@@ -130,6 +130,7 @@ def test_unknown_experiment_raises(tmp_path):
 
 def test_rebuild_is_deterministic(tmp_path):
     first = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
+    assert "These rows ran on a CPU" not in first  # GPU rows beside the CPU ones
     (tmp_path / "demo" / "stale.png").write_bytes(PNG_SIGNATURE)
     again = report.build_report(FIXTURE_RESULTS, "demo", tmp_path)
     assert again.read_text() == first
@@ -143,6 +144,8 @@ def test_cpu_only_results(tmp_path):
     readme = report.build_report(results, "cpu-only", tmp_path / "reports")
     text = readme.read_text()
     assert "## cpu (`cpu`)" in text and "NVIDIA" not in text
+    assert text.split("\n\n")[1] == ("**These rows ran on a CPU: their timings check that the pipeline runs end to "
+                                      "end, and say nothing of GPU speed.**")  # the report's first line says so
     assert "n/a (no GPU peak on CPU)" in text  # MFU/HFU
     assert "No device memory peaks recorded (CPU run)." in text
     assert "| llama-3.2-1b-tiny | 256 | 1 | 0 | sdpa | eager | 42.0 | 56.0 | 0.75× |" in text
