@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="", help="a name for this run in the output line")
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=VALUE",
                     help="an optim switch passed to optim.enable (repeatable), e.g. --set validate=false")
+    ap.add_argument("--host-profile", metavar="PATH", default=None,
+                    help="also profile the host side of one more step with cProfile (forward, backward and "
+                         "optimizer issue; the GPU is waited for after it) and write the top functions to PATH")
     args = ap.parse_args(argv)
     switches = dict(kv.split("=", 1) for kv in args.set)
 
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
             fwd_ms.append(ev[0].elapsed_time(ev[1]))
             bwd_ms.append(ev[1].elapsed_time(ev[2]))
             issue_ms.append(issued * 1e3)
+    if args.host_profile:
+        _host_profile(args.host_profile, lambda: _step(model, opt, ids, labels, pos, kw))
     out = {"label": args.label, "model": args.model, "seq_len": T, "stack": args.stack, "switches": switches,
            "optim_from": str(Path(optim.__file__).resolve().parent.parent),
            "step_ms_p50": round(statistics.median(step_ms), 1), "step_ms_p20": round(_pct(step_ms, 0.2), 1),
@@ -95,6 +100,37 @@ def main(argv=None) -> int:
            "step_ms": [round(x, 1) for x in step_ms], "issue_ms": [round(x, 1) for x in issue_ms]}
     print(json.dumps(out), flush=True)
     return 0
+
+
+def _step(model, opt, ids, labels, pos, kw) -> None:
+    loss = model(input_ids=ids, labels=labels, position_ids=pos, use_cache=False, **kw).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _host_profile(path: str, step) -> None:
+    """cProfile of one step's host work, up to its last queued kernel: where a host-bound step's
+    time goes, by Python function (own time and cumulative)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    out.write("## by own time\n")
+    stats.sort_stats("tottime").print_stats(40)
+    out.write("\n## by cumulative time\n")
+    stats.sort_stats("cumulative").print_stats(60)
+    Path(path).write_text(out.getvalue())
 
 
 if __name__ == "__main__":
