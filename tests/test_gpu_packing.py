@@ -100,6 +100,7 @@ def test_auto_picks_varlen_and_sync_free_with_metadata():
     model(input_ids=ids, position_ids=pos, use_cache=False, **P.packed_kwargs(meta)).logits.sum().backward()
     P.reset_counters()
     P.release()
+    pos = meta.position_ids().cuda()  # the next batch: a new tensor, as a loop's collator gives
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -112,7 +113,7 @@ def test_auto_picks_varlen_and_sync_free_with_metadata():
     ours = [w for w in caught if "optim/packing" in (w.filename or "") and "ynchroniz" in str(w.message)]
     assert not ours, [f"{w.filename}:{w.lineno} {w.message}" for w in ours]
     assert P.counters()["metadata"] == 1 and P.counters().get("host_syncs", 0) == 0
-    assert P.counters()["position_id_checks"] == 1  # the positions were checked, on the device
+    assert P.counters()["position_id_checks"] == 1  # the new batch's positions were checked, on the device
     P.raise_pending(wait=True)  # and agreed
     P.release()
 
