@@ -23,7 +23,8 @@
 
 ``optim`` imports only torch, transformers and peft; it never imports the benchmark harness.
 Each optimization is one module exposing ``SWITCHES``, ``enable(model, **settings)`` and
-``disable(model)``.
+``disable(model)``; optionally ``describe(model)`` (what ``enabled`` reports) and
+``run_stats(model)`` (what it did in the steps so far, which the harness records in each row).
 """
 
 from __future__ import annotations

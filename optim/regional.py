@@ -201,6 +201,12 @@ def disable(model: nn.Module) -> nn.Module:
     return model
 
 
+def run_stats(model: nn.Module) -> dict[str, Any]:
+    """How the layer calls ran in the steps so far, for a results row (read after the run: a
+    compiler failure shows at a call)."""
+    return {"compile_stats": describe(model)}
+
+
 def describe(model: nn.Module) -> dict[str, Any]:
     """What enable() did and how the layer calls ran, for result rows (empty when not applied)."""
     s = vars(owner(model)).get(_ATTR)

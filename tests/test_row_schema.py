@@ -45,3 +45,23 @@ def test_the_schema_table_in_the_docs_is_generated_from_row():
     assert table == row.schema_markdown(), "regenerate the table from harness.row.schema_markdown()"
     for f in dataclasses.fields(row.Row):
         assert f.metadata.get("doc"), f"Row.{f.name} has no doc"
+
+
+def test_what_each_optim_module_reports_after_a_step_is_a_row_field():
+    import torch
+
+    import optim
+    from harness.run import record
+    from harness.workload import models
+
+    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4)
+    optim.enable(model, offload="single", compile_layers=True)
+    meta = optim.packing.PackedMetadata.from_lengths([[5, 11]])
+    ids = torch.randint(0, 100, (1, 16))
+    optim.packing.reset_counters()
+    model(input_ids=ids, labels=ids, use_cache=False, **optim.packing.packed_kwargs(meta)).loss.backward()
+    stats = record.optim_stats(model, optim.enabled(model))
+    assert {"offload_stats", "packing_counters", "compile_stats", "attention_kernels"} <= set(stats), sorted(stats)
+    assert stats["packing_counters"]["metadata"] == 1 and stats["offload_stats"] is not None
+    fields = {f.name for f in dataclasses.fields(row.Row)} | set(row.MEASURED)
+    assert set(stats) <= fields, sorted(set(stats) - fields)

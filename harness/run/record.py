@@ -4,6 +4,8 @@ onto rank 0 for a parallel point."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from harness.measure import env as envmod
@@ -42,21 +44,13 @@ def across_ranks(world: distributed.World, mine: dict, warmup_losses: list[float
 
 
 def optim_stats(model, optim_applied: dict) -> dict:
-    """What the optimizations did during the run: offload buffer use, packing structure builds."""
+    """What the optimizations did during the run: each applied module's ``run_stats`` (offload's
+    buffer use, packing's structure builds, regional's layer calls), and the attention kernels."""
     out = {}
-    if "optim.offload" in optim_applied:
-        from optim import offload
-
-        off = offload.get(model)
-        out["offload_stats"] = off.stats() if off is not None else None
-    if "optim.packing" in optim_applied:
-        from optim import packing
-
-        out["packing_counters"] = dict(packing.counters())
-    if "optim.regional" in optim_applied:
-        from optim import regional
-
-        out["compile_stats"] = regional.describe(model)  # after the run: failures show at a call
+    for name in optim_applied:
+        run_stats = getattr(importlib.import_module(name), "run_stats", None)
+        if run_stats is not None:
+            out.update(run_stats(model))
     out.update(attention_kernels(model, optim_applied))
     return out
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 from optim.offload.function import StepStats
 from optim.offload.offloader import DEFAULT_MIN_BYTES, MODES, SWITCHES, Offloader, log
 
-__all__ = ["DEFAULT_MIN_BYTES", "MODES", "SWITCHES", "Offloader", "StepStats", "checkpoint", "disable", "enable", "get"]
+__all__ = ["DEFAULT_MIN_BYTES", "MODES", "SWITCHES", "Offloader", "StepStats", "checkpoint", "disable", "enable", "get", "run_stats"]
 
 
 _DEFAULT: Offloader | None = None
@@ -189,6 +189,13 @@ def _keep_offloader(base) -> None:
         return stock(enable=True, gradient_checkpointing_func=off, every_n_layers=every_n_layers)
 
     object.__setattr__(base, "_set_gradient_checkpointing", _set_gradient_checkpointing)
+
+
+def run_stats(model) -> dict:
+    """What offload did in the steps so far, for a results row: the offloader's buffer and copy
+    statistics (None where the model has no offloader)."""
+    off = get(model)
+    return {"offload_stats": off.stats() if off is not None else None}
 
 
 def get(model) -> Offloader | None:

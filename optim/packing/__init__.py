@@ -424,11 +424,17 @@ def describe(model) -> dict:
             "stock_attention": s.stock, "forwards": dict(route.calls) if route is not None else {}}
 
 
+def run_stats(model) -> dict:
+    """What packing did in the steps so far, for a results row: this process's counters since
+    ``reset_counters()`` (metadata builds, cache hits, releases, position checks, host syncs)."""
+    return {"packing_counters": dict(counters())}
+
+
 __all__ = [
     "ATTN_NAME", "BACKENDS", "COUNTERS", "FLEX_BLOCK", "FORWARD_KWARG", "KERNEL_CALLS", "STRUCTURES_KWARG",
     "AUTO_ON_CUDA", "SWITCHES", "FusedFlexUnavailable", "PackedMetadata", "PackingCollator", "PackingSettings",
     "build_entry", "build_flex_block_mask", "build_sdpa_mask", "build_varlen_args", "cached_entry", "counters", "describe",
     "disable", "drop_prebuilt", "enable", "in_stock_mode", "settings_of",
     "fused_flex_failure", "kernels", "packed_attention_forward", "packed_kwargs", "prebuild_structures",
-    "raise_pending", "register", "release", "reset_counters", "resolve_backend", "varlen_available",
+    "raise_pending", "register", "release", "reset_counters", "resolve_backend", "run_stats", "varlen_available",
 ]
