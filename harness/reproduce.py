@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from harness import results as res
+from harness import roles
 from harness.report import runs
-from harness.report.blog import data, plan as plan_file
+from harness.report.blog import plan as plan_file
 from harness.run import experiment
 
 
@@ -94,7 +95,7 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
     for pts in by_group.values():
         # what a reader compares side by side (stock, the peer, enable()) must come from one run;
         # the step's other variants (ours' settings, ablations) need only a finished row each
-        side = [p for p in pts if data.role_of(vars(p)) & set(data.SIDE_BY_SIDE)] or pts
+        side = [p for p in pts if roles.parts(vars(p)) & set(roles.SIDE_BY_SIDE)] or pts
         todo.append(group_todo(side, latest, code, now, step.estimate_s, history, elsewhere))
         todo.append(([p for p in pts if p not in side and p.point_id not in latest], False))
     return exp, [(pts, over) for pts, over in todo if pts]
@@ -239,7 +240,7 @@ def _needs(step: plan_file.Step, pts: list, here: dict, elsewhere: dict, budget:
     unless they would not fit in a whole call; any other command needs its shortest point to fit,
     and the sweep then starts each point only if that one fits."""
     est = [res.point_estimate_s(here, p.point_id, step.estimate_s, elsewhere) for p in pts] or [step.estimate_s]
-    side = step.together and all(data.role_of(vars(p)) & set(data.SIDE_BY_SIDE) for p in pts)
+    side = step.together and all(roles.parts(vars(p)) & set(roles.SIDE_BY_SIDE) for p in pts)
     return sum(est) if side and sum(est) <= budget else min(est)
 
 

@@ -22,12 +22,7 @@ STACKS = ("user", "liger")
 # How a point spreads over its GPUs (``gpus``): "" one process, "fsdp2" one process per GPU with
 # the model sharded (harness.run.distributed).
 PARALLEL = ("", "fsdp2")
-ROLES = ("stock", "peer", "ours", "ours-default", "reference", "ablation")
 STATUSES = ("ok", "oom", "error", "skipped")  # skipped: a peer that cannot run on that machine
-# stock: transformers + peft as shipped; peer: another tool users would pick instead (Liger-Kernel,
-# save_on_cpu); ours: an optim setting; ours-default: what optim.enable(model) gives with its
-# defaults; reference: the numerics or speed reference a comparison starts from; ablation: a
-# step between them, kept to show what each part buys.
 
 
 def identity(fields: dict[str, Any], *, repeat: bool = False) -> dict[str, Any]:
@@ -93,7 +88,7 @@ class Row:
     family: str = _field("", doc="the model's architecture family")
     num_layers: int | None = _field(None, doc="decoder layers")
     baseline_variant: str = _field("", doc="the variant the report compares against")
-    role: str = _field("", doc="the variant's part in a comparison (ROLES)")
+    role: str = _field("", doc="the variant's part in a comparison (harness.roles.ROLES)")
     command: str = _field("", doc="the command line that ran the sweep")
     experiment_sha256: str = _field("", doc="the experiment file's hash; the file is kept as "
                                             "<experiment>/experiments/<sha[:16]>.toml")

@@ -76,12 +76,12 @@ def test_roles_come_from_what_rows_record_not_from_variant_names():
             _row("abl", 10, role="ablation")]
     (p,) = data.role_points(rows)
     assert p.ms("stock") == 100  # the experiment's baseline, not the faster graphed stock
-    assert p.ms("peer") == 90 and p.ms("default") == 50
+    assert p.ms("peer") == 90 and p.ms("user") == 50
     assert p.ms("best") == 44 and p.rows["best"]["variant"] == "fast"  # the median repeat; ablations excluded
     assert p.speedup("best") == pytest.approx(100 / 44) and p.gpu_name == "H100"
     (q,) = data.role_points([_row("stock", 100, role="stock"), _row("user", 1, role="ours-default", stack="user",
                                                                    status="oom")])
-    assert q.failed == {"default": "oom", "best": "oom"} and q.speedup("best") is None
+    assert q.failed == {"user": "oom", "best": "oom"} and q.speedup("best") is None
 
 
 def _at(row, when, code):
@@ -96,7 +96,7 @@ def test_a_point_reads_its_roles_from_the_newest_run_that_measured_them_side_by_
            _at(_row("liger", 95, role="peer", stack="liger"), "11:03", "new"),
            _at(_row("user", 50, role="ours-default", stack="user"), "11:06", "new")]
     (p,) = data.role_points(old + new)
-    assert (p.ms("stock"), p.ms("peer"), p.ms("default")) == (100, 95, 50)  # one run, not the fastest repeat
+    assert (p.ms("stock"), p.ms("peer"), p.ms("user")) == (100, 95, 50)  # one run, not the fastest repeat
     assert p.ms("best") == 30 and p.one_run() is False  # that run ran no setting beyond the defaults
     new.append(_at(_row("graph", 40), "11:09", "new"))
     (q,) = data.role_points(old + new)
@@ -538,7 +538,7 @@ def test_a_cell_from_another_run_than_its_stock_carries_a_dagger_and_the_table_s
     # the peer came from a run hours earlier, enable() from the stock's own run, best from other code
     p = data.RolePoint("gpu-x", "NVIDIA H200", "m", 2048,
                        rows={"stock": row("s", 800.0, "10:00"), "peer": row("liger", 1200.0, "02:00"),
-                             "default": row("user", 400.0, "10:03"), "best": row("o", 300.0, "10:06", code="d")})
+                             "user": row("user", 400.0, "10:03"), "best": row("o", 300.0, "10:06", code="d")})
     line = peers_table([p]).splitlines()[2]
     assert "| 800.0 |" in line and "1200.0 (0.67×) † |" in line and "400.0 (2.00×) |" in line, line
     assert "300.0 (2.67×) † |" in line, line

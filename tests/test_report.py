@@ -446,7 +446,7 @@ def _role_rows(extra_ours: int = 5) -> list[dict]:
     """Step rows of one GPU: stock (the baseline), Liger, enable() and ``extra_ours`` settings of ours,
     where ours-01 is fastest at 1024 tokens and ours-02 at 4096, and enable() is slowest of ours."""
     rows = []
-    variants = {"stock": ("stock", 1000.0), "liger": ("peer", 900.0), "user": ("ours-default", 600.0),
+    variants = {"stock": ("stock", 1000.0), "liger": ("peer", 900.0), "user": ("user", 600.0),
                 **{f"ours-{i:02d}": ("ours", 700.0 - 10 * i) for i in range(extra_ours)}}
     for t in (1024, 4096):
         for variant, (role, ms) in variants.items():
@@ -474,7 +474,7 @@ def test_past_five_variants_the_plots_draw_the_four_roles_each_played_by_its_fas
     frame, picks = frames.role_frame(df)
     best = picks[picks["series"] == "best"].set_index("seq_len")["variant"].to_dict()
     assert best == {1024: "ours-01", 4096: "ours-02"}  # per point, not one variant for every length
-    assert set(picks["series"]) == {"stock", "peer", "default", "best"}
+    assert set(picks["series"]) == {"stock", "peer", "user", "best"}
     assert set(frame["variant"]) == set(ROLE_LABEL.values()) and set(frame["baseline_variant"]) == {ROLE_LABEL["stock"]}
     # every repeat of the chosen variant comes along, so the spread is the variant's own
     assert len(frame[(frame["variant"] == ROLE_LABEL["best"]) & (frame["metric"] == "step_ms")]) == 6
@@ -505,4 +505,4 @@ def test_the_role_plots_name_which_variant_played_each_role_and_keep_the_roles_o
     assert colours == {ROLE_LABEL[r]: ROLE_COLOR[r] for r in ROLES}
     sections.section_speedup(df, None, rows, tmp_path)
     bars = [c.get_label() for c in seen[-1].axes[0].containers if c.get_label() and not c.get_label().startswith("_")]
-    assert bars == [ROLE_LABEL[r] for r in ("peer", "default", "best")]
+    assert bars == [ROLE_LABEL[r] for r in ("peer", "user", "best")]

@@ -8,6 +8,7 @@ from typing import Callable
 import pandas as pd
 
 from harness.report.palette import ROLE_LABEL
+from harness.roles import PARTS, parts, role_of
 
 # Identity of one measured point. Only these columns (all filled, never None) index the frames,
 # because pandas silently drops NaN keys when grouping.
@@ -40,7 +41,7 @@ def _identity(row: dict) -> dict:
         "gpus": int(row.get("gpus") or 1),
         "variant": row.get("variant") or "",
         "baseline_variant": row.get("baseline_variant") or "",
-        "role": row.get("role") or "",
+        "role": role_of(row),  # in today's vocabulary, whatever the row's age
         "repeat": int(row.get("repeat") or 0),
         "point_id": row.get("point_id") or "",
         "mfu_note": row.get("mfu_note") or "",
@@ -126,13 +127,10 @@ def speedup_frame(df_steps: pd.DataFrame) -> pd.DataFrame:
 
 PLOT_VARIANTS = 5
 _POINT = ["gpu_slug", "model", "seq_len", "batch_size", "gpus"]
-# plot role -> which of a point's variants may play it (by the role each row records)
-_PLAYS = {
-    "stock": lambda d: (d["role"] == "stock") & (d["variant"] == d["baseline_variant"]),
-    "peer": lambda d: d["role"] == "peer",
-    "default": lambda d: d["role"] == "ours-default",
-    "best": lambda d: d["role"].isin(["ours", "ours-default"]),
-}
+def _plays(d: pd.DataFrame, part: str) -> pd.Series:
+    """Which of the frame's rows may play ``part`` (harness.roles.parts, by the role each row records)."""
+    return pd.Series([part in parts(r) for r in d[["role", "variant", "baseline_variant"]].to_dict("records")],
+                     index=d.index, dtype=bool)
 
 
 def role_frame(df_steps: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
@@ -147,7 +145,7 @@ def role_frame(df_steps: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | No
     step = df_steps[df_steps["metric"] == "step_ms"].dropna(subset=["p50"])
     med = step.groupby([*_POINT, "variant", "baseline_variant", "role"], as_index=False)["p50"].median()
     picks = [cand.loc[cand.groupby(_POINT)["p50"].idxmin()].assign(series=series)
-             for series, plays in _PLAYS.items() if not (cand := med[plays(med)]).empty]
+             for series in PARTS if not (cand := med[_plays(med, series)]).empty]
     if len(picks) < 2:
         return None
     picks = pd.concat(picks, ignore_index=True)[[*_POINT, "series", "variant", "p50"]]

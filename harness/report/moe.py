@@ -7,6 +7,7 @@ from harness.report.fmt import DASH
 from harness.report import fmt
 from harness.report.offload import ratio_cell
 from harness.report.runs import SAME_RUN_MINUTES, run_label, split_runs
+from harness.roles import is_ours, role_of
 from harness.variant_keys import SWITCHES
 
 # the backends the layer benchmark compares: every choice of the switch but "auto"
@@ -197,18 +198,10 @@ def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     return my - b * mt, b
 
 
-OURS = ("ours", "ours-default")
-
-
-def _ours(r: dict) -> bool:
-    """A row of ours, by the role its experiment file gave the variant (ablations excluded)."""
-    return r.get("role") in OURS
-
-
 def _moe_sides(rows) -> tuple[list[str], list[str]]:
     """The stock and our variants among ``rows``, by role."""
-    stock = sorted({r["variant"] for r in rows if r.get("role") == "stock"})
-    ours = sorted({r["variant"] for r in rows if _ours(r)})
+    stock = sorted({r["variant"] for r in rows if role_of(r) == "stock"})
+    ours = sorted({r["variant"] for r in rows if is_ours(r)})
     return stock, ours
 
 
@@ -387,7 +380,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
     per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic
     on those measurements."""
     ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
-            and _ours(r) and (r.get("loss_mode") or "full") == "full" and fmt.number(r.get("peak_allocated_gib")) is not None]
+            and is_ours(r) and (r.get("loss_mode") or "full") == "full" and fmt.number(r.get("peak_allocated_gib")) is not None]
     caps = gpu_memory_gib(rows)
     # one adapter dtype for the line: peft's default where measured (bf16-adapter rows would lower it)
     dtypes = {r.get("lora_dtype") or "fp32" for r in ours}
@@ -433,7 +426,7 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
     tried = {}
     for r in rows:
         if (r.get("kind") == "step" and r.get("model") == model and r.get("lora_dtype") == "model"
-                and _ours(r) and (r.get("loss_mode") or "full") == "full"):
+                and is_ours(r) and (r.get("loss_mode") or "full") == "full"):
             key = (str(r.get("device_name")), int(r["seq_len"]))
             pk = fmt.number(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
             if key not in tried or (pk is not None and (tried[key] is None or pk < tried[key])):

@@ -8,6 +8,7 @@ from harness.report import fmt
 from harness.report.moe import gain_cell, rows_of_kind, best_p50
 from harness.report.offload import ratio_cell
 from harness.report.runs import steps_by_gpu, median_of, from_one_run, run_note
+from harness.roles import is_ours
 
 # ---------------------------------------------------------------------------------------------
 # Packed-sequence metadata (bench_packing)
@@ -269,7 +270,7 @@ def _plain_packed(rows: list[dict], backend: str) -> list[dict]:
     full loss, no graph."""
     def sw(r):
         return r.get("switches") or {}
-    return [r for r in rows if r.get("status") == "ok" and r.get("role") in ("ours", "ours-default")
+    return [r for r in rows if r.get("status") == "ok" and is_ours(r)
             and sw(r).get("packing_backend") == backend and sw(r).get("packing_cache", True) is not False
             and not sw(r).get("compile_layers") and not r.get("cuda_graph")
             and (r.get("loss_mode") or "full") == "full"]

@@ -3,8 +3,8 @@ blog's and, where an experiment ran more variants than a plot can tell apart, it
 
 from __future__ import annotations
 
-ROLES = ("stock", "peer", "default", "best")
+from harness.roles import PARTS as ROLES  # noqa: F401 (the parts a reader follows, in this order)
 ROLE_LABEL = {"stock": "stock transformers + peft", "peer": "Liger-Kernel",
-              "default": "optim.enable() defaults", "best": "ours, best setting"}
-ROLE_COLOR = {"stock": "#7f7f7f", "peer": "#9467bd", "default": "#1f77b4", "best": "#2ca02c"}
-ROLE_MARKER = {"stock": "o", "peer": "s", "default": "^", "best": "D"}
+              "user": "optim.enable() defaults", "best": "ours, best setting"}
+ROLE_COLOR = {"stock": "#7f7f7f", "peer": "#9467bd", "user": "#1f77b4", "best": "#2ca02c"}
+ROLE_MARKER = {"stock": "o", "peer": "s", "user": "^", "best": "D"}

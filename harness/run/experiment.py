@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import row as rowmod
+from harness.roles import LEGACY, ROLES, STACK_ROLE, STACK_ROLES, role_of
 from harness.run.fields import ExperimentError, check_keys, choice, int_list, integer
 from harness.run.gate_spec import GateSpec, parse_gate
 from harness.run.policy import LAUNCHERS, MULTI_GPU_LAUNCHERS
@@ -129,7 +130,7 @@ class Experiment:
     variant_lora_dtype: dict[str, str] = field(default_factory=dict)  # likewise for ``lora_dtype``
     variant_cuda_graph: dict[str, bool] = field(default_factory=dict)  # variants timed as graph replays
     variant_stack: dict[str, str] = field(default_factory=dict)  # variants built as a user or a peer would
-    roles: dict[str, str] = field(default_factory=dict)  # variant -> its role (harness.row.ROLES)
+    roles: dict[str, str] = field(default_factory=dict)  # variant -> its role (harness.roles.ROLES)
     report: dict[str, dict[str, Any]] = field(default_factory=dict)  # [report.<section>] tables
     sha256: str = ""  # of the experiment file's bytes
     text: str = ""  # the experiment file as read
@@ -307,8 +308,20 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         settings = dict(settings)
         if "models" in settings:  # this variant runs on these of the file's models only
             variant_models[vname] = _variant_models(path, vname, settings.pop("models"), canon)
-        if "role" in settings:  # what the variant stands for in a comparison; reports read it
-            roles[vname] = choice(path, f"variants.{vname}.role", settings.pop("role"), rowmod.ROLES)
+        implied, declared = "", ""  # the stack a role implies where the file names none; the role as written
+        if "role" in settings:  # what the variant stands for in a comparison (harness.roles); reports read it
+            declared = settings.pop("role")
+            if declared not in LEGACY:  # a kept file of older rows may say ours-default
+                choice(path, f"variants.{vname}.role", declared, ROLES)
+            role = roles[vname] = role_of({"role": declared, "stack": settings.get("stack")})
+            if role == "user":  # optim.enable(model) with its defaults, built as a user builds it
+                ours = sorted(k for k in settings if k in OWNER)
+                if ours and declared not in LEGACY:
+                    raise ExperimentError(path, f"variants.{vname}.role",
+                                          f"'user' is optim.enable(model) with its defaults; a variant that sets "
+                                          f"{ours} is 'ours' (or an 'ablation')")
+                if "stack" not in settings:
+                    settings["stack"] = implied = "user"
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
             variant_loss[vname] = choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
         if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
@@ -317,17 +330,26 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         if "stack" in settings:  # built as a user (optim.enable) or a peer (Liger-Kernel) would
             stack = variant_stack[vname] = choice(path, f"variants.{vname}.stack", settings.pop("stack"), rowmod.STACKS)
             ours = sorted(k for k in settings if k in OWNER)
+            # a stack's variant plays the stack's role unless named; optim.enable with switches set is ours
+            role = roles.setdefault(vname, "ours" if stack == "user" and ours else STACK_ROLE[stack])
+            if role not in STACK_ROLES[stack]:
+                raise ExperimentError(path, f"variants.{vname}.role",
+                                      f"{declared or role!r} cannot be built by stack {stack!r}, whose variants play "
+                                      f"{', '.join(STACK_ROLES[stack])}")
             if stack == "liger" and ours:
                 raise ExperimentError(path, f"variants.{vname}.stack",
                                       f"'liger' is the peer run without optim; drop the optim switch(es) {ours}")
+            # where the role implied the stack, the error names the role, the key the file has
+            where, why = ((f"variants.{vname}.role", "role 'user' runs as a user's stack: ") if implied
+                          else (f"variants.{vname}.stack", ""))
             if variant_loss.get(vname) == "chunked":
                 raise ExperimentError(path, f"variants.{vname}.loss",
-                                      "a user or peer stack takes the model's own loss (model(..., labels=...)), "
+                                      f"{why}a user or peer stack takes the model's own loss (model(..., labels=...)), "
                                       "which optim.loss or Liger patches; drop loss = 'chunked'")
             variant_loss[vname] = "full"  # whatever the experiment's default
             if settings.get("cuda_graph"):
-                raise ExperimentError(path, f"variants.{vname}.stack",
-                                      "a user or peer stack runs the step eagerly, as their own loop does; "
+                raise ExperimentError(path, where,
+                                      f"{why}a user or peer stack runs the step eagerly, as their own loop does; "
                                       "drop cuda_graph from this variant")
         if "cuda_graph" in settings:  # how the harness runs the step (optim.graphs), not a model switch
             graphed = settings.pop("cuda_graph")

@@ -49,7 +49,7 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     peers = {}
     for p in pts:
         peers.setdefault(p.gpu_name, []).append(
-            f"{p.model} {p.seq_len}: " + " / ".join(fmt.ms(p.ms(r)) for r in ("stock", "peer", "default")) + " ms")
+            f"{p.model} {p.seq_len}: " + " / ".join(fmt.ms(p.ms(r)) for r in ("stock", "peer", "user")) + " ms")
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
              "peft and Liger-Kernel's patches, in one sweep per GPU; \"best\" is the fastest setting of ours "

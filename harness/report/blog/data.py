@@ -1,6 +1,7 @@
-"""Rows -> the four roles a reader compares at each point: stock, the peer (Liger-Kernel), ours as
-``optim.enable()`` gives it, and ours at its best setting. Roles come from what the rows record
-(``role``, ``stack``, ``baseline_variant``), never from variant names."""
+"""Rows -> the four parts a reader compares at each point (``harness.roles.PARTS``): stock, the peer
+(Liger-Kernel), the user's path (``optim.enable()`` as a user calls it), and ours at its best
+setting. Parts come from what the rows record (``role``, ``baseline_variant``), read through
+``harness.roles``, never from variant names."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import json
 from dataclasses import dataclass, field
 
 from harness import results as res
+from harness.roles import PARTS, SIDE_BY_SIDE, parts, role_of
 from harness.report import fmt
 from harness.report.runs import from_one_run, split_runs, recorded_at
 from harness.report.blog.style import gpu_short
-
-OURS = ("ours", "ours-default")
 
 
 @dataclass
@@ -49,28 +49,11 @@ def _median_repeat(rows: list[dict]) -> dict | None:
     return ok[(len(ok) - 1) // 2] if ok else None
 
 
-def role_of(r: dict) -> set[str]:
-    """The roles (stock, peer, default, best) a row, or a point's fields, plays in the report."""
-    roles = set()
-    if r.get("role") == "stock" and r.get("variant") == r.get("baseline_variant"):
-        roles.add("stock")
-    if r.get("stack") == "liger":
-        roles.add("peer")
-    if r.get("stack") == "user" and r.get("role") == "ours-default":
-        roles.add("default")
-    if r.get("role") in OURS:
-        roles.add("best")
-    return roles
-
-
-SIDE_BY_SIDE = ("stock", "peer", "default")  # what a reader compares: measured in one run where one has all three
-
-
 def _side_by_side(here: list[dict]) -> list[dict] | None:
     """The newest run (``runs.split_runs``, rows with a recording time) whose ok rows hold stock, the peer
     and enable() at this point, where there is one."""
     for run in reversed([run for run in split_runs([r for r in here if r.get("status") == "ok"]) if recorded_at(run[0])]):
-        roles = set().union(*(role_of(r) for r in run))
+        roles = set().union(*(parts(r) for r in run))
         if all(role in roles for role in SIDE_BY_SIDE):
             return run
     return None
@@ -91,11 +74,11 @@ def role_points(rows: list[dict]) -> list[RolePoint]:
                                      int(fmt.number(r.get("seq_len")) or 0)) == (gpu, model, t)]
         pt = RolePoint(gpu=gpu, device=str(here[0].get("device_name") or gpu), model=model, seq_len=t)
         run = _side_by_side(here)
-        for role in ("stock", "peer", "default", "best"):
-            cand = [r for r in here if role in role_of(r)]
-            if run is not None and (any(r.get("role") == "ours" for r in run) if role == "best"
-                                    else any(role in role_of(r) for r in run)):
-                cand = [r for r in run if role in role_of(r)]
+        for role in PARTS:
+            cand = [r for r in here if role in parts(r)]
+            if run is not None and (any(role_of(r) == "ours" for r in run) if role == "best"
+                                    else any(role in parts(r) for r in run)):
+                cand = [r for r in run if role in parts(r)]
             by_variant: dict[str, list[dict]] = {}
             for r in cand:
                 by_variant.setdefault(str(r.get("variant")), []).append(r)

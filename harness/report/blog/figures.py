@@ -16,7 +16,7 @@ def _lines_for(roles: list[str], gpus: list[str]) -> list[str]:
     """The roles drawn: as many as fit in the line budget with one line per GPU each, the peer
     dropped first, then the default (best is what the section is about)."""
     roles = list(roles)
-    for drop in ("peer", "default"):
+    for drop in ("peer", "user"):
         if len(roles) * len(gpus) <= style.MAX_LINES - 1 or len(roles) == 1:
             break
         if drop in roles:
@@ -26,11 +26,11 @@ def _lines_for(roles: list[str], gpus: list[str]) -> list[str]:
 
 def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | None:
     """Speed-up over stock against sequence length, a panel per model, a line per GPU and role."""
-    models = sorted({p.model for p in points if any(p.speedup(r) for r in ("peer", "default", "best"))})
+    models = sorted({p.model for p in points if any(p.speedup(r) for r in ("peer", "user", "best"))})
     if not models:
         return None
     gpus = sorted({p.gpu_name for p in points})
-    roles = _lines_for([r for r in ("peer", "default", "best") if any(p.speedup(r) for p in points)], gpus)
+    roles = _lines_for([r for r in ("peer", "user", "best") if any(p.speedup(r) for p in points)], gpus)
     fig, axes = style.figure(len(models), width=4.6, height=3.8)
     lengths = sorted({p.seq_len for p in points})
     for ax, model in zip(axes, models):

@@ -175,7 +175,7 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
         parts.append("### Where the ratio stops growing\n\n" + "\n\n".join(limits))
     for gpu in sorted({p.gpu_name for p in rp}):
         # the one call where the sweep ran it; else the best setting, named, as it is beyond the defaults
-        at = [f"{p.model} {p.seq_len}: enable() {fmt.times(p.speedup('default'))}" if p.speedup("default") else
+        at = [f"{p.model} {p.seq_len}: enable() {fmt.times(p.speedup('user'))}" if p.speedup("user") else
               f"{p.model} {p.seq_len}: {fmt.times(p.speedup('best'))} with `{p.rows['best'].get('variant')}`"
               for p in rp if p.gpu_name == gpu and p.seq_len == 2048 and p.speedup("best")]
         if at:
