@@ -1,7 +1,7 @@
 """The user's path section: stock, Liger and optim.enable side by side, computed from rows, and
 the targets of [report.user] judged on those numbers (a skipped peer judges nothing)."""
 
-from harness.report.user import user_md, user_points
+from harness.report.user import user_md, user_points, variant_names
 
 SPEC = {"stock": "stock", "liger": "liger", "user": "user", "targets": [
     {"model": "qwen3-8b", "seq_len": 8192, "min_speedup_over_liger": 1.3, "max_peak_over_liger": 1.0, "min_hfu": 0.45},
@@ -67,3 +67,36 @@ def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
 
     assert line(user_md(ROWS, spec, trainer_rows=bench)).rstrip(" |").endswith("| 235.1 ms (`harness.bench.trainer`) | not met")
     assert "not measured" in line(user_md(ROWS, spec))  # no bench rows: judged on nothing
+
+
+def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_none():
+    roles = {"stock": ("stock", ""), "liger": ("peer", "liger"), "user": ("user", "user"),
+             "user-varlen": ("ablation", "user")}
+    rows = [{**r, "baseline_variant": "stock", "role": roles[r["variant"]][0], "stack": roles[r["variant"]][1]}
+            for r in ROWS]
+    targets = {"targets": SPEC["targets"]}
+    assert variant_names(rows, targets) == {"stock": "stock", "liger": "liger", "user": "user"}
+    def seen(pts):
+        return [(p["model"], p["ms"], p["over_stock"], p["over_liger"], list(p["others"])) for p in pts]
+    assert seen(user_points(rows, targets)) == seen(user_points(ROWS, SPEC))
+    # an older row's ours-default with the user's stack is the user's path too
+    older = [{**r, "role": "ours-default"} if r["variant"] == "user" else r for r in rows]
+    assert variant_names(older, targets)["user"] == "user"
+    # two variants of role user: the spec must choose, else the column is empty
+    two = rows + [{**r, "variant": "user-2"} for r in rows if r["variant"] == "user"]
+    assert variant_names(two, targets)["user"] is None and variant_names(two, {"user": "user-2"})["user"] == "user-2"
+    assert "optim.enable (`–`) ms" in user_md(two, targets)
+
+
+def test_every_committed_user_experiment_finds_its_three_columns_by_role():
+    from pathlib import Path
+
+    from harness.run import experiment
+
+    files = [p for p in sorted((Path(__file__).resolve().parents[1] / "experiments").glob("*.toml"))
+             if "[report.user]" in p.read_text()]
+    assert len(files) >= 4
+    for path in files:
+        exp = experiment.load(path)
+        fields = [vars(p) for p in exp.points()]
+        assert all(variant_names(fields, exp.report["user"]).values()), path.name

@@ -2,8 +2,10 @@
 ``optim.enable(model)`` as a user calls it, measured in one sweep, then every other variant of the
 file; and the targets of ``[report.user]``.
 
-``[report.user]`` names the three variants (``stock``, ``liger``, ``user``) and may list
-``targets``, each ``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_liger``,
+The three variants are read from the roles the rows record (``harness.roles``): stock is the
+experiment's baseline, Liger-Kernel the peer its stack built, the user's path the variant of role
+``user``. ``[report.user]`` may name any of them instead (``stock``, ``liger``, ``user``: an older
+file's names, or a choice among several), and may list ``targets``, each ``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_liger``,
 ``max_peak_over_liger``, ``min_hfu`` and ``max_graphed_trainer_ms`` (the ``graphed`` row of
 ``python -m harness.bench.trainer`` stored with the experiment's rows).
 """
@@ -13,8 +15,22 @@ from __future__ import annotations
 from harness.report.fmt import DASH
 from harness.report import fmt
 from harness.report.runs import steps_by_gpu, run_note
+from harness.roles import role_of
 
 ROLES = ("stock", "liger", "user")
+_PLAYS = {"stock": lambda r: r.get("variant") == r.get("baseline_variant"),
+          "liger": lambda r: role_of(r) == "peer" and r.get("stack") == "liger",
+          "user": lambda r: role_of(r) == "user"}
+
+
+def variant_names(rows: list[dict], spec: dict) -> dict[str, str | None]:
+    """Each of the three columns' variant: as ``spec`` names it, else the one variant whose rows play
+    it (None where none does, or several do and the spec does not choose)."""
+    out = {}
+    for col in ROLES:
+        found = sorted({str(r.get("variant")) for r in rows if _PLAYS[col](r)})
+        out[col] = spec.get(col) or (found[0] if len(found) == 1 else None)
+    return out
 
 
 def _best(rows: list[dict], variant: str) -> dict | None:
@@ -34,7 +50,7 @@ def _peak(r: dict | None) -> float | None:
 def user_points(rows: list[dict], spec: dict) -> list[dict]:
     """Per (gpu, model, seq_len) with any of the three variants: their rows (median repeat), the
     ratios a reader asks for, and the other variants' rows."""
-    names = {role: spec.get(role) for role in ROLES}
+    names = variant_names(rows, spec)
     out = []
     for slug, g in steps_by_gpu(rows).items():
         keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in names.values()}
@@ -72,7 +88,7 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     pts = user_points(rows, spec)
     if not pts:
         return ""
-    names = {role: spec.get(role) or role for role in ROLES}
+    names = {col: v or DASH for col, v in variant_names(rows, spec).items()}
     many = len({p["gpu"] for p in pts}) > 1
     body = []
     for p in pts:
