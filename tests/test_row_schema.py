@@ -65,3 +65,19 @@ def test_what_each_optim_module_reports_after_a_step_is_a_row_field():
     assert stats["packing_counters"]["metadata"] == 1 and stats["offload_stats"] is not None
     fields = {f.name for f in dataclasses.fields(row.Row)} | set(row.MEASURED)
     assert set(stats) <= fields, sorted(set(stats) - fields)
+
+
+def test_a_point_carries_exactly_the_rows_point_fields_plus_its_run_policy():
+    """SweepPoint is what a point's process gets; Row what it writes. new_row copies the fields by
+    name, so a field added to one and not the other would be silently dropped or left empty."""
+    from harness.run.experiment import SweepPoint
+
+    point = {f.name: f.type for f in dataclasses.fields(SweepPoint)}
+    written = {f.name: f.type for f in dataclasses.fields(row.Row)}
+    run_policy = {"launcher", "timeout_s"}  # how the point is run, not what it records
+    outcome = {"family", "num_layers", "status", "message", "kind", "measured"}  # what the run finds
+    assert set(point) - run_policy == set(written) - outcome
+    assert set(row.IDENTITY) | set(row.OPTIONAL_IDENTITY) <= set(point)
+    differ = {k: (point[k], written[k]) for k in set(point) & set(written)
+              if str(point[k]).split("[")[0] != str(written[k]).split("[")[0]}
+    assert differ == {"data": ("DataSpec", "dict")}, differ  # the row keeps the spec as a plain dict
