@@ -5,7 +5,8 @@ the blog, reproduce).
 Roles (an experiment file's ``role``; a row's ``role``):
 
 - ``stock``: transformers + peft as shipped; the experiment's ``baseline`` is one of these.
-- ``stock-compiled``: the same with ``torch.compile``, as a user who compiles would run it.
+- ``stock-compiled``: the same with ``torch.compile``, as a user who compiles would run it
+  (``stack = "compiled"``: every decoder layer compiled).
 - ``peer``: another tool a user would pick instead: one a stack builds (``stack = "liger"``:
   Liger-Kernel), or one the harness sets by a switch (PyTorch's ``save_on_cpu``).
 - ``user``: ``optim.enable(model)`` with its defaults, as a user calls it (``stack = "user"``,
@@ -15,7 +16,7 @@ Roles (an experiment file's ``role``; a row's ``role``):
 - ``ablation``: a step between them, kept to show what each part buys.
 
 A variant built by a stack has the stack's role unless the file says otherwise: ``stack = "liger"``
-is the ``peer`` and plays nothing else; ``stack = "user"`` is the ``user`` where it sets no optim
+is the ``peer`` and plays nothing else, ``stack = "compiled"`` is ``stock-compiled``; ``stack = "user"`` is the ``user`` where it sets no optim
 switch, and ``ours`` or an ``ablation`` where it does (``optim.enable(model, **switches)``).
 
 The parts a reader follows from table to table and plot to plot (``PARTS``) are read from the
@@ -32,8 +33,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 ROLES = ("stock", "stock-compiled", "peer", "user", "ours", "reference", "ablation")
-STACK_ROLE = {"user": "user", "liger": "peer"}  # the role a stack gives a variant the file leaves unnamed
-STACK_ROLES = {"user": ("user", "ours", "ablation"), "liger": ("peer",)}  # the roles a stack's variant may play
+STACK_ROLE = {"user": "user", "liger": "peer", "compiled": "stock-compiled"}  # a stack's role where none is named
+STACK_ROLES = {"user": ("user", "ours", "ablation"), "liger": ("peer",),  # the roles a stack's variant may play
+               "compiled": ("stock-compiled",)}
 LEGACY = ("ours-default",)  # a role name of rows recorded before the vocabulary was one (see role_of)
 
 PARTS = ("stock", "peer", "user", "best")

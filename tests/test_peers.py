@@ -1,4 +1,4 @@
-"""The variants a user and a peer would run (``stack = "user" | "liger"``): parsed, identified
+"""The variants a user and a peer would run (``stack = "user" | "liger" | "compiled"``): parsed, identified
 and run as they say, and a peer that cannot run here is a ``skipped`` row, not an error."""
 
 import pytest
@@ -41,8 +41,12 @@ def test_stack_keeps_earlier_point_ids_and_is_in_the_new_ones(write_toml):
 @pytest.mark.parametrize("edit, key, fragment", [
     (('stack = "user"', 'stack = "unsloth"'), "variants.b.stack", "'unsloth' is not a valid choice"),
     (('stack = "user"', 'stack = "liger"\npacking_backend = "flex"'), "variants.b.stack",
-     "drop the optim switch(es) ['packing_backend']"),
+     "'liger' runs without optim; drop the optim switch(es) ['packing_backend']"),
     (('stack = "user"', 'stack = "user"\nloss = "chunked"'), "variants.b.loss", "drop loss = 'chunked'"),
+    (('stack = "user"', 'stack = "compiled"\ncompile_layers = true'), "variants.b.stack",
+     "'compiled' runs without optim; drop the optim switch(es) ['compile_layers']"),
+    (('stack = "user"', 'stack = "compiled"\nrole = "stock"'), "variants.b.role",
+     "'stock' cannot be built by stack 'compiled', whose variants play stock-compiled"),
 ])
 def test_malformed_stack_fails_at_load(write_toml, edit, key, fragment):
     text = BASE.replace(*edit)
@@ -66,9 +70,13 @@ def _run(tmp_path, write_toml, text):
 def test_user_stack_is_plain_optim_enable_and_liger_on_cpu_is_skipped(tmp_path, write_toml):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the liger point runs; tests/test_gpu_peers.py covers it")
-    text = BASE + '[variants.c]\nattn_implementation = "sdpa"\nstack = "liger"\n'
+    text = (BASE + '[variants.c]\nattn_implementation = "sdpa"\nstack = "liger"\n'
+            '[variants.d]\nattn_implementation = "sdpa"\nstack = "compiled"\n')
     rows = _run(tmp_path, write_toml, text)
-    assert all(rows[v]["status"] == "ok" for v in "ab"), {v: r.get("message") for v, r in rows.items()}
+    assert all(rows[v]["status"] == "ok" for v in "abd"), {v: r.get("message") for v, r in rows.items()}
+    # stock with compiled layers: no optim, the stock numerics (same weights, same batches)
+    assert rows["d"]["optim"] == {} and (rows["d"]["role"], rows["d"]["stack"]) == ("stock-compiled", "compiled")
+    assert rows["d"]["loss"] == pytest.approx(rows["a"]["loss"], rel=1e-4)
     assert rows["a"]["optim"] == {}
     # exactly what optim.enable(model) applies with no arguments: every module, every default
     import optim
@@ -93,3 +101,29 @@ def test_gate_warns_and_does_not_fail_when_a_peer_is_skipped_in_the_candidate():
     assert "not installed" in p.reasons[0]
     broken = gate.Side("error", "boom", 1, None, None, None, None)
     assert gate.judge(gate.PointResult("x", {}, "gpu", ok, broken), 0.05, 0.05, "auto").outcome == "fail"
+
+
+def test_compiled_stack_compiles_every_decoder_layer_and_computes_what_stock_does():
+    import copy
+
+    from harness.run import peers
+    from harness.workload import models
+
+    spec = models.get("qwen3-0.6b-tiny")
+    stock = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2)
+    compiled = copy.deepcopy(stock)
+    assert peers.compile_layers(compiled) == spec.num_hidden_layers
+    layers = [m for m in compiled.modules() if type(m).__name__.endswith("DecoderLayer")]
+    assert len(layers) == spec.num_hidden_layers and all(m._compiled_call_impl is not None for m in layers)
+    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (stock, compiled):
+        m.train()
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append((loss.item(), [p.grad.clone() for p in m.parameters() if p.requires_grad]))
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-5)
+    for g0, g1 in zip(losses[0][1], losses[1][1]):
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
+    with pytest.raises(peers.PeerUnavailable, match="no transformers decoder layers"):
+        peers.compile_layers(torch.nn.Linear(2, 2))

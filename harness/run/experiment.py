@@ -336,9 +336,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                 raise ExperimentError(path, f"variants.{vname}.role",
                                       f"{declared or role!r} cannot be built by stack {stack!r}, whose variants play "
                                       f"{', '.join(STACK_ROLES[stack])}")
-            if stack == "liger" and ours:
+            if stack in ("liger", "compiled") and ours:
                 raise ExperimentError(path, f"variants.{vname}.stack",
-                                      f"'liger' is the peer run without optim; drop the optim switch(es) {ours}")
+                                      f"{stack!r} runs without optim; drop the optim switch(es) {ours}")
             # where the role implied the stack, the error names the role, the key the file has
             where, why = ((f"variants.{vname}.role", "role 'user' runs as a user's stack: ") if implied
                           else (f"variants.{vname}.stack", ""))

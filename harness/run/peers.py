@@ -8,6 +8,9 @@
   peft wraps it (``_apply_liger_kernel_to_instance``, what ``Trainer(use_liger_kernel=True)``
   calls). Liger is an optional peer (``pip install '.[peers]'``); where it is not installed or
   cannot run, the point's row says ``skipped`` and why.
+- ``"compiled"``: stock, with every decoder layer compiled in place (``layer.compile()``, the
+  regional compilation PyTorch recommends for transformer blocks), after peft, as a user who compiles
+  their model does; no optim. Its role is ``stock-compiled``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ def liger_patch(device: torch.device) -> Callable:
     return patch
 
 
+def compile_layers(model) -> int:
+    """``torch.compile`` every decoder layer of ``model`` in place (``nn.Module.compile``: the layer
+    call runs compiled, its parameters and hooks stay where they are); returns how many."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise PeerUnavailable(f"{type(model).__name__} has no transformers decoder layers to compile")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def enable(model, stack: str, settings: dict[str, dict]) -> dict:
     """Apply ``optim`` as the variant's stack says; ``settings`` is the variant's optim switches
     per module (``harness.variant_keys.optim_settings``). Returns ``optim.enabled(model)``."""
@@ -51,6 +67,9 @@ def enable(model, stack: str, settings: dict[str, dict]) -> dict:
         optim.enable(model, **flat)
     elif stack == "liger":
         return {}  # applied to the bare model in the build, before peft
+    elif stack == "compiled":
+        compile_layers(model)
+        return {}
     elif settings:
         optim.enable(model, only=tuple(settings), **flat)
     else:
