@@ -29,7 +29,10 @@ def test_points_compute_the_ratios_a_reader_asks_for():
     pts = {p["model"]: p for p in user_points(ROWS, SPEC)}
     q = pts["qwen3-8b"]
     assert round(q["over_liger"], 3) == round(1251.5 / 988.1, 3) and round(q["over_stock"], 3) == round(1564.9 / 988.1, 3)
-    assert q["peak"] == {"stock": 32.1, "liger": 20.55, "user": 20.87} and list(q["others"]) == ["user-varlen"]
+    assert q["peak"] == {"stock": 32.1, "compiled": None, "liger": 20.55, "user": 20.87}
+    assert list(q["others"]) == ["user-varlen"]
+    # the headline: against the fastest peer measured here (Liger), not against eager stock
+    assert (q["fastest_peer"], q["over_fastest"]) == ("liger", q["over_liger"])
     g = pts["gpt-oss-20b"]
     assert g["over_liger"] is None and g["rows"]["liger"]["status"] == "skipped"
 
@@ -75,7 +78,7 @@ def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_non
     rows = [{**r, "baseline_variant": "stock", "role": roles[r["variant"]][0], "stack": roles[r["variant"]][1]}
             for r in ROWS]
     targets = {"targets": SPEC["targets"]}
-    assert variant_names(rows, targets) == {"stock": "stock", "liger": "liger", "user": "user"}
+    assert variant_names(rows, targets) == {"stock": "stock", "compiled": None, "liger": "liger", "user": "user"}
     def seen(pts):
         return [(p["model"], p["ms"], p["over_stock"], p["over_liger"], list(p["others"])) for p in pts]
     assert seen(user_points(rows, targets)) == seen(user_points(ROWS, SPEC))
@@ -100,3 +103,15 @@ def test_every_committed_user_experiment_finds_its_three_columns_by_role():
         exp = experiment.load(path)
         fields = [vars(p) for p in exp.points()]
         assert all(variant_names(fields, exp.report["user"]).values()), path.name
+
+
+def test_a_compiled_stock_faster_than_the_other_peers_is_the_headline_denominator():
+    rows = [{**_row("qwen3-0.6b", 8192, v, ms, 2.0), "baseline_variant": "stock", "role": role, "stack": stack}
+            for v, ms, role, stack in (("stock", 514.0, "stock", ""), ("stock-compiled", 187.7, "stock-compiled", "compiled"),
+                                        ("liger", 470.0, "peer", "liger"), ("user", 206.8, "user", "user"))]
+    (p,) = user_points(rows, {})
+    assert p["fastest_peer"] == "compiled" and round(p["over_fastest"], 4) == round(187.7 / 206.8, 4)
+    assert round(p["over_stock"], 4) == round(514.0 / 206.8, 4)  # eager stock stays a column
+    md = user_md(rows, {})
+    row = next(line for line in md.splitlines() if line.startswith("| qwen3-0.6b"))
+    assert "| 0.91× (stock + compile) |" in row and "stock + compile (`stock-compiled`) ms" in md

@@ -1,11 +1,13 @@
-"""The user's path beside the peers: per point, stock transformers + peft, Liger-Kernel and
-``optim.enable(model)`` as a user calls it, measured in one sweep, then every other variant of the
+"""The user's path beside the peers: per point, stock transformers + peft (eager and with compiled
+layers), Liger-Kernel and ``optim.enable(model)`` as a user calls it, measured in one sweep, then every other variant of the
 file; and the targets of ``[report.user]``.
 
-The three variants are read from the roles the rows record (``harness.roles``): stock is the
-experiment's baseline, Liger-Kernel the peer its stack built, the user's path the variant of role
-``user``. ``[report.user]`` may name any of them instead (``stock``, ``liger``, ``user``: an older
-file's names, or a choice among several), and may list ``targets``, each ``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_liger``,
+The columns' variants are read from the roles the rows record (``harness.roles``): stock is the
+experiment's baseline, stock + compile the variant of role ``stock-compiled``, Liger-Kernel the peer
+its stack built, the user's path the variant of role ``user``; the headline ratio is the user's path
+against the fastest of the three peers measured at the point. ``[report.user]`` may name any of them
+instead (``stock``, ``compiled``, ``liger``, ``user``: an older file's names, or a choice among
+several), and may list ``targets``, each ``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_liger``,
 ``max_peak_over_liger``, ``min_hfu`` and ``max_graphed_trainer_ms`` (the ``graphed`` row of
 ``python -m harness.bench.trainer`` stored with the experiment's rows).
 """
@@ -17,8 +19,11 @@ from harness.report import fmt
 from harness.report.runs import steps_by_gpu, run_note
 from harness.roles import role_of
 
-ROLES = ("stock", "liger", "user")
+ROLES = ("stock", "compiled", "liger", "user")
+PEERS = ("stock", "compiled", "liger")  # what a user would run instead: the headline ratio is against the fastest
+PEER_LABEL = {"stock": "stock", "compiled": "stock + compile", "liger": "Liger-Kernel"}
 _PLAYS = {"stock": lambda r: r.get("variant") == r.get("baseline_variant"),
+          "compiled": lambda r: role_of(r) == "stock-compiled",
           "liger": lambda r: role_of(r) == "peer" and r.get("stack") == "liger",
           "user": lambda r: role_of(r) == "user"}
 
@@ -59,12 +64,15 @@ def user_points(rows: list[dict], spec: dict) -> list[dict]:
             got = {role: _best(mine, v) if v else None for role, v in names.items()}
             ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
             others = sorted({r["variant"] for r in mine if r.get("variant") not in names.values()})
+            fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
             out.append({
                 "gpu": slug, "model": model, "seq_len": t, "rows": got, "ms": ms,
                 "peak": {role: _peak(r) for role, r in got.items()},
                 "hfu": fmt.number((got["user"] or {}).get("hfu")),
                 "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
                 "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
+                "fastest_peer": fastest,  # of the peers measured ok here
+                "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
                 "others": {v: _best(mine, v) for v in others},
             })
     return out
@@ -94,17 +102,20 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     for p in pts:
         body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
                      " / ".join(_gib(p["peak"][role]) for role in ROLES),
+                     f"{fmt.times(p['over_fastest'])} ({PEER_LABEL[p['fastest_peer']]})" if p["over_fastest"] else DASH,
                      fmt.times(p["over_stock"]) if p["over_stock"] else DASH,
                      fmt.times(p["over_liger"]) if p["over_liger"] else DASH,
                      f"{100 * p['hfu']:.1f}%" if p["hfu"] is not None else DASH])
-    header = [*(["GPU"] if many else []), "model", "tokens", f"stock (`{names['stock']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
-              f"optim.enable (`{names['user']}`) ms", "peak GiB stock / liger / user", "user vs stock",
-              "user vs liger", "user HFU"]
+    header = [*(["GPU"] if many else []), "model", "tokens", f"stock (`{names['stock']}`) ms",
+              f"stock + compile (`{names['compiled']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
+              f"optim.enable (`{names['user']}`) ms", "peak GiB stock / compile / liger / user",
+              "user vs the fastest peer", "user vs stock", "user vs liger", "user HFU"]
     text = ["## The user's path beside the peers",
             "Step time p50 [p20–p80] of forward + backward + AdamW, one fresh process per point, in one sweep: "
-            "stock transformers + peft, the same with Liger-Kernel's patches, and `optim.enable(model)` with "
-            "its defaults (the variant's `stack`). Peak is `torch.cuda.max_memory_allocated` over the measured "
-            "steps.",
+            "stock transformers + peft, the same with its decoder layers compiled, the same with Liger-Kernel's "
+            "patches, and `optim.enable(model)` with its defaults (the variant's `stack`; – where the file has no "
+            "such variant). The headline ratio is against the fastest of the peers measured at that point. Peak "
+            "is `torch.cuda.max_memory_allocated` over the measured steps.",
             fmt.table(header, body)]
     others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
                fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["ms"]["user"] and _peak(r) is not None else DASH]
