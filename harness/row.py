@@ -87,6 +87,8 @@ class Row:
                     identity="when set")
     parallel: str = _field("", doc="\"\" one process, \"fsdp2\" one per GPU, the model sharded (PARALLEL)",
                            identity="when set")
+    env_switches: dict = _field(doc="the OPTIM_<NAME> variables set where the sweep ran, as set: they fill "
+                                    "the switches the variant leaves out", identity="when set", factory=dict)
     family: str = _field("", doc="the model's architecture family")
     num_layers: int | None = _field(None, doc="decoder layers")
     baseline_variant: str = _field("", doc="the variant the report compares against")

@@ -301,3 +301,22 @@ def test_malformed_gate_suite(write_toml, edit, key, fragment):
     with pytest.raises(ExperimentError) as err:
         experiment.load(write_toml(text))
     assert err.value.key == key and fragment in str(err.value), str(err.value)
+
+
+def test_optim_variables_in_the_environment_enter_the_point_identity(write_toml, monkeypatch):
+    """OPTIM_<NAME> fills every switch a variant leaves out, so a sweep resumed in a shell that sets
+    one measures again instead of counting the other shell's rows as done."""
+    import os
+
+    for k in [k for k in os.environ if k.startswith("OPTIM_")]:
+        monkeypatch.delenv(k)
+    plain = experiment.load(write_toml(VALID)).points()
+    assert all(p.env_switches == {} for p in plain)
+    monkeypatch.setenv("OPTIM_PACKING_CACHE", "false")
+    monkeypatch.setenv("OPTIM_NOT_A_SWITCH", "1")  # optim reads no such variable
+    pts = experiment.load(write_toml(VALID)).points()
+    assert pts[0].env_switches == {"OPTIM_PACKING_CACHE": "false"}
+    assert not {p.point_id for p in plain} & {p.point_id for p in pts}
+    r = pts[0].new_row().to_dict()
+    assert r["env_switches"] == {"OPTIM_PACKING_CACHE": "false"} and r["point_id"] == pts[0].point_id
+    assert experiment.SweepPoint.from_json(pts[0].to_json()) == pts[0]

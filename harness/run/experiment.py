@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +43,14 @@ class DataSpec:
     seed: int = 0
 
 
+def env_switches() -> dict[str, str]:
+    """The ``OPTIM_<NAME>`` variables of this environment that name an optim switch, as set: they
+    fill every switch a variant leaves out (``optim.enable``), so they are part of what a point
+    measures, and of its identity where any is set."""
+    return {sw.env_var: os.environ[sw.env_var] for name, sw in SWITCHES.items()
+            if name in OWNER and sw.env_var in os.environ}
+
+
 @dataclass(frozen=True)
 class SweepPoint:
     """One timed run. Everything a fresh process needs to run it, and nothing else. Its identity
@@ -68,6 +77,7 @@ class SweepPoint:
     cuda_graph: bool = False
     stack: str = ""  # harness.row.STACKS, or "" for the harness's own build
     parallel: str = ""  # "fsdp2": one process per GPU (torchrun), the model sharded (harness.run.distributed)
+    env_switches: dict[str, str] = field(default_factory=dict)  # OPTIM_<NAME> set in the sweep's environment
     # run policy
     launcher: str = "process"
     timeout_s: float = 900.0
@@ -144,6 +154,7 @@ class Experiment:
         """Ordered so each model's points run together and variants are interleaved per length,
         which keeps side-by-side comparisons close in time."""
         out = []
+        env = env_switches()
         for repeat in range(self.repeats):
             for model in self.models:
                 for seq_len in self.seq_lens:
@@ -160,6 +171,7 @@ class Experiment:
                                 switches=resolve(settings),
                                 gpus=gpus,
                                 parallel=self.parallel,
+                                env_switches=env,
                                 repeat=repeat,
                                 warmup_steps=self.warmup_steps,
                                 measured_steps=self.measured_steps,
