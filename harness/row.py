@@ -57,12 +57,11 @@ def _field(default: Any = dataclasses.MISSING, *, doc: str, identity: str = "", 
     return field(default=default, metadata=meta)
 
 
-@dataclass
-class Row:
-    """A ``step`` row: the point's identity, its context and provenance, the outcome, and (when
-    ok) the measurements, which ``to_dict`` flattens in. Failure rows have every field but the
-    measurements, whichever process wrote them. This class is the schema: ``IDENTITY`` and the
-    table in docs/harness.md (``schema_markdown``) are read from its fields."""
+@dataclass(frozen=True)
+class Point:
+    """A sweep point as the row records it: its identity, its comparison context and its
+    provenance. ``harness.run.experiment.SweepPoint`` (what a point's process gets) and ``Row``
+    (what it writes) both extend it, so a point field is declared once, here."""
 
     experiment: str = _field(doc="the experiment's name", identity="always")
     model: str = _field(doc="the model (harness.workload.models)", identity="always")
@@ -79,27 +78,41 @@ class Row:
     dtype: str = _field(doc="the model's dtype", identity="always")
     device: str = _field(doc="auto, cuda or cpu", identity="always")
     data: dict = _field(doc="the packed data's distribution (harness.run.experiment.DataSpec)", identity="always")
-    pin_cpu: bool = _field(doc="the point's process pinned to a NUMA-local CPU set", identity="always")
-    loss_mode: str = _field(doc="full or chunked loss", identity="always")
-    cuda_graph: bool = _field(doc="the measured steps were CUDA-graph replays (optim.graphs)", identity="always")
+    pin_cpu: bool = _field(False, doc="the point's process pinned to a NUMA-local CPU set", identity="always")
+    loss_mode: str = _field("full", doc="full or chunked loss", identity="always")
+    cuda_graph: bool = _field(False, doc="the measured steps were CUDA-graph replays (optim.graphs)",
+                              identity="always")
     stack: str = _field("", doc="what builds the model: \"\" the harness, \"user\" optim.enable(model), "
                                 "\"liger\" Liger-Kernel, \"compiled\" stock with compiled layers (STACKS)",
-                    identity="when set")
+                        identity="when set")
     parallel: str = _field("", doc="\"\" one process, \"fsdp2\" one per GPU, the model sharded (PARALLEL)",
                            identity="when set")
     env_switches: dict = _field(doc="the OPTIM_<NAME> variables set where the sweep ran, as set: they fill "
                                     "the switches the variant leaves out", identity="when set", factory=dict)
-    family: str = _field("", doc="the model's architecture family")
-    num_layers: int | None = _field(None, doc="decoder layers")
     baseline_variant: str = _field("", doc="the variant the report compares against")
     role: str = _field("", doc="the variant's part in a comparison (harness.roles.ROLES)")
     command: str = _field("", doc="the command line that ran the sweep")
     experiment_sha256: str = _field("", doc="the experiment file's hash; the file is kept as "
                                             "<experiment>/experiments/<sha[:16]>.toml")
+
+
+@dataclass(frozen=True)
+class Row(Point):
+    """A ``step`` row: the point (``Point``), the outcome, and (when ok) the measurements, which
+    ``to_dict`` flattens in. Failure rows have every field but the measurements, whichever process
+    wrote them. This class is the schema: ``IDENTITY`` and the table in docs/harness.md
+    (``schema_markdown``) are read from its fields."""
+
+    family: str = _field("", doc="the model's architecture family")
+    num_layers: int | None = _field(None, doc="decoder layers")
     status: str = _field("error", doc="ok, oom, error or skipped (STATUSES)")
     message: str = _field("", doc="why it is not ok; empty when ok")
     kind: str = _field("step", doc="step")
     measured: dict = _field(doc="the measurements (MEASURED), flattened into the row when ok", factory=dict)
+
+    def outcome(self, status: str, message: str = "") -> "Row":
+        """This row with its status and message (the measurements stay, a dict filled in place)."""
+        return dataclasses.replace(self, status=status, message=message)
 
     @property
     def point_id(self) -> str:

@@ -67,17 +67,26 @@ def test_what_each_optim_module_reports_after_a_step_is_a_row_field():
     assert set(stats) <= fields, sorted(set(stats) - fields)
 
 
-def test_a_point_carries_exactly_the_rows_point_fields_plus_its_run_policy():
-    """SweepPoint is what a point's process gets; Row what it writes. new_row copies the fields by
-    name, so a field added to one and not the other would be silently dropped or left empty."""
-    from harness.run.experiment import SweepPoint
+def test_a_point_and_a_row_share_the_point_fields_declared_once():
+    """SweepPoint is what a point's process gets; Row what it writes. Both extend row.Point, so a
+    point field is declared once; new_row copies them all, and the run policy stays out of the row."""
+    from harness.run.experiment import DataSpec, SweepPoint
 
     point = {f.name: f.type for f in dataclasses.fields(SweepPoint)}
     written = {f.name: f.type for f in dataclasses.fields(row.Row)}
+    shared = {f.name for f in dataclasses.fields(row.Point)}
     run_policy = {"launcher", "timeout_s"}  # how the point is run, not what it records
     outcome = {"family", "num_layers", "status", "message", "kind", "measured"}  # what the run finds
-    assert set(point) - run_policy == set(written) - outcome
-    assert set(row.IDENTITY) | set(row.OPTIONAL_IDENTITY) <= set(point)
-    differ = {k: (point[k], written[k]) for k in set(point) & set(written)
-              if str(point[k]).split("[")[0] != str(written[k]).split("[")[0]}
-    assert differ == {"data": ("DataSpec", "dict")}, differ  # the row keeps the spec as a plain dict
+    assert set(point) == shared | run_policy and set(written) == shared | outcome
+    assert set(row.IDENTITY) | set(row.OPTIONAL_IDENTITY) <= shared
+    assert point["data"] == "DataSpec" and written["data"] == "dict"  # the row keeps the spec as a plain dict
+    p = SweepPoint(experiment="e", model="qwen3-0.6b-tiny", seq_len=64, batch_size=1, variant="v",
+                   switches={"packing_cache": True}, gpus=1, repeat=0, warmup_steps=1, measured_steps=2,
+                   lora_rank=8, lora_dtype="fp32", dtype="fp32", device="cpu", data=DataSpec(), stack="user", role="user",
+                   env_switches={"OPTIM_VALIDATE": "0"}, timeout_s=5.0)
+    r = p.new_row()
+    assert {k: getattr(r, k) for k in shared - {"data"}} == {k: getattr(p, k) for k in shared - {"data"}}
+    assert r.data == dataclasses.asdict(p.data) and r.point_id == p.point_id
+    assert "timeout_s" not in r.to_dict() and r.to_dict()["status"] == "error"
+    failed = r.outcome("oom", "out of memory")
+    assert (failed.status, failed.message, failed.point_id) == ("oom", "out of memory", p.point_id)

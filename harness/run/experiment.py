@@ -52,40 +52,16 @@ def env_switches() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class SweepPoint:
-    """One timed run. Everything a fresh process needs to run it, and nothing else. Its identity
-    is ``harness.row.IDENTITY``; the run policy (launcher, timeout), the comparison context
+class SweepPoint(rowmod.Point):
+    """One timed run. Everything a fresh process needs to run it, and nothing else: the point's
+    fields (``harness.row.Point``, whose ``data`` it carries as the ``DataSpec``) and how it is
+    run. Its identity is ``harness.row.IDENTITY``; the run policy, the comparison context
     (baseline variant, role) and the provenance (command, experiment hash) ride along outside it."""
 
-    experiment: str
-    model: str
-    seq_len: int
-    batch_size: int
-    variant: str
-    switches: dict[str, Any]
-    gpus: int
-    repeat: int
-    warmup_steps: int
-    measured_steps: int
-    lora_rank: int
-    dtype: str
-    device: str
     data: DataSpec
-    pin_cpu: bool = False
-    loss_mode: str = "full"
-    lora_dtype: str = "fp32"
-    cuda_graph: bool = False
-    stack: str = ""  # harness.row.STACKS, or "" for the harness's own build
-    parallel: str = ""  # "fsdp2": one process per GPU (torchrun), the model sharded (harness.run.distributed)
-    env_switches: dict[str, str] = field(default_factory=dict)  # OPTIM_<NAME> set in the sweep's environment
     # run policy
     launcher: str = "process"
     timeout_s: float = 900.0
-    # context and provenance
-    baseline_variant: str = ""
-    role: str = ""
-    command: str = ""
-    experiment_sha256: str = ""
 
     @property
     def point_id(self) -> str:
@@ -98,7 +74,7 @@ class SweepPoint:
     def new_row(self) -> rowmod.Row:
         """This point's row before it ran (status error until told otherwise)."""
         spec = model_registry.get(self.model)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(rowmod.Row) if hasattr(self, f.name)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(rowmod.Point)}
         fields["data"] = asdict(self.data)
         return rowmod.Row(**fields, family=spec.family, num_layers=spec.num_hidden_layers)
 

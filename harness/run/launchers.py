@@ -133,8 +133,7 @@ class Launcher:
             status, message = "error", f"killed by {sig}" + (" (host out of memory?)" if sig == "SIGKILL" else "")
         else:
             status, message = "error", f"exited with code {returncode} without a result"
-        row = point.new_row()
-        row.status, row.message = status, message
+        row = point.new_row().outcome(status, message)
         row.measured["log_tail"] = tail[-1500:]
         return row.to_dict()
 

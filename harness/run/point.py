@@ -79,13 +79,13 @@ def run_point(point: SweepPoint, timeline: Timeline | None = None) -> dict:
     try:
         _inject_fault(point)
         row.measured.update(_measure(point, spec, timeline))
-        row.status, row.message = "ok", ""
+        row = row.outcome("ok")
     except torch.OutOfMemoryError as e:
-        row.status, row.message = "oom", str(e).splitlines()[0][:500]
+        row = row.outcome("oom", str(e).splitlines()[0][:500])
     except peers.PeerUnavailable as e:
-        row.status, row.message = "skipped", str(e)[:500]
+        row = row.outcome("skipped", str(e)[:500])
     except Exception as e:  # noqa: BLE001 - any failure of one point is a result, not a crash
-        row.status, row.message = "error", f"{type(e).__name__}: {e}"[:500]
+        row = row.outcome("error", f"{type(e).__name__}: {e}"[:500])
         row.measured["traceback"] = traceback.format_exc()[-4000:]
     row.measured["wall_s"] = time.perf_counter() - t0
     row.measured["setup_s"] = timeline.seconds()
