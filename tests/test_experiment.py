@@ -278,6 +278,31 @@ def test_variant_models_and_gate_suite(write_toml):
     assert experiment.load(write_toml(VALID)).gate is None
 
 
+def test_the_gate_judges_by_role_or_by_name(write_toml):
+    """judge = ["user"] picks every variant of the user's path, each on its own models; a name picks
+    one variant; the optim.enable guard reads the roles (user against stock)."""
+    text = GATE.replace("[variants.cache]", """[variants.user-dense]
+role = "user"
+[variants.user-moe]
+role = "user"
+models = ["llama-3.2-1b-tiny"]
+[variants.cache]""").replace("rounds = 6", 'rounds = 6\njudge = ["user", "nocache"]')
+    exp = experiment.load(write_toml(text))
+    assert exp.gate.judge == ("user-dense", "user-moe", "nocache")
+    judged = exp.gate.variants_for("base", 1, list(exp.variants))
+    assert judged == ["user-dense", "user-moe", "nocache"]
+    assert {p.model for p in exp.points() if p.variant == "user-moe"} == {"llama-3.2-1b-tiny"}
+    guard = text.replace('switch = "packing_cache"', 'switch = "optim.enable"').replace(
+        'on = "cache"', 'on = "user-dense"').replace('off = "nocache"', 'off = "a"')
+    with pytest.raises(ExperimentError, match="'off' role 'stock'"):  # a variant without a role is not stock
+        experiment.load(write_toml(guard))
+    guard = guard.replace('[variants.a]\n', '[variants.a]\nrole = "stock"\n')
+    (g,) = experiment.load(write_toml(guard)).gate.guards
+    assert (g.on, g.off) == ("user-dense", "a")
+    with pytest.raises(ExperimentError, match="'off' role 'stock'"):
+        experiment.load(write_toml(guard.replace('off = "a"', 'off = "user-dense"')))
+
+
 @pytest.mark.parametrize("edit, key, fragment", [
     (('models = ["llama-3.2-1b-tiny"]', 'models = ["qwen3-8b"]'), "variants.b.models[0]", "not one of [experiment] models"),
     (('switch = "packing_cache"', 'switch = "packing_cash"'), "gate.guards[0].switch", "not a valid choice"),
@@ -291,8 +316,10 @@ def test_variant_models_and_gate_suite(write_toml):
     (("rounds = 6", "alpha = 0.7"), "gate.alpha", "below 0.5"),
     (('max_slowdown = "3%"', "max_slowdown = 5"), "gate.max_slowdown", "ambiguous"),
     (("rounds = 6", "wobble = 1"), "gate.wobble", "unknown key"),
-    (('switch = "packing_cache"', 'switch = "optim.enable"'), "gate.guards[0].switch", "stack = 'user'"),
+    (('switch = "packing_cache"', 'switch = "optim.enable"'), "gate.guards[0].switch", "role 'user'"),
     (("rounds = 6", 'rounds = 6\njudge = ["zz"]'), "gate.judge[0]", "not a valid choice"),
+    (("rounds = 6", 'rounds = 6\njudge = ["peer"]'), "gate.judge[0]", "no variant plays role 'peer'"),
+    (("rounds = 6", 'rounds = 6\njudge = "cache"'), "gate.judge", "a list of roles or variant names"),
     (("rounds = 6", "rounds = 6\nguard_rounds = 7"), "gate.guard_rounds", "at most rounds (6)"),
 ])
 def test_malformed_gate_suite(write_toml, edit, key, fragment):

@@ -373,7 +373,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     baseline = exp.get("baseline", next(iter(variants)))
     choice(path, "experiment.baseline", baseline, list(variants))
     report = parse_report(path, raw.get("report", {}), variants)
-    gate = parse_gate(path, raw["gate"], canon, seq_lens, variants, variant_models, variant_stack) if "gate" in raw else None
+    gate = parse_gate(path, raw["gate"], canon, seq_lens, variants, variant_models, roles) if "gate" in raw else None
 
     return Experiment(
         name=name, path=str(path), description=str(exp.get("description", "")), models=canon,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harness.roles import ROLES
 from harness.run.fields import ExperimentError, check_keys, choice, integer, positive_number
 from harness.variant_keys import OWNER, SWITCHES, resolve
 from harness.workload import models as model_registry
@@ -37,8 +38,9 @@ class GateSpec:
     max_slowdown: float = 0.05  # ... and larger than this fraction of step time
     max_memory_mib: float = 64.0  # ... or this much peak allocated memory
     guards: tuple[Guard, ...] = ()
-    # The variants judged base against head, swept in every round of both sides (default: all).
-    # The others exist for the guards alone: swept in head's first ``guard_rounds`` rounds only.
+    # The variants judged base against head, swept in every round of both sides (default: all);
+    # the file names them by role (every variant playing it) or by name. The others exist for the
+    # guards alone: swept in head's first ``guard_rounds`` rounds only.
     judge: tuple[str, ...] = ()
     guard_rounds: int = 0  # 0: every round
 
@@ -50,13 +52,13 @@ class GateSpec:
         return judged
 
 
-ENABLE_GUARD = "optim.enable"  # a guard's switch name for the user path (stack "user") vs stock
+ENABLE_GUARD = "optim.enable"  # a guard's switch name for the user's path (role user) vs stock
 GATE_KEYS = {"rounds", "alpha", "max_slowdown", "max_memory_mib", "guards", "judge", "guard_rounds"}
 GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity", "loss_tol", "grad_tol"}
 
 
 def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants: dict, variant_models: dict,
-          variant_stack: dict) -> GateSpec:
+               roles: dict) -> GateSpec:
     """``[gate]`` and its ``[[gate.guards]]``, each guard's pair checked against the variants."""
     from harness.gate.files import parse_fraction
 
@@ -90,9 +92,9 @@ def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants:
                 raise ExperimentError(path, f"{where}.{side}", f"variant {v!r} does not run on {model} (its models)")
         switch, on, off = g["switch"], g["on"], g["off"]
         if switch == ENABLE_GUARD:
-            if variant_stack.get(on) != "user" or variant_stack.get(off, "") or any(k in OWNER for k in variants[off]):
+            if roles.get(on) != "user" or roles.get(off) != "stock" or any(k in OWNER for k in variants[off]):
                 raise ExperimentError(path, f"{where}.switch", f"{ENABLE_GUARD!r} guards optim.enable against "
-                                      "stock: 'on' needs stack = 'user', 'off' no stack and no optim switch")
+                                      "stock: 'on' needs role 'user', 'off' role 'stock' and no optim switch")
         else:
             choice(path, f"{where}.switch", switch, [*SWITCHES, ENABLE_GUARD])
             if resolve(variants[on]).get(switch) == resolve(variants[off]).get(switch):
@@ -107,11 +109,7 @@ def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants:
             loss_tol=positive_number(path, f"{where}.loss_tol", g.get("loss_tol", Guard.loss_tol), below=1),
             grad_tol=positive_number(path, f"{where}.grad_tol", g.get("grad_tol", Guard.grad_tol), below=1),
         ))
-    judge = raw.get("judge", [])
-    if not isinstance(judge, list):
-        raise ExperimentError(path, "gate.judge", "must be a list of variant names", list(variants))
-    for i, v in enumerate(judge):
-        choice(path, f"gate.judge[{i}]", v, list(variants))
+    judge = _judged(path, raw.get("judge", []), variants, roles)
     rounds = integer(path, "gate.rounds", raw.get("rounds", GateSpec.rounds), 2)
     guard_rounds = integer(path, "gate.guard_rounds", raw.get("guard_rounds", rounds), 1)
     if guard_rounds > rounds:
@@ -121,3 +119,22 @@ def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants:
         alpha=positive_number(path, "gate.alpha", raw.get("alpha", GateSpec.alpha), below=0.5),
         max_slowdown=max_slowdown, max_memory_mib=float(max_memory), guards=tuple(guards),
     )
+
+
+def _judged(path, raw: Any, variants: dict, roles: dict) -> list[str]:
+    """``[gate] judge``: roles (every variant playing one: ``"user"`` judges the user's path on
+    each model that variant runs on) or variant names, as the variants they pick, in file order."""
+    if not isinstance(raw, list):
+        raise ExperimentError(path, "gate.judge", "must be a list of roles or variant names",
+                              [*ROLES, *variants])
+    picked: set[str] = set()
+    for i, entry in enumerate(raw):
+        if entry in ROLES:
+            playing = {v for v in variants if roles.get(v) == entry}
+            if not playing:
+                raise ExperimentError(path, f"gate.judge[{i}]", f"no variant plays role {entry!r}",
+                                      sorted({r for r in roles.values() if r}))
+            picked |= playing
+        else:
+            picked.add(choice(path, f"gate.judge[{i}]", entry, [*ROLES, *variants]))
+    return [v for v in variants if v in picked]
