@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 from _report import (
-    _cells,
     _moe_rows,
-    _section,
     keep_experiment,
     spec,
     store,
 )
 
 from harness import report
-from harness.report import moe
+from harness.report import fmt, moe
 
 SPEC = spec("moe")
 
@@ -26,18 +24,33 @@ def _role(variant: str) -> str:
 def test_moe_routing_percent_and_targets(tmp_path):
     store(tmp_path / "results", "moe", _moe_rows())
     keep_experiment(tmp_path / "results", "moe")
-    text = report.build_report(tmp_path / "results", "moe", tmp_path / "reports").read_text()
-    side = _section(text, "## Side-by-side benchmark (one process)")
-    # 10/8 − 1 = +25.0% forward, 5/4.5 − 1 = +11.1% backward; the OOM backend says so.
-    assert "| gpt-oss-20b | 2048 | 10.0 / 5.00 | 8.00 / 4.50 | OOM | +25.0% | +11.1% |" in side
-    assert "| gpt-oss-20b | 8192 | 40.0 / 20.0 | 4.00 / 10.0 | – / – | +900.0% (10.00×) | +100.0% (2.00×) |" in side
-    assert "| gpt-oss-20b | loop | 2048 | 32 / 33 | 0 / – | 768 |" in side
-    assert "| gpt-oss-20b | 2048 | 32 / 1 / 0 | 0.065 (median 0.065) | 2.00 | 2.00 | 1.00 | 48.0 |" in side
-    assert "| gpt-oss-20b | 2048 | 64 | 15,480 / 11,610 | 90.0 → 15.0 | 12.0 → 5.00 (grouped_mm) | 2.40× |" in side
-    targets = _section(text, "## Targets")
-    fwd = _cells(targets, "| routing forward, sorted over loop ≥ +23.0% (gpt-oss-20b T=2048)")
-    bwd = _cells(targets, "| routing backward, sorted over loop ≥ +13.0% (gpt-oss-20b T=2048)")
-    assert fwd[2:] == ["+25.0%", "yes"] and bwd[2:] == ["+11.1%", "no"]
+    with fmt.recording() as tables:
+        report.build_report(tmp_path / "results", "moe", tmp_path / "reports")
+    routing = tables.find("sorted over loop fwd")
+    # 10/8 − 1 = +25.0% forward, 5/4.5 − 1 = +11.1% backward; the OOM backend says so
+    r = routing.row(model="gpt-oss-20b", tokens=2048)
+    assert (r["loop fwd / bwd ms"], r["sorted fwd / bwd ms"], r["grouped_mm fwd / bwd ms"]) == ((10.0, 5.0), (8.0, 4.5), "OOM")
+    assert r["sorted over loop fwd"] == pytest.approx(25.0) and r["sorted over loop bwd"] == pytest.approx(100 * (5 / 4.5 - 1))
+    r = routing.row(model="gpt-oss-20b", tokens=8192)
+    assert (r["loop fwd / bwd ms"], r["sorted fwd / bwd ms"], r["grouped_mm fwd / bwd ms"]) == ((40.0, 20.0), (4.0, 10.0), (None, None))
+    assert r["sorted over loop fwd"] == pytest.approx(900.0) and r["sorted over loop bwd"] == pytest.approx(100.0)
+    syncs = tables.find("forward counted / observed").row(model="gpt-oss-20b", backend="loop", tokens=2048)
+    assert (syncs["forward counted / observed"], syncs["backward counted / observed"]) == ((32, 33), (0, None))
+    assert syncs["counted per model forward"] == 768
+    q = tables.find("queries / layer loop / sorted / grouped_mm").row(model="gpt-oss-20b", tokens=2048)
+    assert q["queries / layer loop / sorted / grouped_mm"] == (32, 1, 0)
+    assert q["c ms / query (median over T)"] == pytest.approx((0.0645, 0.0645), abs=1e-3)
+    assert [q[k] for k in ("predicted saving ms / layer (E−1)·c", "measured loop − sorted ms", "measured / predicted",
+                           "predicted saving ms / model forward")] == pytest.approx([2.0, 2.0, 1.0, 48.0], abs=0.01)
+    x = tables.find("split speed-up").row(model="gpt-oss-20b", tokens=2048)
+    assert (x["r"], x["s* tokens gate_up / down"], x["LoRA GFLOP merged → split"]) == (64, (15480, 11610), (90.0, 15.0))
+    assert x["experts layer fwd+bwd ms merged → split (backend)"] == (12.0, 5.0, "grouped_mm")
+    assert x["split speed-up"] == pytest.approx(2.4)
+    targets = tables.find("published figure")
+    fwd = targets.row(target="routing forward, sorted over loop ≥ +23.0% (gpt-oss-20b T=2048)")
+    bwd = targets.row(target="routing backward, sorted over loop ≥ +13.0% (gpt-oss-20b T=2048)")
+    assert (fwd["measured"], fwd["met?"]) == (pytest.approx(25.0), True)
+    assert (bwd["measured"], bwd["met?"]) == (pytest.approx(100 * (5 / 4.5 - 1)), False)
 
 
 def test_moe_routing_frame():
@@ -46,9 +59,19 @@ def test_moe_routing_frame():
     assert pt["sorted_over_loop_backward_ms"] == pytest.approx(100 * (5.0 / 4.5 - 1))
 
 
-def test_moe_end_to_end_targets_from_sweep_rows():
+def _e2e(rows):
+    """moe_e2e_targets_md's two tables, as data: the per-length pairs and the targets."""
     from harness.report.moe import moe_e2e_targets_md
 
+    with fmt.recording() as tables:
+        moe_e2e_targets_md(rows, SPEC)
+    pairs = [t for t in tables if "stock / ours" in t.header]
+    targets = {r["target"]: (r["measured"], r["met?"]) for t in tables if t.header == ["target", "measured", "met?"]
+               for r in t.rows()}
+    return (pairs[0] if pairs else None), targets
+
+
+def test_moe_end_to_end_targets_from_sweep_rows():
     def row(t, v, p50, status="ok"):
         return {"kind": "step", "gpu_slug": "h", "device_name": "NVIDIA H100 80GB HBM3", "model": "gpt-oss-20b",
                 "seq_len": t, "variant": v, "role": _role(v), "status": status,
@@ -58,26 +81,31 @@ def test_moe_end_to_end_targets_from_sweep_rows():
             row(2048, "stock-grouped_mm", 900), row(2048, "grouped_mm-split", 290),
             row(16384, "stock-grouped_mm", None, "oom"), row(16384, "grouped_mm-split", 1700),
             row(2048, "loop-merged", 3600), row(2048, "sorted-merged", 3000)]
-    md = moe_e2e_targets_md(rows, SPEC)
+    pairs, targets = _e2e(rows)
     # rows without a recording time count as one run ("unknown")
-    assert ("| gpt-oss-20b | 2048 | unknown | 900.0 (stock-grouped_mm) | 290.0 (grouped_mm-split) | 3.10× | – | – "
-            "| 293 (B200) | yes |") in md
-    assert "| best ours ≥ 3× best stock at 2048 tokens (gpt-oss-20b) | 3.10× | yes |" in md
-    assert "ours 1700.0, stock stock-grouped_mm: oom | yes |" in md
-    # on a GPU where stock fits too, the target has no premise to judge: no verdict, and it says why
+    p = pairs.row(model="gpt-oss-20b", tokens=2048)
+    assert (p["run"], p["best stock ms p50"], p["best ours ms p50"]) == ("unknown", 900.0, 290.0)
+    assert p["stock / ours"] == pytest.approx(900 / 290) and (p["published ms"], p["ours below published?"]) == (293, True)
+    assert targets["best ours ≥ 3× best stock at 2048 tokens (gpt-oss-20b)"] == (pytest.approx(900 / 290), True)
+    completes = "ours completes 16384 tokens where stock runs out of memory (gpt-oss-20b)"
+    assert targets[completes] == ({"ours": 1700.0, "stock": "stock-grouped_mm: oom"}, True)
+    # on a GPU where stock fits too, the target has no premise to judge: no verdict
     fits = [r if r["seq_len"] != 16384 or r["role"] != "stock" else row(16384, "stock-grouped_mm", 2300) for r in rows]
-    assert ("ours 1700.0, stock 2300.0; stock fits on this GPU, so the target has nothing to judge here | – |"
-            in moe_e2e_targets_md(fits, SPEC))
-    assert "+20.0% (3600.0 → 3000.0 ms) | yes |" in md
+    assert _e2e(fits)[1][completes] == ({"ours": 1700.0, "stock": 2300.0}, None)
+    sol = "sorted over loop end to end ≥ +10% (gpt-oss-20b, 2048, loop-merged → sorted-merged)"
+    assert targets[sol] == ((pytest.approx(20.0), 3600.0, 3000.0), True)
     # 4096 and 8192 were not run: the every-length target is not judged
-    assert "1024: yes, 2048: yes, 16384: yes | – |" in md
+    every = "ours below the published B200 figures at every length (gpt-oss-20b)"
+    assert targets[every] == ({1024: True, 2048: True, 16384: True}, None)
     # judged on the GPU the issue names for that model only (gpt-oss-20b: the H100)
-    assert "ours below the published" not in moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in rows], SPEC)
+    assert every not in _e2e([{**r, "device_name": "NVIDIA H200"} for r in rows])[1]
     qwen = [{**r, "model": "qwen3-30b-a3b", "device_name": "NVIDIA H100 80GB HBM3"} for r in rows]
-    assert "ours below the published" not in moe_e2e_targets_md(qwen, SPEC)
-    assert "| 366 (H100) | yes (judged on the H200) |" in moe_e2e_targets_md(qwen, SPEC)
-    assert "ours below the published H100 figures at every length (qwen3-30b-a3b) | 1024: yes" in \
-        moe_e2e_targets_md([{**r, "device_name": "NVIDIA H200"} for r in qwen], SPEC)
+    pairs, targets = _e2e(qwen)
+    assert not any(t.startswith("ours below the published") for t in targets)
+    p = pairs.row(model="qwen3-30b-a3b", tokens=1024)
+    assert (p["published ms"], p["ours below published?"]) == (366, True)  # judged on the H200, as it says
+    h200 = _e2e([{**r, "device_name": "NVIDIA H200"} for r in qwen])[1]
+    assert h200["ours below the published H100 figures at every length (qwen3-30b-a3b)"][0][1024] is True
 
 
 def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
@@ -108,21 +136,26 @@ def test_moe_pairs_come_from_one_run_and_the_gap_is_fitted():
     assert pairs[2048]["eager"] == 3000 and not pairs[2048]["eager_same_run"]
     assert pairs[4096]["eager"] == 4000 and pairs[4096]["eager_same_run"]
     assert pairs[8192]["ours"] == 530 and pairs[1024]["stock"] == 500
+    table, targets = _e2e(rows)
+    p = table.row(model="gpt-oss-20b", tokens=2048)
+    assert (p["run"], p["best stock ms p50"], p["best ours ms p50"]) == ("11-22 07:00", 600.0, 170.0)
+    assert p["stock / ours"] == pytest.approx(600 / 170)
+    assert (p["stock eager experts ms p50"], p["eager / ours"]) == (3000.0, "–")  # another run: no ratio
+    p = table.row(model="gpt-oss-20b", tokens=4096)
+    assert (p["stock eager experts ms p50"], p["eager / ours"]) == (4000.0, pytest.approx(4000 / 290))
+    grows = targets["the gap grows with sequence length (gpt-oss-20b)"]
+    assert grows == ({t: pytest.approx((400 + 100 * t / 1024) / (50 + 60 * t / 1024)) for t in (1024, 2048, 4096, 8192)},
+                     False)
+    # the fitted lines and what they imply: prose, held by the report snapshot
     md = moe_e2e_targets_md(rows, SPEC)
-    assert "| gpt-oss-20b | 2048 | 11-22 07:00 | 600.0 (stock-grouped_mm) | 170.0 (grouped_mm-split) | 3.53× | 3000.0 (other run) | – |" in md
-    assert "| 4000.0 | 13.8× |" in md
-    assert ("stock takes 400 ms + 100.0 ms per 1k tokens and ours 50 ms + 60.0 ms per 1k tokens. The fixed parts "
-            "differ 8.0×, the per-token parts 1.67×, so stock / ours falls with length toward 1.67×. A rising ratio "
-            "needs ours to cost less than 12.5 ms per 1k tokens") in md
-    assert "1024: 390.0, 2048: 430.0, 4096: 510.0, 8192: 670.0." in md
-    assert "| the gap grows with sequence length (gpt-oss-20b) | 1024: 4.55×, 2048: 3.53×, 4096: 2.76×, 8192: 2.26× | no |" in md
+    assert "stock takes 400 ms + 100.0 ms per 1k tokens and ours 50 ms + 60.0 ms per 1k tokens" in md
     # only one side anywhere: each side's best over all runs, no ratio
     solo = moe_pairs([row(2048, "grouped_mm-split", 170, new), row(2048, "stock-grouped_mm", 600, old)], "gpt-oss-20b", SPEC["eager_experts"])
     assert not solo[2048]["one_run"] and solo[2048]["run"] == "different runs"
 
 
 def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
-    from harness.report.moe import moe_fit_md
+    from harness.report.moe import moe_fit, moe_fit_md
 
     def row(t, peak, device="NVIDIA H200", cap=139.8):
         return {"kind": "step", "status": "ok", "model": "qwen3-30b-a3b", "variant": "grouped_mm-split", "role": "ours",
@@ -131,21 +164,28 @@ def test_moe_fit_splits_the_measured_peak_and_projects_each_change():
 
     h100 = {"kind": "step", "status": "ok", "model": "gpt-oss-20b", "variant": "stock-grouped_mm", "role": "stock",
             "device_name": "NVIDIA H100", "env": {"memory_total_gib": 79.6}}
-    md = moe_fit_md([row(1024, 96.0), row(8192, 104.0), h100], SPEC["fit_model"])
+    f = moe_fit([row(1024, 96.0), row(8192, 104.0), h100], SPEC["fit_model"])
     frozen, state = 30.5e9 * 2 / 2**30, 2.5e9 * 4 * 4 / 2**30  # 56.8 and 37.3 GiB
-    assert "on one NVIDIA H100" in md and f"{frozen + state:.1f} GiB" in md
+    assert (f["small_gpu"], f["cap_gib"]) == ("NVIDIA H100", 79.6)
+    assert (f["frozen_gib"], f["state_gib"]) == (pytest.approx(frozen), pytest.approx(state))
+    slope = 8.0 / 7168
+    assert f["slope_gib_per_token"] == pytest.approx(slope) and f["zero_tokens_gib"] == pytest.approx(96.0 - slope * 1024)
     # bf16 adapters save half the state, from the larger of the zero-token line and weights + state
-    base = max(96.0 - 8.0 / 7168 * 1024, frozen + state)
-    assert f"| adapters in bf16 (`lora_dtype = \"model\"`) | {state / 2:.1f} | {base - state / 2:.1f} |" in md
-    assert "| as measured (adapters fp32, peft's default) | 0.0 |" in md and "(none)" in md
-    # a bf16-adapter row does not bend the fp32 line
+    base = max(96.0 - slope * 1024, frozen + state)
+    changes = {name: (saved, zero, left, tokens) for name, saved, zero, left, tokens in f["changes"]}
+    assert changes["as measured (adapters fp32, peft's default)"] == (0.0, pytest.approx(base), pytest.approx(79.6 - base), 0)
+    assert changes['adapters in bf16 (`lora_dtype = "model"`)'][:2] == (pytest.approx(state / 2), pytest.approx(base - state / 2))
+    with fmt.recording() as tables:
+        moe_fit_md([row(1024, 96.0), row(8192, 104.0), h100], SPEC["fit_model"])
+    shown = tables.find("saves GiB").row(change="as measured (adapters fp32, peft's default)")
+    assert shown["left on the NVIDIA H100 GiB (tokens at the measured slope)"] == (pytest.approx(79.6 - base), 0)
+    # a bf16-adapter row does not bend the fp32 line, and is set beside the table's projection for it
     bf16 = {**row(8192, 80.0), "variant": "grouped_mm-split-bf16lora", "lora_dtype": "model"}
-    with_bf16 = moe_fit_md([row(1024, 96.0), row(8192, 104.0), bf16, h100], SPEC["fit_model"])
-    assert with_bf16.startswith(md)
-    # ... and is set beside the table's projection for it
-    assert with_bf16.endswith(f"8192 tokens on the NVIDIA H200: 80.0 GiB (projected {base - state / 2 + 8.0 / 7168 * 8192:.1f}).")
+    g = moe_fit([row(1024, 96.0), row(8192, 104.0), bf16, h100], SPEC["fit_model"])
+    assert g["changes"] == f["changes"]
+    assert g["bf16_checks"] == [("NVIDIA H200", 8192, 80.0, pytest.approx(base - state / 2 + slope * 8192))]
     # one length only, or no GPU capacity recorded: nothing to say
-    assert moe_fit_md([row(1024, 96.0), h100], SPEC["fit_model"]) == ""
+    assert moe_fit([row(1024, 96.0), h100], SPEC["fit_model"]) is None and moe_fit_md([row(1024, 96.0), h100], SPEC["fit_model"]) == ""
 
 
 def test_sides_follow_roles_not_names():
@@ -171,22 +211,33 @@ def test_the_blogs_moe_tables_keep_two_gpus_bench_rows_apart(tmp_path):
         return out
 
     rows = on("NVIDIA H100 80GB HBM3", 1.0) + on("NVIDIA H200", 0.5)
-    text, _ = blog_moe.section(rows, SPEC, {}, tmp_path, tmp_path)
+    with fmt.recording() as tables:
+        blog_moe.section(rows, SPEC, {}, tmp_path, tmp_path)
     # loop → sorted: the H100's 10.0 → 8.00 forward and the H200's, at half the time
-    assert "| H100 | gpt-oss-20b | 2048 | 10.0 → 8.00 | 5.00 → 4.50 |" in text
-    assert "| H200 | gpt-oss-20b | 2048 | 5.00 → 4.00 | 2.50 → 2.25 |" in text
-    assert "| H100 | gpt-oss-20b | 2048 | 64 | 15,480 / 11,610 | 90.0 → 15.0 | 12.0 → 5.00 (grouped_mm) | 2.40× |" in text
-    assert "| H200 | gpt-oss-20b | 2048 | 64 | 15,480 / 11,610 | 90.0 → 15.0 | 6.00 → 2.50 (grouped_mm) | 2.40× |" in text
-    targets = moe.moe_targets_md(rows, SPEC)
-    assert "(gpt-oss-20b T=2048, NVIDIA H100 80GB HBM3)" in targets and "(gpt-oss-20b T=2048, NVIDIA H200)" in targets
-    assert "T=2048)" not in targets  # one GPU's rows alone carry no GPU, two always do
-    assert "(gpt-oss-20b T=2048)" in moe.moe_targets_md(on("NVIDIA H200", 1.0), SPEC)
+    routing = tables.find("forward gain")
+    assert [(r["forward ms"], r["backward ms"]) for r in (routing.row(GPU=g, model="gpt-oss-20b", tokens=2048)
+                                                          for g in ("H100", "H200"))] == \
+        [((10.0, 8.0), (5.0, 4.5)), ((5.0, 4.0), (2.5, 2.25))]
+    cross = tables.find("GPU", "split speed-up")
+    h100, h200 = (cross.row(GPU=g, model="gpt-oss-20b", tokens=2048) for g in ("H100", "H200"))
+    assert h100["experts layer fwd+bwd ms merged → split (backend)"] == (12.0, 5.0, "grouped_mm")
+    assert h200["experts layer fwd+bwd ms merged → split (backend)"] == (6.0, 2.5, "grouped_mm")
+    assert h100["split speed-up"] == h200["split speed-up"] == pytest.approx(2.4)
+    with fmt.recording() as tables:
+        moe.moe_targets_md(rows, SPEC)
+    names = tables.find("published figure").column("target")
+    # one GPU's rows alone carry no GPU in the target's name; two always do
+    assert "routing forward, sorted over loop ≥ +23.0% (gpt-oss-20b T=2048, NVIDIA H100 80GB HBM3)" in names
+    assert "routing forward, sorted over loop ≥ +23.0% (gpt-oss-20b T=2048, NVIDIA H200)" in names
+    with fmt.recording() as tables:
+        moe.moe_targets_md(on("NVIDIA H200", 1.0), SPEC)
+    assert "routing forward, sorted over loop ≥ +23.0% (gpt-oss-20b T=2048)" in tables.find("published figure").column("target")
 
 
 def test_the_blog_checks_split_loras_crossover_by_flops_against_the_measured_one(tmp_path):
     """By FLOPs split stops paying at tokens·merged/split (2048·90/15 = 12,288 for these rows);
     measured, the first length where split is no faster, or none."""
-    from harness.report.blog.moe import _crossover_check
+    from harness.report.blog.moe import crossover_checks
 
     def at(tokens: int, merged_ms: float, split_ms: float) -> list[dict]:
         out = []
@@ -202,11 +253,11 @@ def test_the_blog_checks_split_loras_crossover_by_flops_against_the_measured_one
             out.append(r)
         return out
 
-    ahead = _crossover_check(at(2048, 12.0, 5.0) + at(16384, 30.0, 25.0))
-    assert "- gpt-oss-20b, H200: predicted 12,288 tokens; measured: split faster at every length run, up to " \
-           "16,384 tokens (30.0 → 25.0 ms, 90.0 → 120.0 GFLOP, merged → split)." in ahead
-    assert "Split kept its lead past the FLOP crossover" in ahead
-    behind = _crossover_check(at(2048, 12.0, 5.0) + at(8192, 20.0, 21.0) + at(16384, 30.0, 45.0))
-    assert "measured: split no faster from 8,192 tokens (21.0 against 20.0 ms)." in behind
-    assert "kept its lead" not in behind
-    assert _crossover_check([r for r in _moe_rows() if r["kind"] != "moe_experts"]) == ""  # nothing timed
+    (ahead,) = crossover_checks(at(2048, 12.0, 5.0) + at(16384, 30.0, 25.0))
+    assert (ahead["gpu"], ahead["model"], ahead["predicted"], ahead["slower"]) == ("H200", "gpt-oss-20b", pytest.approx(12288), False)
+    m = ahead["measured"]
+    assert (m["tokens"], m["ms_merged"], m["ms_split"]) == (16384, 30.0, 25.0)
+    assert (m["flops_merged"], m["flops_split"]) == (pytest.approx(90e9), pytest.approx(120e9))
+    (behind,) = crossover_checks(at(2048, 12.0, 5.0) + at(8192, 20.0, 21.0) + at(16384, 30.0, 45.0))
+    assert behind["slower"] and (behind["measured"]["tokens"], behind["measured"]["ms_split"]) == (8192, 21.0)
+    assert crossover_checks([r for r in _moe_rows() if r["kind"] != "moe_experts"]) == []  # nothing timed

@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="", help="a name for this run in the output line")
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=VALUE",
                     help="an optim switch passed to optim.enable (repeatable), e.g. --set validate=false")
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="build the model without gradient checkpointing (what the recompute costs)")
     ap.add_argument("--host-profile", metavar="PATH", default=None,
                     help="also profile the host side of one more step with cProfile (forward, backward and "
                          "optimizer issue; the GPU is waited for after it) and write the top functions to PATH")
@@ -55,7 +57,8 @@ def main(argv=None) -> int:
     spec = models.get(args.model)
     attn = "flex_attention" if spec.family == "gpt_oss" else "sdpa"
     model = models.build(spec, device="cuda", dtype=torch.bfloat16, attn_implementation=attn,
-                         experts_implementation="grouped_mm" if spec.is_moe else None, lora_rank=args.lora_rank)
+                         experts_implementation="grouped_mm" if spec.is_moe else None, lora_rank=args.lora_rank,
+                         gradient_checkpointing=not args.no_checkpointing)
     if args.stack == "user":
         optim.enable(model, **switches)  # strings: each switch parses its own (as from its environment variable)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
     if args.host_profile:
         _host_profile(args.host_profile, lambda: _step(model, opt, ids, labels, pos, kw))
     out = {"label": args.label, "model": args.model, "seq_len": T, "stack": args.stack, "switches": switches,
+           "checkpointing": not args.no_checkpointing,
            "optim_from": str(Path(optim.__file__).resolve().parent.parent),
            "step_ms_p50": round(statistics.median(step_ms), 1), "step_ms_p20": round(_pct(step_ms, 0.2), 1),
            "step_ms_p80": round(_pct(step_ms, 0.8), 1), "forward_ms_p50": round(statistics.median(fwd_ms), 1),
@@ -126,11 +130,31 @@ def _host_profile(path: str, step) -> None:
     torch.cuda.synchronize()
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
-    out.write("## by own time\n")
+    stats.dump_stats(path + ".pstats")
+    total = sum(v[2] for v in stats.stats.values())
+    out.write(f"## own time by package ({total * 1e3:.1f} ms in all, profiled)\n")
+    for bucket, t in sorted(_by_package(stats).items(), key=lambda kv: -kv[1]):
+        out.write(f"{t * 1e3:9.1f} ms  {100 * t / total:5.1f} %  {bucket}\n")
+    out.write("\n## by own time\n")
     stats.sort_stats("tottime").print_stats(40)
     out.write("\n## by cumulative time\n")
     stats.sort_stats("cumulative").print_stats(60)
     Path(path).write_text(out.getvalue())
+
+
+def _by_package(stats) -> dict[str, float]:
+    """Own time summed by where the function lives: a package path two levels deep (torch/_dynamo,
+    peft/tuners), or the C function a builtin calls (the dispatcher's ops and kernel launches)."""
+    out: dict[str, float] = {}
+    for (file, _line, name), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():
+        if file == "~":
+            bucket = "builtin: torch (C++ ops and launches)" if "torch" in name else "builtin: other"
+        else:
+            parts = Path(file).parts
+            tail = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-3:]
+            bucket = "/".join(p for p in tail[:2] if not p.endswith(".py")) or tail[0]
+        out[bucket] = out.get(bucket, 0.0) + tottime
+    return out
 
 
 if __name__ == "__main__":

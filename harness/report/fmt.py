@@ -1,13 +1,93 @@
-"""Cell formatting shared by every report section: numbers, percentages, bytes, Markdown tables."""
+"""Cell formatting shared by every report section: numbers, percentages, bytes, Markdown tables.
+
+A formatted number is a ``Cell``: the text the report shows, which also keeps the value it was
+formatted from. Every table a report renders goes through ``md_table``, which hands it, as data,
+to any ``recording()`` in progress, so a test reads what a report computed (by column and row,
+the values themselves) instead of matching its wording.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import pandas as pd
 
 MESSAGE_CHARS = 200
+
+
+class Cell(str):
+    """A formatted cell (its text, as the report shows it) that keeps ``value``, what it shows."""
+
+    value: Any
+
+    def __new__(cls, text: str, value: Any) -> "Cell":
+        obj = super().__new__(cls, text)
+        obj.value = value
+        return obj
+
+
+def joined(sep: str, *cells: Any, note: str = "") -> Cell:
+    """Cells shown in one ("a / b", "a → b", with an optional note after): the cell keeps the tuple
+    of their values, the note last where there is one."""
+    text = sep.join(str(c) for c in cells) + (f" ({note})" if note else "")
+    return Cell(text, tuple(value(c) for c in cells) + ((note,) if note else ()))
+
+
+def value(cell: Any) -> Any:
+    """What a cell shows: a ``Cell``'s value, or the cell itself (text, or a value not formatted)."""
+    return cell.value if isinstance(cell, Cell) else cell
+
+
+@dataclass
+class Table:
+    """A rendered table as data: its header and its body's cells (``Cell`` where formatted)."""
+
+    header: list[str]
+    body: list[list]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Each body row as {column: value}."""
+        return [dict(zip(self.header, map(value, r))) for r in self.body]
+
+    def column(self, name: str) -> list:
+        i = self.header.index(name)
+        return [value(r[i]) for r in self.body]
+
+    def row(self, **match: Any) -> dict[str, Any]:
+        """The one row whose cells equal ``match`` (column names with spaces: ``row(**{"a b": 1})``)."""
+        found = [r for r in self.rows() if all(r.get(k) == v for k, v in match.items())]
+        if len(found) != 1:
+            raise LookupError(f"{len(found)} rows match {match} in a table of columns {self.header}")
+        return found[0]
+
+
+class Tables(list):
+    """The tables a ``recording()`` saw, in the order they were rendered."""
+
+    def find(self, *columns: str) -> Table:
+        """The one table whose header has every column named."""
+        found = [t for t in self if all(c in t.header for c in columns)]
+        if len(found) != 1:
+            raise LookupError(f"{len(found)} tables have columns {columns}; headers: {[t.header for t in self]}")
+        return found[0]
+
+
+_RECORDINGS: list[Tables] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Tables]:
+    """Collect, as ``Table`` data, every table rendered inside the block."""
+    tables = Tables()
+    _RECORDINGS.append(tables)
+    try:
+        yield tables
+    finally:
+        _RECORDINGS.remove(tables)
 
 
 def _cell(value) -> str:
@@ -16,6 +96,8 @@ def _cell(value) -> str:
 
 
 def md_table(header: list[str], body: list[list]) -> str:
+    for tables in _RECORDINGS:
+        tables.append(Table(list(header), [list(row) for row in body]))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in body]
     return "\n".join(lines)
@@ -54,18 +136,19 @@ def is_known(x) -> bool:
 
 def fmt_ms(x) -> str:
     if not is_known(x):
-        return "n/a"
-    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}"
+        return Cell("n/a", None)
+    return Cell(f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}", x)
 
 
 def fmt_num(x, fmt: str) -> str:
-    return format(x, fmt) if is_known(x) else "n/a"
+    return Cell(format(x, fmt), x) if is_known(x) else Cell("n/a", None)
 
 
 def fmt_pct(x, note: str = "") -> str:
+    """``x`` a fraction, shown in percent; the cell keeps the fraction."""
     if is_known(x):
-        return f"{100 * x:.1f}%"
-    return f"n/a ({note})" if note else "n/a"
+        return Cell(f"{100 * x:.1f}%", x)
+    return Cell(f"n/a ({note})" if note else "n/a", None)
 
 
 def size(n: int) -> str:
@@ -119,23 +202,23 @@ def table(header: list[str], body: list[list]) -> str:
 
 
 def ms(x) -> str:
-    return fmt_ms(x) if number(x) is not None else DASH
+    return fmt_ms(x) if number(x) is not None else Cell(DASH, None)
 
 
 def num(x, spec: str) -> str:
     v = number(x)
     if v is None:
-        return DASH
-    return format(round(v) if spec.endswith("d") else v, spec)
+        return Cell(DASH, None)
+    return Cell(format(round(v) if spec.endswith("d") else v, spec), x)
 
 
 def times(x) -> str:
-    return f"{x:.2f}×" if number(x) is not None else DASH
+    return Cell(f"{x:.2f}×", x) if number(x) is not None else Cell(DASH, None)
 
 
 def signed_pct(x) -> str:
-    """x already in percent, signed: a gain or a cost."""
-    return f"{x:+.1f}%" if number(x) is not None else DASH
+    """x already in percent, signed: a gain or a cost; the cell keeps the percent."""
+    return Cell(f"{x:+.1f}%", x) if number(x) is not None else Cell(DASH, None)
 
 
 def stat(row: dict | None, metric: str, stat: str = "p50") -> float | None:
@@ -148,8 +231,8 @@ def spread(row: dict | None, metric: str) -> str:
         return str(row.get("status")).upper()
     p50 = stat(row, metric)
     if p50 is None:
-        return DASH
-    return f"{ms(p50)} [{ms(stat(row, metric, 'p20'))}–{ms(stat(row, metric, 'p80'))}]"
+        return Cell(DASH, None)
+    return Cell(f"{ms(p50)} [{ms(stat(row, metric, 'p20'))}–{ms(stat(row, metric, 'p80'))}]", p50)
 
 
 def gain_pct(slow, fast) -> float | None:
@@ -185,8 +268,9 @@ def natural(text) -> tuple:
 
 
 def met(ok: bool | None, note: str = "") -> str:
+    """Whether a target is met (the cell keeps ``ok``: True, False or None for not judged)."""
     text = DASH if ok is None else ("yes" if ok else "no")
-    return f"{text} ({note})" if note else text
+    return Cell(f"{text} ({note})" if note else text, ok)
 
 
 

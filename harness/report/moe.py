@@ -40,13 +40,13 @@ def gain_cell(pct) -> str:
     """A percent gain, with the ratio beside it when it is large enough that % reads badly."""
     if fmt.number(pct) is None or pct < 100:
         return fmt.signed_pct(pct)
-    return f"{fmt.signed_pct(pct)} ({1 + pct / 100:.2f}×)"
+    return fmt.Cell(f"{fmt.signed_pct(pct)} ({1 + pct / 100:.2f}×)", pct)
 
 
 def _fwd_bwd(row: dict | None) -> str:
     if row and row.get("status") not in (None, "ok"):
         return str(row.get("status")).upper()
-    return f"{fmt.ms(fmt.stat(row, 'forward_ms'))} / {fmt.ms(fmt.stat(row, 'backward_ms'))}"
+    return fmt.joined(" / ", fmt.ms(fmt.stat(row, 'forward_ms')), fmt.ms(fmt.stat(row, 'backward_ms')))
 
 
 def moe_tables(rows: list[dict]) -> str:
@@ -63,7 +63,7 @@ def moe_tables(rows: list[dict]) -> str:
     syncs = rows_of_kind(rows, "moe_syncs")
     if syncs:
         def pair(r, phase):
-            return f"{fmt.num(r.get(f'{phase}_counted'), 'd')} / {fmt.num(r.get(f'{phase}_observed'), 'd')}"
+            return fmt.joined(" / ", fmt.num(r.get(f'{phase}_counted'), 'd'), fmt.num(r.get(f'{phase}_observed'), 'd'))
 
         body = [[r.get("model"), r.get("backend"), r.get("tokens"), pair(r, "forward"), pair(r, "backward"),
                  fmt.num(r.get("per_model_forward"), "d")]
@@ -78,8 +78,9 @@ def moe_tables(rows: list[dict]) -> str:
         for r in sorted(query, key=lambda r: (fmt.natural(r.get("model")), fmt.number(r.get("tokens")) or 0)):
             q = r.get("queries_per_layer") if isinstance(r.get("queries_per_layer"), dict) else {}
             pred, meas = fmt.number(r.get("predicted_saving_ms")), fmt.number(r.get("measured_saving_ms"))
-            body.append([r.get("model"), r.get("tokens"), " / ".join(fmt.num(q.get(b), "d") for b in MOE_BACKENDS),
-                         f"{fmt.num(r.get('per_query_ms'), '.3f')} (median {fmt.num(r.get('per_query_ms_median'), '.3f')})",
+            body.append([r.get("model"), r.get("tokens"), fmt.joined(" / ", *(fmt.num(q.get(b), "d") for b in MOE_BACKENDS)),
+                         fmt.Cell(f"{fmt.num(r.get('per_query_ms'), '.3f')} (median {fmt.num(r.get('per_query_ms_median'), '.3f')})",
+                                  (fmt.number(r.get("per_query_ms")), fmt.number(r.get("per_query_ms_median")))),
                          fmt.ms(pred), fmt.ms(meas), ratio_cell(meas / pred if meas is not None and pred else None),
                          fmt.ms(r.get("predicted_saving_per_model_forward_ms"))])
         parts.append("#### Dynamic-query model\n\n" + fmt.table(
@@ -141,10 +142,10 @@ def moe_crossover_body(rows: list[dict]) -> list[list]:
     for p in moe_crossover_points(rows):
         fl_m, fl_s, ms_m, ms_s = p["flops_merged"], p["flops_split"], p["ms_merged"], p["ms_split"]
         body.append([p["model"], p["tokens"], p["rank"] if p["rank"] is not None else DASH,
-                     " / ".join(fmt.num(v, ",.0f") for v in p["s_star"].values()),
-                     f"{fmt.num(fl_m and fl_m / 1e9, ',.1f')} → {fmt.num(fl_s and fl_s / 1e9, ',.1f')}",
-                     f"{fmt.ms(ms_m)} → {fmt.ms(ms_s)} ({p['backend'] or DASH})",
-                     fmt.num(ms_m / ms_s if ms_m is not None and ms_s else None, ".2f") + ("×" if ms_m and ms_s else "")])
+                     fmt.joined(" / ", *(fmt.num(v, ",.0f") for v in p["s_star"].values())),
+                     fmt.joined(" → ", fmt.num(fl_m and fl_m / 1e9, ',.1f'), fmt.num(fl_s and fl_s / 1e9, ',.1f')),
+                     fmt.joined(" → ", fmt.ms(ms_m), fmt.ms(ms_s), note=p['backend'] or DASH),
+                     fmt.times(ms_m / ms_s if ms_m is not None and ms_s else None)])
     return body
 
 
@@ -284,13 +285,15 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                     ratios.append((t, ratio))
                 ref = seeds.get(t)
                 body.append([model, t, p["run"],
-                             f"{fmt.ms(s)} ({p['stock_variant']})" if s else ("; ".join(p["stock_failed"]) or "not run"),
-                             f"{fmt.ms(o)} ({p['ours_variant']})" if o else ("; ".join(p["ours_failed"]) or "not run"),
-                             f"{ratio:.2f}×" if ratio else DASH,
-                             (fmt.ms(e) + ("" if p["eager_same_run"] else " (other run)")) if e
+                             fmt.Cell(f"{fmt.ms(s)} ({p['stock_variant']})", s) if s
+                             else ("; ".join(p["stock_failed"]) or "not run"),
+                             fmt.Cell(f"{fmt.ms(o)} ({p['ours_variant']})", o) if o
+                             else ("; ".join(p["ours_failed"]) or "not run"),
+                             fmt.times(ratio) if ratio else DASH,
+                             fmt.Cell(fmt.ms(e) + ("" if p["eager_same_run"] else " (other run)"), e) if e
                              else ("; ".join(p["eager_failed"]) or DASH),
-                             f"{e / o:.1f}×" if e and o and p["eager_same_run"] else DASH,
-                             f"{ref} ({seeds_gpu})" if ref else DASH,
+                             fmt.Cell(f"{e / o:.1f}×", e / o) if e and o and p["eager_same_run"] else DASH,
+                             fmt.Cell(f"{ref} ({seeds_gpu})", ref) if ref else DASH,
                              fmt.met(None if o is None or ref is None else o < ref,
                                   f"judged on the {judged_on}" if ref and judged_on and judged_on not in str(device)
                                   else "")])
@@ -298,10 +301,11 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                 t0, want = int(sp["seq_len"]), float(sp["min_ratio"])
                 got = dict(ratios).get(t0)
                 targets.append([f"best ours ≥ {want:.0f}× best stock at {t0} tokens ({model})",
-                                f"{got:.2f}×" if got else "not run", fmt.met(None if got is None else got >= want)])
+                                fmt.times(got) if got else "not run", fmt.met(None if got is None else got >= want)])
                 grows = [r for _, r in ratios]
                 targets.append([f"the gap grows with sequence length ({model})",
-                                ", ".join(f"{t}: {r:.2f}×" for t, r in ratios) or "not run",
+                                fmt.Cell(", ".join(f"{t}: {r:.2f}×" for t, r in ratios), dict(ratios)) if ratios
+                                else "not run",
                                 fmt.met(None if len(grows) < 2 else all(b >= a for a, b in zip(grows, grows[1:])))])
             if (fits := spec.get("completes")) and fits.get("model") == model:
                 t16 = int(fits["seq_len"])
@@ -326,8 +330,10 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                 else:
                     verdict = None if o16 is None and not of16 else (o16 is not None and s16 is None and bool(sf16))
                 targets.append([f"ours completes {t16} tokens where stock runs out of memory ({model})",
-                                f"ours {fmt.ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
-                                f"stock {fmt.ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
+                                fmt.Cell(f"ours {fmt.ms(o16) if o16 else ('; '.join(of16) or 'not run')}, "
+                                         f"stock {fmt.ms(s16) if s16 else ('; '.join(sf16) or 'not run')}{caveat}",
+                                         {"ours": o16 or "; ".join(of16) or None,
+                                          "stock": s16 or "; ".join(sf16) or None}),
                                 fmt.met(verdict)])
             sol = spec.get("sorted_over_loop")
             if sol and sol.get("model") == model and spec.get("loop") and spec.get("sorted"):
@@ -337,7 +343,8 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                 gain = fmt.gain_pct(lp, sp)
                 targets.append([f"sorted over loop end to end ≥ +{want:.0f}% ({model}, {t0}, "
                                 f"{spec['loop']} → {spec['sorted']})",
-                                f"{gain_cell(gain)} ({fmt.ms(lp)} → {fmt.ms(sp)} ms)" if gain is not None else "not run",
+                                fmt.Cell(f"{gain_cell(gain)} ({fmt.ms(lp)} → {fmt.ms(sp)} ms)", (gain, lp, sp))
+                                if gain is not None else "not run",
                                 fmt.met(None if gain is None else gain >= want)])
             if (gap := moe_gap_md({t: p for t, p in pairs.items() if p["one_run"]}, model)):
                 notes.append(gap)
@@ -345,7 +352,8 @@ def moe_e2e_targets_md(rows: list[dict], spec: dict) -> str:
                 beats = [(t, o < seeds[t]) for t in seeds
                          if (o := best_p50(g, model, t, ours)[0]) is not None]
                 targets.append([f"ours below the published {seeds_gpu} figures at every length ({model})",
-                                ", ".join(f"{t}: {'yes' if b else 'no'}" for t, b in beats) or "not run",
+                                fmt.Cell(", ".join(f"{t}: {'yes' if b else 'no'}" for t, b in beats), dict(beats))
+                                if beats else "not run",
                                 fmt.met(None if len(beats) < len(seeds) and all(b for _, b in beats)
                                      else all(b for _, b in beats) and len(beats) == len(seeds))])
         if body:
@@ -374,11 +382,11 @@ def gpu_memory_gib(rows: list[dict]) -> dict[str, float]:
             for r in rows if r.get("kind") == "step" and (r.get("env") or {}).get("memory_total_gib")}
 
 
-def moe_fit_md(rows: list[dict], model: str) -> str:
+def moe_fit(rows: list[dict], model: str) -> dict | None:
     """What would make ``model`` fit on the smallest GPU the rows ran on: its measured peaks split
     into the fixed part (frozen weights; adapters, their grads and AdamW's two states) and the
     per-token slope of our split-LoRA rows, then the fixed part under each change, as arithmetic
-    on those measurements."""
+    on those measurements. None where the rows cannot say (one length, no GPU capacity)."""
     ours = [r for r in rows if r.get("kind") == "step" and r.get("status") == "ok" and r.get("model") == model
             and is_ours(r) and (r.get("loss_mode") or "full") == "full" and fmt.number(r.get("peak_allocated_gib")) is not None]
     caps = gpu_memory_gib(rows)
@@ -387,12 +395,12 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
     keep = "fp32" if "fp32" in dtypes else min(dtypes, default="fp32")
     ours = [r for r in ours if (r.get("lora_dtype") or "fp32") == keep]
     if len({r["seq_len"] for r in ours}) < 2 or not caps:
-        return ""
+        return None
     small_gpu, cap = min(caps.items(), key=lambda kv: kv[1])
     r0 = ours[0]
     total, trainable = fmt.number(r0.get("total_params")), fmt.number(r0.get("trainable_params"))
     if not total or not trainable:
-        return ""
+        return None
     w_b = _BYTES.get(str(r0.get("dtype")), 2)
     a_b = 4 if (r0.get("lora_dtype") or "fp32") == "fp32" else w_b
     frozen = (total - trainable) * w_b / GIB
@@ -414,16 +422,9 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
             scen.append((f"adapters in bf16, rank 16 instead of {rank}", state - state / 2 * 16 / rank))
     scen.append(("AdamW's two states on the host", state / 2))
     scen.append(("frozen weights in 8 bits", frozen / 2))
-    body = []
-    for name, saved in scen:
-        zero = base - saved
-        left = cap - zero
-        body.append([name, f"{saved:.1f}", f"{zero:.1f}",
-                     f"{left:.1f}" + (f" (≈ {int(left / slope):,} tokens)" if left > 0 else " (none)")])
-    peaks = ", ".join(f"{t}: {by_t[t]:.1f}" for t in ts)
     # rows that ran with bf16 adapters test the bf16 row of the table: measured peak vs projected
     bf16_zero = base - state / 2 if a_b == 4 else None
-    tried = {}
+    tried: dict[tuple[str, int], float | None] = {}
     for r in rows:
         if (r.get("kind") == "step" and r.get("model") == model and r.get("lora_dtype") == "model"
                 and is_ours(r) and (r.get("loss_mode") or "full") == "full"):
@@ -431,19 +432,43 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
             pk = fmt.number(r.get("peak_allocated_gib")) if r.get("status") == "ok" else None
             if key not in tried or (pk is not None and (tried[key] is None or pk < tried[key])):
                 tried[key] = pk
-    checks = [f"{t} tokens on the {dev}: " + (f"{pk:.1f} GiB (projected {bf16_zero + slope * t:.1f})"
-                                               if pk is not None else "did not run to the end")
-              for (dev, t), pk in sorted(tried.items())] if bf16_zero is not None else []
+    return {
+        "model": model, "small_gpu": small_gpu, "cap_gib": cap, "peaks_gib": by_t, "slope_gib_per_token": slope,
+        "zero_tokens_gib": line0, "frozen_gib": frozen, "state_gib": state, "base_gib": base,
+        "frozen_params": total - trainable, "trainable_params": trainable, "weight_bytes": w_b, "adapter_bytes": a_b,
+        # (change, saves GiB, peak at zero tokens GiB, left on the GPU GiB, tokens that fit at the slope)
+        "changes": [(name, saved, base - saved, cap - (base - saved),
+                     int((cap - (base - saved)) / slope) if cap - (base - saved) > 0 else 0) for name, saved in scen],
+        # (device, tokens, measured peak or None, projected peak) of the rows run with bf16 adapters
+        "bf16_checks": [(dev, t, pk, bf16_zero + slope * t) for (dev, t), pk in sorted(tried.items())]
+        if bf16_zero is not None else [],
+    }
+
+
+def moe_fit_md(rows: list[dict], model: str) -> str:
+    """``moe_fit`` as a section: the measured line, then a table of each change's projection."""
+    f = moe_fit(rows, model)
+    if f is None:
+        return ""
+    small_gpu, slope = f["small_gpu"], f["slope_gib_per_token"]
+    body = [[name, fmt.num(saved, ".1f"), fmt.num(zero, ".1f"),
+             fmt.Cell(f"{left:.1f}" + (f" (≈ {tokens:,} tokens)" if left > 0 else " (none)"), (left, tokens))]
+            for name, saved, zero, left, tokens in f["changes"]]
+    peaks = ", ".join(f"{t}: {g:.1f}" for t, g in sorted(f["peaks_gib"].items()))
+    checks = [f"{t} tokens on the {dev}: " + (f"{pk:.1f} GiB (projected {proj:.1f})" if pk is not None
+                                               else "did not run to the end")
+              for dev, t, pk, proj in f["bf16_checks"]]
     measured_bf16 = ("\n\nMeasured with bf16 adapters (`lora_dtype = \"model\"`), allocated peak per run: "
                      + "; ".join(checks) + ".") if checks else ""
+    frozen, state = f["frozen_gib"], f["state_gib"]
     return (f"### What would fit {model} on one {small_gpu}\n\n"
             f"Our split-LoRA rows peaked at {peaks} GiB allocated (tokens: GiB): "
-            f"{slope * 1024:.2f} MiB per token on a line through {line0:.1f} GiB at zero tokens. Weights and "
+            f"{slope * 1024:.2f} MiB per token on a line through {f['zero_tokens_gib']:.1f} GiB at zero tokens. Weights and "
             f"trainable state alone take {frozen + state:.1f} GiB: {frozen:.1f} GiB for the "
-            f"{(total - trainable) / 1e9:.2f} B frozen weights ({w_b} bytes each) and {state:.1f} GiB for the "
-            f"{trainable / 1e9:.2f} B adapter parameters with their grads and AdamW's two states "
-            f"({a_b} bytes each); the table starts from the larger of the two. The {small_gpu} has "
-            f"{cap:.1f} GiB.\n\n" + fmt.table(
+            f"{f['frozen_params'] / 1e9:.2f} B frozen weights ({f['weight_bytes']} bytes each) and {state:.1f} GiB for the "
+            f"{f['trainable_params'] / 1e9:.2f} B adapter parameters with their grads and AdamW's two states "
+            f"({f['adapter_bytes']} bytes each); the table starts from the larger of the two. The {small_gpu} has "
+            f"{f['cap_gib']:.1f} GiB.\n\n" + fmt.table(
                 ["change", "saves GiB", "peak at zero tokens GiB", f"left on the {small_gpu} GiB (tokens at the measured slope)"], body)
             + "\n\nOnly the first row is measured; each other row is that line lowered by what the change "
               "saves (a projection, not a run). The CUDA context and the allocator's reserve come on top "
@@ -452,9 +477,6 @@ def moe_fit_md(rows: list[dict], model: str) -> str:
               "weights need code this project does not have (no bitsandbytes here)." + measured_bf16)
 
 
-
-
-# The report's parts (harness.measured)
 def bench_tables(rows: list[dict], spec: dict) -> str:
     return moe_tables(rows)
 

@@ -91,8 +91,8 @@ def _point(pt: dict) -> str:
 
 def ratio_cell(ratio) -> str:
     if fmt.number(ratio) is None:
-        return DASH
-    return f"{ratio:.2f}" + ("" if RATIO_OK[0] <= ratio <= RATIO_OK[1] else " ⚠")
+        return fmt.Cell(DASH, None)
+    return fmt.Cell(f"{ratio:.2f}" + ("" if RATIO_OK[0] <= ratio <= RATIO_OK[1] else " ⚠"), ratio)
 
 
 def offload_tables(points: list[dict], rows: list[dict]) -> str:

@@ -42,8 +42,10 @@ def _per_gpu(rows: list[dict]) -> list[tuple[str, list[dict]]]:
 
 def _routing_md(rows: list[dict], seeds: dict) -> str:
     body = [[gpu, p["model"], p["tokens"],
-             f"{fmt.ms(fmt.stat(p['backends'].get('loop'), 'forward_ms'))} → {fmt.ms(fmt.stat(p['backends'].get('sorted'), 'forward_ms'))}",
-             f"{fmt.ms(fmt.stat(p['backends'].get('loop'), 'backward_ms'))} → {fmt.ms(fmt.stat(p['backends'].get('sorted'), 'backward_ms'))}",
+             fmt.joined(" → ", fmt.ms(fmt.stat(p['backends'].get('loop'), 'forward_ms')),
+                        fmt.ms(fmt.stat(p['backends'].get('sorted'), 'forward_ms'))),
+             fmt.joined(" → ", fmt.ms(fmt.stat(p['backends'].get('loop'), 'backward_ms')),
+                        fmt.ms(fmt.stat(p['backends'].get('sorted'), 'backward_ms'))),
              _gain(p["sorted_over_loop_forward_ms"]), _gain(p["sorted_over_loop_backward_ms"])]
             for gpu, rs in _per_gpu(rows) for p in moe_routing(rs)]
     if not body:
@@ -63,10 +65,12 @@ def _crossover_md(rows: list[dict]) -> str:
                                      CROSSOVER_NOTE, _crossover_check(rows)) if x)
 
 
-def _crossover_check(rows: list[dict]) -> str:
+def crossover_checks(rows: list[dict]) -> list[dict]:
     """The layer's crossover by FLOPs (where split's LoRA FLOPs, linear in tokens, reach merged's
-    fixed ones) against the one measured: the first length at which split was no faster."""
-    lines, beyond = [], False
+    fixed ones) against the one measured, per GPU and model: ``predicted`` tokens, and the point
+    ``measured`` (the first length at which split was no faster, ``slower`` True; else the longest
+    length run, ``slower`` False)."""
+    out = []
     for gpu, rs in _per_gpu(rows):
         pts = moe_crossover_points(rs)
         for model in sorted({p["model"] for p in pts}, key=fmt.natural):
@@ -76,16 +80,24 @@ def _crossover_check(rows: list[dict]) -> str:
             if not mine or pred is None:
                 continue
             slower = [p for p in mine if p["ms_split"] >= p["ms_merged"]]
-            if slower:
-                p = slower[0]
-                seen = f"split no faster from {p['tokens']:,} tokens ({fmt.ms(p['ms_split'])} against {fmt.ms(p['ms_merged'])} ms)"
-            else:
-                p = mine[-1]
-                beyond |= p["tokens"] > pred
-                seen = (f"split faster at every length run, up to {p['tokens']:,} tokens "
-                        f"({fmt.ms(p['ms_merged'])} → {fmt.ms(p['ms_split'])} ms, "
-                        f"{fmt.number(p['flops_merged']) / 1e9:,.1f} → {fmt.number(p['flops_split']) / 1e9:,.1f} GFLOP, merged → split)")
-            lines.append(f"- {model}, {gpu}: predicted {pred:,.0f} tokens; measured: {seen}.")
+            out.append({"gpu": gpu, "model": model, "predicted": pred, "slower": bool(slower),
+                        "measured": slower[0] if slower else mine[-1]})
+    return out
+
+
+def _crossover_check(rows: list[dict]) -> str:
+    """``crossover_checks`` as the blog's lines."""
+    lines, beyond = [], False
+    for c in crossover_checks(rows):
+        p, pred = c["measured"], c["predicted"]
+        if c["slower"]:
+            seen = f"split no faster from {p['tokens']:,} tokens ({fmt.ms(p['ms_split'])} against {fmt.ms(p['ms_merged'])} ms)"
+        else:
+            beyond |= p["tokens"] > pred
+            seen = (f"split faster at every length run, up to {p['tokens']:,} tokens "
+                    f"({fmt.ms(p['ms_merged'])} → {fmt.ms(p['ms_split'])} ms, "
+                    f"{fmt.number(p['flops_merged']) / 1e9:,.1f} → {fmt.number(p['flops_split']) / 1e9:,.1f} GFLOP, merged → split)")
+        lines.append(f"- {c['model']}, {c['gpu']}: predicted {pred:,.0f} tokens; measured: {seen}.")
     if not lines:
         return ""
     text = ("**Predicted against measured.** By the layer's LoRA FLOPs (both projections), split stops "
