@@ -6,7 +6,7 @@ import pytest
 
 from _report import spec
 
-from harness.report import bench
+from harness.report import bench, fmt
 
 SPEC = spec("packing")
 
@@ -40,7 +40,7 @@ def test_packing_cache_predicted_vs_measured():
 
 
 def test_packing_cache_md_sorts_pairs_by_who_bounds_the_step():
-    from harness.report.packing import packing_cache_md
+    from harness.report.packing import bound_split, packing_cache_points
 
     def row(t, cache, p50, spread, builds):
         return {"kind": "step", "status": "ok", "gpu_slug": "g", "model": "qwen3-0.6b", "seq_len": t,
@@ -54,19 +54,22 @@ def test_packing_cache_md_sorts_pairs_by_who_bounds_the_step():
     rows = [row(16384, True, 700.0, 1.001, 10), row(16384, False, 716.0, 1.001, 560),   # GPU-bound
             row(8192, True, 700.0, 1.04, 10), row(8192, False, 701.0, 1.04, 560),       # within its band
             row(2048, True, 400.0, 1.2, 10), row(2048, False, 530.0, 1.2, 560)]         # host-bound
-    md = packing_cache_md(rows, m, SPEC)
+    split = bound_split(packing_cache_points(rows, m))
     # 16 ms saved of a 16.5 ms device part; 2048: 130 ms of 137.5 ms predicted from the whole m
-    assert "- GPU-bound: measured / device part median 0.97, range 0.97–0.97, 1 pairs." in md
-    assert "1 more GPU-bound pairs predict a device part within their steps' p20–p80 band" in md
-    assert "- Host-bound: measured / predicted (the whole m) median 0.95, range 0.95–0.95, 1 pairs." in md
+    assert split["gpu"] == [pytest.approx(16 / 16.5)] and split["small"] == 1
+    assert split["host"] == [pytest.approx(130 / 137.5)]
 
 
 def test_packing_cache_md_names_lengths_without_m():
-    from harness.report.packing import packing_cache_md
+    from harness.report.packing import packing_cache_md, packing_cache_points
 
     rows = [_packing_row("packed-flex", 400.0, seq_len=16384), _packing_row("packed-flex-nocache", 410.0, seq_len=16384)]
-    md = packing_cache_md(rows, [], SPEC)
-    assert "device part of it ms" in md and "The bench has no m for 16384 tokens on g" in md
+    (p,) = packing_cache_points(rows, [])
+    assert (p["seq_len"], p["m_ms"], p["predicted_ms"], p["measured_ms"]) == (16384, None, None, 10.0)
+    with fmt.recording() as tables:
+        packing_cache_md(rows, [], SPEC)
+    shown = tables.find("device part of it ms").row(model="qwen3-0.6b", seq_len=16384)
+    assert (shown["m ms"], shown["predicted (off − on)·m ms"], shown["measured saving ms"]) == (None, None, 10.0)
 
 
 def _packing_row(variant, p50, *, model="qwen3-0.6b", seq_len=8192, status="ok", peak=None,
@@ -83,6 +86,21 @@ def _packing_row(variant, p50, *, model="qwen3-0.6b", seq_len=8192, status="ok",
             "peak_allocated_gib": peak, "recorded_at": at, "env": {"git_sha": sha}}
 
 
+def _targets(rows, m_rows=()):
+    """packing_targets_md's tables as data: {target: (measured, result)} and every table."""
+    from harness.report.packing import packing_targets_md
+
+    with fmt.recording() as tables:
+        packing_targets_md(rows, list(m_rows), SPEC)
+    targets = {r["target"]: (r["measured"], r["result"]) for t in tables if t.header == ["target", "measured", "result"]
+               for r in t.rows()}
+    return targets, tables
+
+
+SPEEDUP = (f"best packed path ≥ {SPEC['speedup']['min_ratio']:g}× faster than stock-flex, qwen3-0.6b at 8192 tokens "
+           "(REFERENCE: stock 411 ms on the H100)")
+
+
 def test_packing_cache_compiled_rows_do_not_collide():
     from harness.report.packing import packing_cache_md, packing_cache_points
 
@@ -95,12 +113,13 @@ def test_packing_cache_compiled_rows_do_not_collide():
     rows.append(_packing_row("packed-flex-compiled", 260.0, packing_cache=False))
     pts = packing_cache_points(rows, [])
     assert [(q["compiled"], q["on_ms"], q["off_ms"]) for q in pts] == [(False, 400.0, 500.0), (True, 200.0, 260.0)]
-    md = packing_cache_md(rows, [], SPEC)
-    assert "| g | qwen3-0.6b | 8192 | flex | " in md and "| g | qwen3-0.6b | 8192 | flex (compiled) | " in md
+    with fmt.recording() as tables:
+        packing_cache_md(rows, [], SPEC)
+    assert tables.find("structure builds / step on / off").column("backend") == ["flex", "flex (compiled)"]
 
 
 def test_packing_best_packed_vs_stock_flex_met():
-    from harness.report.packing import packing_targets_md, packing_vs_stock_points
+    from harness.report.packing import packing_vs_stock_points
 
     rows = [_packing_row("stock-flex", 500.0, at="2026-11-22T00:30:00+00:00"),
             _packing_row("stock-flex-compiled", 250.0),
@@ -112,13 +131,99 @@ def test_packing_best_packed_vs_stock_flex_met():
     assert (at_8192["stock_ms"], at_8192["best_ms"], at_8192["best_variant"]) == (500.0, 200.0, "packed-varlen-compiled")
     assert at_8192["ratio"] == pytest.approx(2.5) and at_8192["compiled_ratio"] == pytest.approx(1.25)
     assert at_8192["failed"] == ["packed-sdpa: oom"]
-    assert (at_2048["stock_ms"], at_2048["best_ms"], at_2048["ratio"]) == (300.0, None, None)
-    # the one rendered check: the target's row, its verdict from the experiment file's min_ratio
+    assert at_8192["run"] == (10.0, True, True)  # 10 minutes apart, one code: one run
+    assert (at_2048["stock_ms"], at_2048["best_ms"], at_2048["ratio"], at_2048["run"]) == (300.0, None, None, None)
+    # the target's verdict, from the experiment file's min_ratio
+    targets, _ = _targets(rows)
+    measured, result = targets[SPEEDUP]
+    assert measured == {"ratio": pytest.approx(2.5), "stock_ms": 500.0, "best_variant": "packed-varlen-compiled",
+                        "best_ms": 200.0, "compiled_ratio": pytest.approx(1.25)} and result is True
+
+
+def test_packing_best_packed_vs_stock_flex_not_met_and_different_runs():
+    from harness.report.packing import packing_vs_stock_points
+
+    rows = [_packing_row("stock-flex", 500.0, at="2026-11-21T20:00:00+00:00"),
+            _packing_row("packed-flex", 450.0, at="2026-11-22T00:00:00+00:00")]
+    measured, result = _targets(rows)[0][SPEEDUP]
+    assert (measured["ratio"], measured["compiled_ratio"], result) == (pytest.approx(500 / 450), None, False)
+    assert packing_vs_stock_points(rows, SPEC)[0]["run"] == (240.0, True, False)
+    # within 30 minutes but at another commit: still different runs
+    rows[1].update(recorded_at="2026-11-21T20:05:00+00:00", env={"git_sha": "bbbb2222"})
+    assert packing_vs_stock_points(rows, SPEC)[0]["run"] == (5.0, False, False)
+    # different commits but one hash of the measuring code (a commit that added only results): one run
+    rows[0]["env"] = {"git_sha": "aaaa1111", "code_sha": "c0de"}
+    rows[1]["env"] = {"git_sha": "bbbb2222", "code_sha": "c0de"}
+    assert packing_vs_stock_points(rows, SPEC)[0]["run"] == (5.0, True, True)
+
+
+def test_packing_targets_missing_stock_flex_and_odd_rows():
+    from harness.report.packing import packing_targets_md
+
+    rows = [_packing_row("packed-flex", 400.0), _packing_row("packed-varlen", 380.0, peak=15.0),
+            {"kind": "step"}, {"kind": "step", "variant": "stock-flex", "status": "ok", "step_ms": "fast"},
+            {"kind": "step", "variant": "packed-sdpa", "model": "qwen3-0.6b", "seq_len": "8192", "status": "ok",
+             "switches": None, "recorded_at": None, "peak_allocated_gib": float("nan")}]
     md = packing_targets_md(rows, [], SPEC)
-    assert (f"| best packed path ≥ {SPEC['speedup']['min_ratio']:g}× faster than stock-flex, qwen3-0.6b at 8192 tokens "
-            "(REFERENCE: stock 411 ms on the H100) | 2.50× (stock-flex 500.0 → packed-varlen-compiled 200.0 ms); "
-            "over stock-flex-compiled 1.25× | met |") in md
-    assert "10 minutes apart running the same code, so they likely come from one run." in md
+    assert "None" not in md and "nan" not in md  # odd fields render as –, whatever the wording
+    targets, tables = _targets(rows)
+    assert targets[SPEEDUP] == ("not measured", None)
+    assert not [t for t in tables if "best packed ms p50 (variant)" in t.header]  # no stock-flex row: no table
+    peaks = tables.find("bool B·T² mask GiB").row(GPU="g", model="qwen3-0.6b", tokens=8192)
+    assert [peaks[k] for k in ("packed sdpa GiB", "packed flex GiB", "packed varlen GiB", "one run?")] == [None, None, 15.0, True]
+    assert peaks["bool B·T² mask GiB"] == pytest.approx(8192**2 / 2**30)
+    # a stock-flex row but no packed row at all: stated, not judged
+    assert _targets([_packing_row("stock-flex", 500.0)])[0][SPEEDUP] == ({"stock_ms": 500.0}, None)
+    # and nothing at all still renders the target lines
+    assert set(_targets([])[0].values()) == {("not measured", None)}
+    assert bench.sweep_targets({"packing": SPEC}, [{"kind": "step"}]) != []
+
+
+def test_packing_cache_gain_vs_seeds():
+    rows = [_packing_row("packed-flex", 400.0), _packing_row("packed-flex-nocache", 500.0),  # +25%
+            _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 420.0),  # +5%
+            _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b"),
+            _packing_row("packed-sdpa-nocache", 303.0, model="llama-3.2-1b")]  # +1%
+    targets, _ = _targets(rows)
+    qwen = targets["cache on saves ≥ the published +14.8% per step (qwen3-0.6b)"]
+    assert qwen == ({"gain_pct": pytest.approx(25.0), "backend": "flex", "seq_len": 8192, "spread_pct": 0.0}, True)
+    llama = targets["cache on saves ≥ the published +11.5% per step (llama-3.2-1b)"]
+    assert llama == ({"gain_pct": pytest.approx(1.0), "backend": "sdpa", "seq_len": 8192, "spread_pct": 0.0}, False)
+    assert targets["cache on saves ≥ the published +14.3% per step (qwen3-14b)"] == ("not measured", None)
+
+
+def test_packing_cache_gain_within_noise_is_not_judged():
+    """Host-bound rows: a gain smaller than the rows' own p80/p20 spread measures nothing; the
+    largest gain that clears its spread is the one judged."""
+    rows = [_packing_row("packed-flex", 400.0, spread=1.4), _packing_row("packed-flex-nocache", 500.0),  # +25% < 40%
+            _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 440.0, spread=1.05),  # +10% > 5%
+            _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b", spread=1.3),
+            _packing_row("packed-sdpa-nocache", 330.0, model="llama-3.2-1b")]  # +10% < 30%
+    targets, _ = _targets(rows)
+    qwen = targets["cache on saves ≥ the published +14.8% per step (qwen3-0.6b)"]
+    assert (qwen[0]["gain_pct"], qwen[0]["backend"], qwen[0]["spread_pct"], qwen[1]) == \
+        (pytest.approx(10.0), "varlen", pytest.approx(5.0), False)
+    llama = targets["cache on saves ≥ the published +11.5% per step (llama-3.2-1b)"]
+    assert (llama[0]["gain_pct"], llama[0]["spread_pct"], llama[1]) == (pytest.approx(10.0), pytest.approx(30.0), None)
+
+
+def test_packing_peak_memory_side_by_side():
+    rows = [_packing_row("packed-sdpa", 410.0, peak=15.8), _packing_row("packed-flex", 400.0, peak=15.7),
+            _packing_row("packed-varlen", 390.0, peak=15.75, at="2026-11-22T02:00:00+00:00"),
+            _packing_row("packed-flex-compiled", 200.0, peak=1.0)]  # compiled: not in this table
+    peaks = _targets(rows)[1].find("bool B·T² mask GiB").row(GPU="g", model="qwen3-0.6b", tokens=8192)
+    assert [peaks[k] for k in ("packed sdpa GiB", "packed flex GiB", "packed varlen GiB")] == [15.8, 15.7, 15.75]
+    assert peaks["sdpa − flex / sdpa − varlen GiB"] == (pytest.approx(0.1), pytest.approx(0.05))
+    assert peaks["one run?"] is False  # 90 minutes apart
+
+
+def test_packing_vs_stock_keeps_a_point_whose_stock_run_failed():
+    failed = _packing_row("stock-flex", None, seq_len=16384, status="error")
+    failed["message"] = "timed out after 150 s"
+    _, tables = _targets([failed, _packing_row("packed-flex", 700.0, seq_len=16384)])
+    p = tables.find("best packed ms p50 (variant)").row(GPU="g", model="qwen3-0.6b", tokens=16384)
+    assert (p["stock-flex ms p50"], p["best packed ms p50 (variant)"], p["stock-flex / best"]) == \
+        ("error: timed out after 150 s", (700.0, "packed-flex"), None)
 
 
 def test_best_packed_path_counts_optim_enable_defaults():
@@ -147,91 +252,3 @@ def test_packing_comparisons_follow_the_experiment_file():
     assert packing_vs_stock_points(renamed, SPEC) == []
     (p,) = packing_vs_stock_points(renamed, {**SPEC, "stock": "stock-flex-v2"})
     assert p["ratio"] == pytest.approx(1.25)
-
-
-def test_packing_best_packed_vs_stock_flex_not_met_and_different_runs():
-    from harness.report.packing import packing_targets_md
-
-    rows = [_packing_row("stock-flex", 500.0, at="2026-11-21T20:00:00+00:00"),
-            _packing_row("packed-flex", 450.0, at="2026-11-22T00:00:00+00:00")]
-    md = packing_targets_md(rows, [], SPEC)
-    assert "| 1.11× (stock-flex 500.0 → packed-flex 450.0 ms); over stock-flex-compiled – | not met |" in md
-    assert "they are 240 minutes apart, so they come from different runs." in md
-    # within 30 minutes but at another commit: still different runs
-    rows[1].update(recorded_at="2026-11-21T20:05:00+00:00", env={"git_sha": "bbbb2222"})
-    assert "ran different code (commits or code hashes differ), so they come from different runs." \
-        in packing_targets_md(rows, [], SPEC)
-    # different commits but one hash of the measuring code (a commit that added only results): one run
-    rows[0]["env"] = {"git_sha": "aaaa1111", "code_sha": "c0de"}
-    rows[1]["env"] = {"git_sha": "bbbb2222", "code_sha": "c0de"}
-    assert "5 minutes apart running the same code, so they likely come from one run." in packing_targets_md(rows, [], SPEC)
-
-
-def test_packing_targets_missing_stock_flex_and_odd_rows():
-    from harness.report.packing import packing_targets_md
-
-    rows = [_packing_row("packed-flex", 400.0), _packing_row("packed-varlen", 380.0, peak=15.0),
-            {"kind": "step"}, {"kind": "step", "variant": "stock-flex", "status": "ok", "step_ms": "fast"},
-            {"kind": "step", "variant": "packed-sdpa", "model": "qwen3-0.6b", "seq_len": "8192", "status": "ok",
-             "switches": None, "recorded_at": None, "peak_allocated_gib": float("nan")}]
-    md = packing_targets_md(rows, [], SPEC)
-    assert "None" not in md and "nan" not in md
-    assert "qwen3-0.6b at 8192 tokens (REFERENCE: stock 411 ms on the H100) | not measured | – |" in md
-    assert "#### Best packed path vs stock flex_attention" not in md
-    assert "| g | qwen3-0.6b | 8192 | – | – | 15.000 | – / – | 0.062 | yes |" in md
-    # a stock-flex row but no packed path at all: stated, not judged
-    md = packing_targets_md([_packing_row("stock-flex", 500.0)], [], SPEC)
-    assert "| stock-flex 500.0 ms, no packed row | – |" in md
-    # and nothing at all still renders the target lines
-    assert "not measured" in packing_targets_md([], [], SPEC)
-    assert bench.sweep_targets({"packing": SPEC}, [{"kind": "step"}]) != []
-
-
-def test_packing_cache_gain_vs_seeds():
-    from harness.report.packing import packing_targets_md
-
-    rows = [_packing_row("packed-flex", 400.0), _packing_row("packed-flex-nocache", 500.0),  # +25%
-            _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 420.0),  # +5%
-            _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b"),
-            _packing_row("packed-sdpa-nocache", 303.0, model="llama-3.2-1b")]  # +1%
-    md = packing_targets_md(rows, [], SPEC)
-    assert ("| cache on saves ≥ the published +14.8% per step (qwen3-0.6b) | best +25.0% (flex, 8192 tokens; "
-            "spread ±0%) | met |") in md
-    assert ("| cache on saves ≥ the published +11.5% per step (llama-3.2-1b) | best +1.0% (sdpa, 8192 tokens; spread ±0%) | "
-            "not met: see the measured / predicted column; the saving is (builds_off − builds_on)·m |") in md
-    assert "| cache on saves ≥ the published +14.3% per step (qwen3-14b) | not measured | – |" in md
-
-
-def test_packing_cache_gain_within_noise_is_not_judged():
-    """Host-bound rows: a gain smaller than the rows' own p80/p20 spread measures nothing; the
-    largest gain that clears its spread is the one judged."""
-    from harness.report.packing import packing_targets_md
-
-    rows = [_packing_row("packed-flex", 400.0, spread=1.4), _packing_row("packed-flex-nocache", 500.0),  # +25% < 40%
-            _packing_row("packed-varlen", 400.0), _packing_row("packed-varlen-nocache", 440.0, spread=1.05),  # +10% > 5%
-            _packing_row("packed-sdpa", 300.0, model="llama-3.2-1b", spread=1.3),
-            _packing_row("packed-sdpa-nocache", 330.0, model="llama-3.2-1b")]  # +10% < 30%
-    md = packing_targets_md(rows, [], SPEC)
-    assert "(qwen3-0.6b) | best +10.0% (varlen, 8192 tokens; spread ±5%) | not met" in md
-    assert "(llama-3.2-1b) | best +10.0% (sdpa, 8192 tokens; spread ±30%) | within noise" in md
-
-
-def test_packing_peak_memory_side_by_side():
-    from harness.report.packing import packing_targets_md
-
-    rows = [_packing_row("packed-sdpa", 410.0, peak=15.8), _packing_row("packed-flex", 400.0, peak=15.7),
-            _packing_row("packed-varlen", 390.0, peak=15.75, at="2026-11-22T02:00:00+00:00"),
-            _packing_row("packed-flex-compiled", 200.0, peak=1.0)]  # compiled: not in this table
-    md = packing_targets_md(rows, [], SPEC)
-    assert "`tests/test_gpu_packing.py` (a GPU test) asserts it" in md
-    assert "| g | qwen3-0.6b | 8192 | 15.800 | 15.700 | 15.750 | +0.100 / +0.050 | 0.062 | no |" in md
-
-
-def test_packing_vs_stock_keeps_a_point_whose_stock_run_failed():
-    from harness.report.packing import packing_targets_md
-
-    failed = _packing_row("stock-flex", None, seq_len=16384, status="error")
-    failed["message"] = "timed out after 150 s"
-    md = packing_targets_md([failed, _packing_row("packed-flex", 700.0, seq_len=16384)], [], SPEC)
-    assert "| g | qwen3-0.6b | 16384 | error: timed out after 150 s | 700.0 (packed-flex) | – |" in md
-

@@ -7,7 +7,7 @@ from harness.report.fmt import DASH, GIB
 from harness.report import fmt
 from harness.report.moe import gain_cell, rows_of_kind, best_p50
 from harness.report.offload import ratio_cell
-from harness.report.runs import steps_by_gpu, median_of, from_one_run, run_note
+from harness.report.runs import steps_by_gpu, median_of, from_one_run, run_note, run_verdict
 from harness.roles import is_ours
 
 # ---------------------------------------------------------------------------------------------
@@ -155,9 +155,9 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
     if not pts:
         return ""
     body = [[p["gpu"], p["model"], p["seq_len"], _backend_label(p),
-             f"{fmt.num(p['builds_on'], '.1f')} / {fmt.num(p['builds_off'], '.1f')}", fmt.ms(p["m_ms"]),
+             fmt.joined(" / ", fmt.num(p['builds_on'], '.1f'), fmt.num(p['builds_off'], '.1f')), fmt.ms(p["m_ms"]),
              fmt.ms(p["predicted_ms"]), fmt.ms(p["predicted_device_ms"]), fmt.ms(p["seeds_ms"]),
-             f"{fmt.ms(p['off_ms'])} → {fmt.ms(p['on_ms'])}",
+             fmt.joined(" → ", fmt.ms(p['off_ms']), fmt.ms(p['on_ms'])),
              fmt.ms(p["measured_ms"]), ratio_cell(p["ratio"]), ratio_cell(p["ratio_device"]), gain_cell(p["gain_pct"]),
              fmt.signed_pct(seeds.get(p["model"])) if p["model"] in seeds else DASH]
             for p in pts]
@@ -181,22 +181,30 @@ def packing_cache_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
 GPU_BOUND_SPREAD_PCT = 5.0  # both rows' p80/p20 within 5 %: the host keeps ahead of the GPU
 
 
-def _bound_summary(pts: list[dict]) -> str:
-    """Which part of m a rebuild costs, by who bounds the step: GPU-bound pairs against the device
-    part, host-bound pairs against the whole m (medians and ranges of measured / predicted)."""
-
-    def span(vals):
-        vals = sorted(vals)
-        return f"median {vals[len(vals) // 2]:.2f}, range {vals[0]:.2f}–{vals[-1]:.2f}, {len(vals)} pairs"
-
+def bound_split(pts: list[dict]) -> dict:
+    """Which part of m a rebuild costs, by who bounds the step: the measured / predicted ratios of
+    the GPU-bound pairs against the device part (``gpu``), the count of GPU-bound pairs whose device
+    part is within their steps' p20-p80 band (``small``, too small to read), and the host-bound
+    pairs' ratios against the whole m (``host``)."""
     gpu_bound = [p for p in pts if p["ratio_device"] is not None and p["noise_pct"] is not None
                  and p["noise_pct"] <= GPU_BOUND_SPREAD_PCT]
     # a saving smaller than the steps' own p20-p80 band cannot be read off their medians
     gpu = [p["ratio_device"] for p in gpu_bound if p["noise_ms"] is not None
            and p["predicted_device_ms"] > p["noise_ms"]]
-    small = len(gpu_bound) - len(gpu)
     host = [p["ratio"] for p in pts if p["ratio"] is not None and p["noise_pct"] is not None
             and p["noise_pct"] > GPU_BOUND_SPREAD_PCT]
+    return {"gpu": gpu, "small": len(gpu_bound) - len(gpu), "host": host}
+
+
+def _bound_summary(pts: list[dict]) -> str:
+    """``bound_split`` as sentences: medians and ranges of measured / predicted."""
+
+    def span(vals):
+        vals = sorted(vals)
+        return f"median {vals[len(vals) // 2]:.2f}, range {vals[0]:.2f}–{vals[-1]:.2f}, {len(vals)} pairs"
+
+    split = bound_split(pts)
+    gpu, small, host = split["gpu"], split["small"], split["host"]
     if not gpu and not host:
         return ""
     out = ["\n\nBy who bounds the step (both rows' spread within "
@@ -258,6 +266,8 @@ def packing_vs_stock_points(rows: list[dict], spec: dict) -> list[dict]:
                         "compiled_ratio": compiled / best if compiled and best else None,
                         "stock_rows": _ok_rows(mine, model, t, stock_v),
                         "best_rows": _ok_rows(mine, model, t, variant) if variant else []})
+        for p in out:  # (minutes apart, one code, one run?) of the two compared sides' rows
+            p["run"] = run_verdict(p["stock_rows"] + p["best_rows"]) if p["best_rows"] else None
     return out
 
 
@@ -296,20 +306,22 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
                 + (f" (REFERENCE: {ref})" if ref else ""))
         for p in hits or [None]:
             if p is None or p["ratio"] is None:
-                measured = ("not measured" if p is None else f"{stock_v} {fmt.ms(p['stock_ms'])} ms, no packed row"
+                measured = ("not measured" if p is None else
+                            fmt.Cell(f"{stock_v} {fmt.ms(p['stock_ms'])} ms, no packed row", {"stock_ms": p["stock_ms"]})
                             if p["stock_ms"] else f"{stock_v} {'; '.join(p['stock_failed'])}")
-                targets.append([goal, measured, DASH])
+                targets.append([goal, measured, fmt.Cell(DASH, None)])
                 continue
-            measured = (f"{fmt.times(p['ratio'])} ({stock_v} {fmt.ms(p['stock_ms'])} → {p['best_variant']} "
-                        f"{fmt.ms(p['best_ms'])} ms); over {compiled_v} {fmt.times(p['compiled_ratio'])}")
+            measured = fmt.Cell(f"{fmt.times(p['ratio'])} ({stock_v} {fmt.ms(p['stock_ms'])} → {p['best_variant']} "
+                                f"{fmt.ms(p['best_ms'])} ms); over {compiled_v} {fmt.times(p['compiled_ratio'])}",
+                                {k: p[k] for k in ("ratio", "stock_ms", "best_variant", "best_ms", "compiled_ratio")})
             targets.append([goal + (f" ({p['gpu']})" if many else ""), measured,
-                            "met" if p["ratio"] >= want else "not met"])
+                            fmt.Cell("met", True) if p["ratio"] >= want else fmt.Cell("not met", False)])
 
     for model, seeds in (spec.get("seeds_cache_gain_pct") or {}).items():
         goal = f"cache on saves ≥ the published {fmt.signed_pct(seeds)} per step ({model})"
         pts = [p for p in cache if p["model"] == model and p["gain_pct"] is not None]
         if not pts:
-            targets.append([goal, "not measured", DASH])
+            targets.append([goal, "not measured", fmt.Cell(DASH, None)])
             continue
         # a gain smaller than the step-time spread of the two rows is not a measurement of the cache
         clear = [p for p in pts if p.get("noise_pct") is None or p["gain_pct"] > p["noise_pct"]]
@@ -317,13 +329,16 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
         where = f"{_backend_label(best)}, {best['seq_len']} tokens" + (f", {best['gpu']}" if many else "")
         noise = f"; spread ±{best['noise_pct']:.0f}%" if best.get("noise_pct") is not None else ""
         if not clear:
-            result = ("within noise: every gain is smaller than the step-time spread (p80/p20) of its "
-                      "host-bound rows")
+            result = fmt.Cell("within noise: every gain is smaller than the step-time spread (p80/p20) of its "
+                              "host-bound rows", None)
         elif best["gain_pct"] >= seeds:
-            result = "met"
+            result = fmt.Cell("met", True)
         else:
-            result = "not met: see the measured / predicted column; the saving is (builds_off − builds_on)·m"
-        targets.append([goal, f"best {gain_cell(best['gain_pct'])} ({where}{noise})", result])
+            result = fmt.Cell("not met: see the measured / predicted column; the saving is "
+                              "(builds_off − builds_on)·m", False)
+        targets.append([goal, fmt.Cell(f"best {gain_cell(best['gain_pct'])} ({where}{noise})",
+                                       {"gain_pct": best["gain_pct"], "backend": _backend_label(best),
+                                        "seq_len": best["seq_len"], "spread_pct": best.get("noise_pct")}), result])
 
     parts = [] if not targets else ["### Packing targets\n\n" + fmt.table(["target", "measured", "result"], targets)
              + "\n\nThe result compares the measured value only; `–` means not judged. For the cache targets, "
@@ -333,7 +348,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
     if vs:
         body = [[p["gpu"], p["model"], p["seq_len"],
                  fmt.ms(p["stock_ms"]) if p["stock_ms"] else "; ".join(p["stock_failed"]),
-                 f"{fmt.ms(p['best_ms'])} ({p['best_variant']})" if p["best_ms"]
+                 fmt.joined("", fmt.ms(p['best_ms']), note=p['best_variant']) if p["best_ms"]
                  else ("; ".join(p["failed"]) or "not run"),
                  fmt.times(p["ratio"]), fmt.ms(p["stock_compiled_ms"]), fmt.times(p["compiled_ratio"])] for p in vs]
         text = (f"#### Best packed path vs {stock_v}\n\n" + fmt.table(
@@ -363,9 +378,9 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
             batch = median_of([r for rs in by.values() for r in rs], lambda r: r.get("batch_size"))
             mask = batch * fmt.number(t) ** 2 / GIB if batch and fmt.number(t) else None
             same = from_one_run([r for rs in by.values() for r in rs])
-            diffs = " / ".join(fmt.num(fmt.diff(peak["sdpa"], peak[b]), "+.3f") for b in ("flex", "varlen"))
+            diffs = fmt.joined(" / ", *(fmt.num(fmt.diff(peak["sdpa"], peak[b]), "+.3f") for b in ("flex", "varlen")))
             peaks.append([slug, model, t, *(fmt.num(peak[v], ".3f") for v in by), diffs,
-                          fmt.num(mask, ".3f"), DASH if same is None else ("yes" if same else "no")])
+                          fmt.num(mask, ".3f"), fmt.met(same)])
     if peaks:
         parts.append(
             "#### No T×T mask on the flex or varlen path\n\n"

@@ -51,18 +51,25 @@ def run_note(labelled: list[tuple[str, list[dict]]]) -> str:
         return f"{when} (git {shas})"
 
     text = " and ".join(f"{name} recorded {seen(rs)}" for name, rs in labelled)
-    times = [t for r in rows if (t := recorded_at(r)) is not None]
-    span = (max(times) - min(times)).total_seconds() / 60 if len(times) == len(rows) else None
-    shas = code_ids(rows)
+    span, one_code, one_run = run_verdict(rows)
     if span is None:
         verdict = "a recording time is missing, so it is unknown whether they come from one run"
     elif span > SAME_RUN_MINUTES:
         verdict = f"they are {span:.0f} minutes apart, so they come from different runs"
-    elif len(shas) > 1:
+    elif not one_code:
         verdict = "they ran different code (commits or code hashes differ), so they come from different runs"
     else:
         verdict = f"they are {span:.0f} minutes apart running the same code, so they likely come from one run"
     return f"{text}: {verdict}."
+
+
+def run_verdict(rows: list[dict]) -> tuple[float | None, bool, bool | None]:
+    """Whether ``rows`` read as one run: the minutes between the first and the last recorded (None
+    where a time is missing), whether they ran one code, and the verdict (None: unknown)."""
+    times = [t for r in rows if (t := recorded_at(r)) is not None]
+    span = (max(times) - min(times)).total_seconds() / 60 if times and len(times) == len(rows) else None
+    one_code = len(code_ids(rows)) <= 1
+    return span, one_code, None if span is None else (span <= SAME_RUN_MINUTES and one_code)
 
 
 def steps_by_gpu(rows: list[dict]) -> dict[str, list[dict]]:
