@@ -128,10 +128,14 @@ def test_positions_that_disagree_raise_by_the_next_batch_without_a_host_sync():
     good = meta.position_ids().cuda()
     bad = good.clone()
     bad[1, 150] = 3
+    # once first, untimed: a process's first check pays one-off costs (its first pinned buffer, the
+    # kernels' first launch) that can outlast the sleep below when this test runs first
+    checks.compare(entry.start, good, "packing=M")
+    P.raise_pending(wait=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # a device-to-host sync raises
     try:
-        torch.cuda._sleep(50_000_000)  # keep the GPU busy: the checks cannot have finished below
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU busy: the checks cannot have finished below
         checks.compare(entry.start, good, "packing=M")
         checks.compare(entry.start, bad, "packing=M")
         P.raise_pending()

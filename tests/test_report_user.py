@@ -1,7 +1,10 @@
 """The user's path section: stock, Liger and optim.enable side by side, computed from rows, and
 the targets of [report.user] judged on those numbers (a skipped peer judges nothing)."""
 
-from harness.report.user import user_md, user_points, variant_names
+import pytest
+
+from harness.report import fmt
+from harness.report.user import user_md, user_points, user_targets, variant_names
 
 SPEC = {"stock": "stock", "liger": "liger", "user": "user", "targets": [
     {"model": "qwen3-8b", "seq_len": 8192, "min_speedup_over_liger": 1.3, "max_peak_over_liger": 1.0, "min_hfu": 0.45},
@@ -37,16 +40,23 @@ def test_points_compute_the_ratios_a_reader_asks_for():
     assert g["over_liger"] is None and g["rows"]["liger"]["status"] == "skipped"
 
 
+def _goals(rows, spec, trainer_rows=None):
+    """{target: (measured, met)} as user_md's targets table holds them."""
+    return {g: (fmt.value(m), fmt.value(ok)) for g, m, ok in user_targets(user_points(rows, spec), spec["targets"],
+                                                                          trainer_rows)}
+
+
 def test_targets_are_judged_on_the_measured_values():
-    text = user_md(ROWS, SPEC)
-    assert text.startswith("## The user's path beside the peers")
-    lines = {l.split("|")[1].strip(): l for l in text.splitlines() if l.startswith("| user")}
-    assert "1.267×" in lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"]
-    assert lines["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"].rstrip(" |").endswith("not met")
-    assert lines["user peak ≤ 1× Liger's, qwen3-8b at 8192 tokens (h100)"].rstrip(" |").endswith("not met")
-    assert "40.0%" in lines["user HFU ≥ 45%, qwen3-8b at 8192 tokens (h100)"]
-    assert lines["user ≤ 270 ms, gpt-oss-20b at 2048 tokens (h100)"].rstrip(" |").endswith("| met")
-    assert "skipped: Liger-Kernel is not installed" in text
+    goals = _goals(ROWS, SPEC)
+    assert goals["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"] == (pytest.approx(1251.5 / 988.1), False)
+    assert goals["user peak ≤ 1× Liger's, qwen3-8b at 8192 tokens (h100)"] == ((pytest.approx(20.87 / 20.55), 20.87, 20.55), False)
+    assert goals["user HFU ≥ 45%, qwen3-8b at 8192 tokens (h100)"] == (0.40, False)
+    assert goals["user ≤ 270 ms, gpt-oss-20b at 2048 tokens (h100)"] == (236.5, True)
+    with fmt.recording() as tables:
+        assert user_md(ROWS, SPEC).startswith("## The user's path beside the peers")
+    gpt = tables.find("user vs the fastest peer").row(model="gpt-oss-20b", tokens=2048)
+    assert gpt["Liger-Kernel (`liger`) ms"] == "skipped: Liger-Kernel is not installed"
+    assert (gpt["optim.enable (`user`) ms"], gpt["user vs liger"]) == (236.5, "–")
 
 
 def test_no_rows_of_the_three_variants_is_no_section():
@@ -56,20 +66,17 @@ def test_no_rows_of_the_three_variants_is_no_section():
 def test_a_ratio_just_under_its_target_does_not_print_as_the_target():
     rows = [_row("qwen3-8b", 8192, "stock", 1577.4, 32.1), _row("qwen3-8b", 8192, "liger", 1259.6, 20.55),
             _row("qwen3-8b", 8192, "user", 972.1, 20.87)]
-    line = next(l for l in user_md(rows, SPEC).splitlines() if l.startswith("| user ≥ 1.3× faster"))
-    assert "| 1.296× | not met |" in line
+    (_, measured, met), *_ = user_targets(user_points(rows, SPEC), SPEC["targets"])
+    assert (str(measured), measured.value, met.value) == ("1.296×", pytest.approx(1259.6 / 972.1), False)
 
 
 def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
     spec = {**SPEC, "targets": [{"model": "gpt-oss-20b", "seq_len": 2048, "max_graphed_trainer_ms": 200}]}
     bench = [{"kind": "trainer", "gpu_slug": "h100", "model": "gpt-oss-20b", "tokens": 2048, "mode": mode,
               "status": "ok", "ms": ms} for mode, ms in (("ours", 339.3), ("graphed", 235.1))]
-
-    def line(text):
-        return next(l for l in text.splitlines() if l.startswith("| GraphedTrainer ≤ 200 ms"))
-
-    assert line(user_md(ROWS, spec, trainer_rows=bench)).rstrip(" |").endswith("| 235.1 ms (`harness.bench.trainer`) | not met")
-    assert "not measured" in line(user_md(ROWS, spec))  # no bench rows: judged on nothing
+    goal = "GraphedTrainer ≤ 200 ms per step, gpt-oss-20b at 2048 tokens (h100)"
+    assert _goals(ROWS, spec, bench)[goal] == (235.1, False)
+    assert _goals(ROWS, spec)[goal] == ("not measured", None)  # no bench rows: judged on nothing
 
 
 def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_none():
@@ -88,7 +95,9 @@ def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_non
     # two variants of role user: the spec must choose, else the column is empty
     two = rows + [{**r, "variant": "user-2"} for r in rows if r["variant"] == "user"]
     assert variant_names(two, targets)["user"] is None and variant_names(two, {"user": "user-2"})["user"] == "user-2"
-    assert "optim.enable (`–`) ms" in user_md(two, targets)
+    with fmt.recording() as tables:
+        user_md(two, targets)
+    assert "optim.enable (`–`) ms" in tables[0].header
 
 
 def test_every_committed_user_experiment_finds_its_three_columns_by_role():
@@ -112,6 +121,8 @@ def test_a_compiled_stock_faster_than_the_other_peers_is_the_headline_denominato
     (p,) = user_points(rows, {})
     assert p["fastest_peer"] == "compiled" and round(p["over_fastest"], 4) == round(187.7 / 206.8, 4)
     assert round(p["over_stock"], 4) == round(514.0 / 206.8, 4)  # eager stock stays a column
-    md = user_md(rows, {})
-    row = next(line for line in md.splitlines() if line.startswith("| qwen3-0.6b"))
-    assert "| 0.91× (stock + compile) |" in row and "stock + compile (`stock-compiled`) ms" in md
+    with fmt.recording() as tables:
+        user_md(rows, {})
+    row = tables.find("user vs the fastest peer").row(model="qwen3-0.6b")
+    assert row["user vs the fastest peer"] == (pytest.approx(187.7 / 206.8), "stock + compile")
+    assert row["stock + compile (`stock-compiled`) ms"] == 187.7

@@ -87,7 +87,7 @@ def _cell(r: dict | None) -> str:
 
 
 def _gib(x) -> str:
-    return f"{x:.2f}" if x is not None else DASH
+    return fmt.num(x, ".2f")
 
 
 def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None) -> str:
@@ -101,11 +101,12 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     body = []
     for p in pts:
         body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
-                     " / ".join(_gib(p["peak"][role]) for role in ROLES),
-                     f"{fmt.times(p['over_fastest'])} ({PEER_LABEL[p['fastest_peer']]})" if p["over_fastest"] else DASH,
+                     fmt.joined(" / ", *(_gib(p["peak"][role]) for role in ROLES)),
+                     fmt.joined("", fmt.times(p['over_fastest']), note=PEER_LABEL[p['fastest_peer']])
+                     if p["over_fastest"] else DASH,
                      fmt.times(p["over_stock"]) if p["over_stock"] else DASH,
                      fmt.times(p["over_liger"]) if p["over_liger"] else DASH,
-                     f"{100 * p['hfu']:.1f}%" if p["hfu"] is not None else DASH])
+                     fmt.fmt_pct(p["hfu"]) if p["hfu"] is not None else DASH])
     header = [*(["GPU"] if many else []), "model", "tokens", f"stock (`{names['stock']}`) ms",
               f"stock + compile (`{names['compiled']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
               f"optim.enable (`{names['user']}`) ms", "peak GiB stock / compile / liger / user",
@@ -149,29 +150,30 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
             checks = []
             if "max_user_ms" in t:
                 v = p and p["ms"]["user"]
-                checks.append((f"user ≤ {t['max_user_ms']:g} ms", f"{fmt.ms(v)} ms" if v else "not measured",
+                checks.append((f"user ≤ {t['max_user_ms']:g} ms", fmt.Cell(f"{fmt.ms(v)} ms", v) if v else "not measured",
                                v <= t["max_user_ms"] if v else None))
             if "max_graphed_trainer_ms" in t:
                 v = _graphed_trainer(trainer_rows or [], model, seq_len, p and p["gpu"])
                 checks.append((f"GraphedTrainer ≤ {t['max_graphed_trainer_ms']:g} ms per step",
-                               f"{fmt.ms(v)} ms (`harness.bench.trainer`)" if v else "not measured",
+                               fmt.Cell(f"{fmt.ms(v)} ms (`harness.bench.trainer`)", v) if v else "not measured",
                                v <= t["max_graphed_trainer_ms"] if v else None))
             if "min_speedup_over_liger" in t:
                 v = p and p["over_liger"]
                 # three decimals: a ratio a hair under its target must not print as the target
                 checks.append((f"user ≥ {t['min_speedup_over_liger']:g}× faster than Liger",
-                               f"{v:.3f}×" if v else "not measured", v >= t["min_speedup_over_liger"] if v else None))
+                               fmt.Cell(f"{v:.3f}×", v) if v else "not measured",
+                               v >= t["min_speedup_over_liger"] if v else None))
             if "max_peak_over_liger" in t:
                 u, lg = (p["peak"]["user"], p["peak"]["liger"]) if p else (None, None)
                 v = u / lg if u and lg else None
                 checks.append((f"user peak ≤ {t['max_peak_over_liger']:g}× Liger's",
-                               f"{v:.3f}× ({_gib(u)} vs {_gib(lg)} GiB)" if v else "not measured",
+                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {_gib(lg)} GiB)", (v, u, lg)) if v else "not measured",
                                v <= t["max_peak_over_liger"] if v else None))
             if "min_hfu" in t:
                 v = p and p["hfu"]
-                checks.append((f"user HFU ≥ {100 * t['min_hfu']:.0f}%", f"{100 * v:.1f}%" if v else "not measured",
+                checks.append((f"user HFU ≥ {100 * t['min_hfu']:.0f}%", fmt.fmt_pct(v) if v else "not measured",
                                v >= t["min_hfu"] if v else None))
-            out += [[f"{goal}, {where}", measured, DASH if ok is None else ("met" if ok else "not met")]
+            out += [[f"{goal}, {where}", measured, fmt.Cell(DASH if ok is None else ("met" if ok else "not met"), ok)]
                     for goal, measured, ok in checks]
     return out
 
