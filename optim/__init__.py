@@ -13,6 +13,8 @@
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
   (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_train_router``); a dense model is left
   unchanged.
+- ``optim.recompute``: checkpointed layers skip their recompute while their activations fit in
+  the GPU memory the step leaves free (``recompute``); the math is plain checkpointing's.
 - ``optim.loss``: lm_head + cross-entropy in token chunks with the gradient made in the forward,
   so ``model(..., labels=...)`` never holds the full fp32 logits (``fused_loss``).
 - ``optim.regional``: each decoder layer through torch.compile, one graph shared by all layers
@@ -37,7 +39,7 @@ _ENABLED = "_optim_enabled"
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
-MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.loss", "optim.regional")
+MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.recompute", "optim.loss", "optim.regional")
 
 
 def _modules():

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from optim.packing.checks import raise_pending
+from optim.recompute import BudgetedCheckpoint
 
 # transformers skips its data-dependent mask checks while a stream captures (``is_tracing``), so
 # a captured forward can take another mask path than an eager one: with one document per row,
@@ -83,6 +84,8 @@ def check_checkpointing(model: nn.Module) -> None:
         if not getattr(m, "gradient_checkpointing", False):
             continue
         fn = getattr(m, "_gradient_checkpointing_func", None)
+        while isinstance(fn, BudgetedCheckpoint):  # optim.recompute's: the configured function inside
+            fn = fn.__wrapped__
         if type(fn).__name__ == "Offloader":
             raise CaptureError(f"{name or 'the model'} checkpoints through optim.offload, whose host copies run on "
                                "side streams a graph cannot capture; leave optim.offload off (optim.enable does by default)")

@@ -143,6 +143,19 @@ DECLARED: dict[str, dict[str, Switch]] = {
             ),
         )
     },
+    "optim.recompute": {
+        s.name: s
+        for s in (
+            Switch(
+                "recompute",
+                ("auto", "all"),
+                "auto",
+                "checkpointed layers: auto = a layer skips its recompute while its activations fit in the "
+                "GPU memory the step leaves free (measured in the first step, decided per batch from its "
+                "tokens; CUDA); all = every checkpointed layer recomputes (plain checkpointing)",
+            ),
+        )
+    },
     "optim.loss": {
         s.name: s
         for s in (

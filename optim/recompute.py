@@ -1,0 +1,272 @@
+"""Recompute only what memory requires: a checkpointed layer skips its recomputation while its
+activations fit in the GPU memory the step leaves free.
+
+Gradient checkpointing trades compute for memory on every layer, whatever the GPU has to spare:
+each checkpointed layer runs its forward twice. Where the model's weights, the step's growth and
+every layer's activations fit anyway, that second forward buys nothing. gpt-oss-20b with LoRA at
+2048 tokens on an 80 GB GPU is the case: its 24 layers' activations take a few GiB beside 50 GiB of
+weights, and the recompute is a third of the step.
+
+How a step decides, with checkpointing on as the user set it (``gradient_checkpointing_enable``,
+``TrainingArguments(gradient_checkpointing=True)``):
+
+1. The first step runs every checkpointed layer as configured. It measures what the step grows
+   above what was allocated at its start (its peak, from CUDA's peak statistics), and each
+   layer's activations: the memory its recompute holds for the backward.
+2. Every later forward decides for its own batch, from its tokens: the step's growth and each
+   layer's activations scaled by the tokens against the first step's (the growth never below the
+   first step's), against what the process can still allocate (free device memory plus the
+   caching allocator's unused blocks) less a headroom. Layers skip their recompute, cheapest
+   first, while their activations fit; the rest checkpoint as configured. CUDA's peak statistics
+   are reset once, at the first step's start, so the growth is that step's own.
+
+The math is the same either way (a recompute repeats the layer's forward), so losses and
+gradients are those of plain checkpointing. Layers the model does not checkpoint, evaluation and
+``torch.no_grad`` are untouched; checkpointing through ``optim.offload`` (memory first) keeps every
+recompute. The decision reads only host-side allocator counters: no device sync.
+
+Switch ``recompute``: ``auto`` (the default: skip recompute where it fits, on CUDA), ``all`` (every
+checkpointed layer recomputes: plain checkpointing).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from optim._hf import owner
+from optim.switches import Switch, switches_of
+
+log = logging.getLogger(__name__)
+
+SWITCHES: dict[str, Switch] = switches_of("optim.recompute")
+
+_ATTR = "_optim_recompute"
+GIB = 2**30
+
+
+class Memory:
+    """The allocator counters a decision reads (CUDA's; a test passes its own)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def usable_and_total(self) -> tuple[int, int]:
+        """What the process can still allocate (free plus the allocator's unused blocks), and the
+        device's total."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free + max(0, torch.cuda.memory_reserved(self.device) - self.allocated()), total
+
+
+def headroom(total: int) -> int:
+    """Kept free beside the predicted peak: fragmentation, and batches that need a little more."""
+    return max(GIB, int(0.05 * total))
+
+
+def plan(acts: dict[int, int], growth: int, tokens: int, first_tokens: int, usable: int, total: int) -> frozenset[int]:
+    """The layers that skip their recompute for a batch of ``tokens``: cheapest first, while the
+    step's growth and their activations (both measured at ``first_tokens``, scaled by the tokens;
+    the growth never below what was measured) fit in ``usable`` less the headroom."""
+    scale = tokens / first_tokens
+    room = usable - growth * max(1.0, scale) - headroom(total)
+    skip = []
+    for idx, act in sorted(acts.items(), key=lambda kv: (kv[1], kv[0])):
+        room -= act * scale
+        if room < 0:
+            break
+        skip.append(idx)
+    return frozenset(skip)
+
+
+@dataclass
+class RecomputeState:
+    """Per model: what the first step measured and what each forward decided."""
+
+    mode: str
+    layers: int = 0
+    memory: Callable[[torch.device], Any] = Memory  # a test passes a fake
+    first_tokens: int | None = None  # the measured step's tokens
+    start_allocated: int = 0  # allocated at the measured step's start
+    growth: int | None = None  # the measured step's peak above its start
+    acts: dict[int, int] = field(default_factory=dict)  # layer index -> activation bytes at first_tokens
+    checkpointed: set = field(default_factory=set)  # the layers the measured step checkpointed
+    measuring: bool = False
+    forwards: int = 0
+    decided_for: int = -1
+    skip: frozenset = frozenset()
+    skipped: dict[str, int] = field(default_factory=lambda: {"last": 0, "min": -1, "max": 0})
+    recomputed: int = 0  # recomputes run since enable (a skipped layer runs none)
+    peak_reset: bool = False
+    mem: Any = None
+
+    def begin(self, tokens: int, device: torch.device) -> None:
+        """The first checkpointed layer call of a forward: measure (first step) or decide."""
+        self.decided_for = self.forwards
+        if self.mem is None:
+            self.mem = self.memory(device)
+        if self.measuring and self.checkpointed and set(self.acts) >= self.checkpointed:
+            self.growth = max(0, self.mem.peak() - self.start_allocated)  # the measured step is over
+            self.measuring = False
+        if self.growth is None:  # measure this step (or keep measuring: its backward has not run)
+            self.skip = frozenset()
+            if not self.measuring:
+                self._start_measuring(tokens)
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # a CUDA-graph capture replays the decision of the warm-up steps
+        usable, total = self.mem.usable_and_total()
+        self.skip = plan(self.acts, self.growth, tokens, self.first_tokens, usable, total)
+        n = len(self.skip)
+        self.skipped["last"], self.skipped["max"] = n, max(self.skipped["max"], n)
+        self.skipped["min"] = n if self.skipped["min"] < 0 else min(self.skipped["min"], n)
+
+    def _start_measuring(self, tokens: int) -> None:
+        self.measuring, self.first_tokens, self.acts, self.checkpointed = True, tokens, {}, set()
+        self.start_allocated = self.mem.allocated()
+        if self.mem.peak() > self.start_allocated:  # an earlier computation's peak: not this step's
+            self.mem.reset_peak()
+            self.peak_reset = True
+
+
+class BudgetedCheckpoint:
+    """A layer's checkpoint function: the configured one (``__wrapped__``), measured in the first
+    step, skipped where the forward's decision says the layer's activations fit."""
+
+    def __init__(self, state: RecomputeState, index: int, inner: Callable):
+        self.state, self.index, self.__wrapped__ = state, index, inner
+
+    def __call__(self, fn, *args, **kwargs):
+        st = self.state
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or not _active(st, x, self.__wrapped__):
+            return self.__wrapped__(fn, *args, **kwargs)
+        if st.decided_for != st.forwards:
+            st.begin(int(x.shape[:-1].numel()), x.device)
+        if self.index in st.skip:
+            return fn(*args, **kwargs)
+        counted = self._counted(fn)
+        if not st.measuring:
+            return self.__wrapped__(counted, *args, **kwargs)
+        st.checkpointed.add(self.index)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # the recompute runs whole
+            return self.__wrapped__(counted, *args, **kwargs)
+
+    def _counted(self, fn):
+        st, index, calls = self.state, self.index, [0]
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 1:  # the forward
+                return fn(*args, **kwargs)
+            st.recomputed += 1
+            if not st.measuring:
+                return fn(*args, **kwargs)
+            before = st.mem.allocated()
+            out = fn(*args, **kwargs)
+            st.acts[index] = max(0, st.mem.allocated() - before)  # what the backward holds of it
+            return out
+        return run
+
+
+def _active(st: RecomputeState, x: torch.Tensor, inner) -> bool:
+    if st.mode != "auto" or type(inner).__name__ == "Offloader":  # offload: memory first, every recompute
+        return False
+    return x.device.type == "cuda" or st.memory is not Memory
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _wrap(st: RecomputeState, layers: list[nn.Module]) -> None:
+    """Each checkpointing layer's function wrapped (again, where transformers set a new one since)."""
+    for i, layer in enumerate(layers):
+        fn = getattr(layer, "_gradient_checkpointing_func", None)
+        if fn is not None and not (isinstance(fn, BudgetedCheckpoint) and fn.state is st):
+            while isinstance(fn, BudgetedCheckpoint):  # another enable's wrapper: the configured function
+                fn = fn.__wrapped__
+            layer._gradient_checkpointing_func = BudgetedCheckpoint(st, i, fn)
+
+
+def _stack(model: nn.Module, layers: list[nn.Module]) -> nn.Module:
+    """The module whose forward runs the decoder layers (it holds their ModuleList)."""
+    ids = {id(m) for m in layers}
+    for m in model.modules():
+        for child in m.children():
+            if isinstance(child, nn.ModuleList) and any(id(x) in ids for x in child):
+                return m
+    return owner(model)
+
+
+def enable(model: nn.Module, *, recompute: str | None = None, _memory=None, **_ignored) -> nn.Module:
+    """Skip the recompute of checkpointed layers whose activations fit (``recompute``, or
+    OPTIM_RECOMPUTE: auto, all). Works whenever checkpointing is turned on, before or after this
+    call. Returns the model."""
+    mode = SWITCHES["recompute"].resolve(recompute)
+    disable(model)
+    st = RecomputeState(mode=mode, memory=_memory or Memory)
+    layers = _layers(model)
+    st.layers = len(layers)
+    vars(owner(model))[_ATTR] = st
+    if mode == "all" or not layers:
+        return model
+
+    def before_forward(_module, _args):
+        st.forwards += 1
+        _wrap(st, layers)  # a later gradient_checkpointing_enable sets new functions
+
+    st.hook = _stack(model, layers).register_forward_pre_hook(before_forward)
+    _wrap(st, layers)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo ``enable``: every layer's configured checkpoint function, no hook."""
+    st = vars(owner(model)).pop(_ATTR, None)
+    if st is None:
+        return model
+    hook = getattr(st, "hook", None)
+    if hook is not None:
+        hook.remove()
+    for layer in _layers(model):
+        fn = getattr(layer, "_gradient_checkpointing_func", None)
+        if isinstance(fn, BudgetedCheckpoint) and fn.state is st:
+            layer._gradient_checkpointing_func = fn.__wrapped__
+    return model
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """What the steps so far decided (empty when not applied)."""
+    st = vars(owner(model)).get(_ATTR)
+    if st is None:
+        return {}
+    d = {"recompute": st.mode, "layers": st.layers, "layers_skipped": dict(st.skipped),
+         "recomputes": st.recomputed}
+    if st.growth is not None:
+        d.update(measured_tokens=st.first_tokens, allocated_at_start_gib=round(st.start_allocated / GIB, 3),
+                 step_growth_gib=round(st.growth / GIB, 3),
+                 activation_gib_per_layer=round(max(st.acts.values(), default=0) / GIB, 4),
+                 peak_reset=st.peak_reset)
+    return d
+
+
+def run_stats(model: nn.Module) -> dict[str, Any]:
+    """What the steps so far decided, for a results row."""
+    return {"recompute_stats": describe(model) or None}

@@ -1,0 +1,112 @@
+"""optim.recompute on CUDA, through optim.enable with its defaults: every step's loss and gradients
+against plain checkpointing (recompute="all"), the first included; the first step measures real
+activations; a GPU with room skips every recompute, a full GPU keeps them without an OOM; and a
+longer batch than the measured one is judged on its own tokens."""
+
+import gc
+
+import pytest
+import torch
+from _lora import randomize_lora_b
+
+import optim
+import optim.recompute as R
+from harness.workload import models
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 3
+# A Qwen3 shape no other test uses (hidden 1024, 6 layers, GQA 16/8), LoRA r=8, 2 x 2048 tokens
+SPEC = models.ModelSpec("qwen3-recompute-test", "qwen3", 6, 1024, 3072, 16, 8, 128, 4096,
+                        extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
+
+
+def _batches(shapes):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, SPEC.vocab_size, s, generator=g).cuda() for s in shapes]
+
+
+def _train(batches, **switches):
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = randomize_lora_b(models.build(SPEC, device="cuda", dtype=torch.bfloat16, lora_rank=8))
+    optim.enable(model, **switches)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for _, p in params], lr=1e-3)
+    steps, skipped = [], []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        steps.append((loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in params}))
+        skipped.append(R.describe(model)["layers_skipped"]["last"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    stats = R.describe(model)
+    del model, opt
+    return steps, skipped, stats
+
+
+def _assert_steps_match(steps, ref):
+    for i, ((l0, g0), (l1, g1)) in enumerate(zip(ref, steps)):
+        assert torch.allclose(l0, l1, rtol=2e-3, atol=2e-3), (i, l0, l1)
+        for k in g0:
+            err = (g0[k] - g1[k]).norm() / g0[k].norm().clamp_min(1e-12)
+            assert err < 2e-2, (i, k, float(err))
+
+
+def test_with_room_every_layer_skips_its_recompute_and_every_step_matches_plain_checkpointing():
+    batches = _batches([(2, 2048)] * STEPS)
+    ref, none_skipped, _ = _train(batches, recompute="all")
+    steps, skipped, st = _train(batches)
+    assert none_skipped == [0] * STEPS
+    assert skipped == [0] + [SPEC.num_hidden_layers] * (STEPS - 1), st  # measured first, then all skip
+    assert st["measured_tokens"] == 4096 and st["activation_gib_per_layer"] > 0.01, st  # real activations
+    assert st["recomputes"] == SPEC.num_hidden_layers, st  # the measured step's only
+    _assert_steps_match(steps, ref)
+
+
+def _fill_leaving(room_bytes: int):
+    """A tensor that leaves free the headroom plus ``room_bytes``."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return torch.empty(free - R.headroom(total) - room_bytes, dtype=torch.uint8, device="cuda")
+
+
+def _gib(x) -> int:
+    return int(x * 2**30)
+
+
+def test_a_full_gpu_keeps_the_recomputes_without_an_oom():
+    """Room for the model and the checkpointed step, and half a layer's activations more: the
+    first step's measurement leaves every later step recomputing, and nothing runs out of memory."""
+    batches = _batches([(2, 2048)] * STEPS)
+    ref, _, _ = _train(batches, recompute="all")
+    _, _, probe = _train(batches[:2])
+    filler = _fill_leaving(_gib(probe["allocated_at_start_gib"]) + _gib(probe["step_growth_gib"])
+                           + _gib(probe["activation_gib_per_layer"]) // 2)
+    try:
+        steps, skipped, st = _train(batches)
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    assert skipped[1:] == [0] * (STEPS - 1), st
+    assert st["recomputes"] == SPEC.num_hidden_layers * STEPS, st
+    _assert_steps_match(steps, ref)
+
+
+def test_a_longer_batch_than_the_measured_one_is_judged_on_its_tokens():
+    """Measured at 2 x 512 tokens, then 2 x 4096, on a GPU with room for twice the short batch's
+    activations but not for the long batch's: the long batch keeps its recomputes."""
+    batches = _batches([(2, 512), (2, 512), (2, 4096), (2, 512)])
+    ref, _, _ = _train(batches, recompute="all")
+    _, _, probe = _train(batches[:2])
+    filler = _fill_leaving(_gib(probe["allocated_at_start_gib"]) + _gib(probe["step_growth_gib"])
+                           + 2 * SPEC.num_hidden_layers * _gib(probe["activation_gib_per_layer"]))
+    try:
+        steps, skipped, st = _train(batches)
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    assert skipped[1] == skipped[3] == SPEC.num_hidden_layers and skipped[2] < SPEC.num_hidden_layers, (skipped, st)
+    _assert_steps_match(steps, ref)

@@ -1,0 +1,157 @@
+"""optim.recompute on CPU: the decision (``plan``) on numbers, and the layer wrappers on a real
+model with a stand-in for CUDA's allocator counters: skipped recomputes give plain checkpointing's
+loss and gradients at every step, the first included; a layer with no room keeps recomputing; a
+later gradient_checkpointing_enable (Trainer's) keeps the decision."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import optim
+import optim.recompute as R
+from harness.workload import models
+
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_plan_skips_the_cheapest_layers_while_they_fit():
+    acts = {0: 1 * GIB, 1: 2 * GIB, 2: 1 * GIB}
+    # headroom max(1 GiB, 5 % of 80 GiB) = 4 GiB: room 20 - 10 - 4 = 6 GiB holds all three (4 GiB)
+    assert R.plan(acts, 10 * GIB, 1000, 1000, 20 * GIB, 80 * GIB) == {0, 1, 2}
+    assert R.plan(acts, 10 * GIB, 1000, 1000, 16 * GIB, 80 * GIB) == {0, 2}  # room 2: the two 1 GiB layers
+    assert R.plan(acts, 10 * GIB, 1000, 1000, 15 * GIB, 80 * GIB) == {0}
+    assert R.plan(acts, 10 * GIB, 1000, 1000, 14 * GIB, 80 * GIB) == set()
+    # twice the tokens: twice the growth and the activations
+    assert R.plan(acts, 10 * GIB, 2000, 1000, 30 * GIB, 80 * GIB) == {0, 2}
+    # fewer tokens: the activations shrink, the growth is never taken below what was measured
+    assert R.plan(acts, 10 * GIB, 500, 1000, 16 * GIB, 80 * GIB) == {0, 1, 2}
+    assert R.plan(acts, 10 * GIB, 500, 1000, 14 * GIB, 80 * GIB) == set()
+
+
+class FakeMemory:
+    """CUDA's counters for a CPU run: every read of ``allocated`` grows by 256 MiB (so each
+    recompute shows 256 MiB of activations), the peak sits 4 reads above it, and the device has
+    ``usable`` bytes to give (80 GiB in all: a 4 GiB headroom)."""
+
+    usable = 1000 * GIB
+
+    def __init__(self, device):
+        self.n = 0
+        self.resets = 0
+
+    def allocated(self) -> int:
+        self.n += 1
+        return 40 * GIB + self.n * 2**28
+
+    def peak(self) -> int:
+        return 40 * GIB + (self.n + 4) * 2**28
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def usable_and_total(self):
+        return self.usable, 80 * GIB
+
+
+class NoRoom(FakeMemory):
+    usable = 0
+
+
+def _model(layers=3):
+    spec = dataclasses.replace(models.get("llama-3.2-1b-tiny"), num_hidden_layers=layers)
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+    models.randomize_lora_b(m)
+    return m
+
+
+def _attention_calls(m) -> list[int]:
+    """Calls of each layer's attention: 2 per step where the layer recomputes, 1 where it does not."""
+    calls = []
+    for layer in R._layers(m):
+        calls.append(0)
+        i = len(calls) - 1
+        layer.self_attn.register_forward_hook(lambda *_a, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def _steps(m, n=3, shapes=None):
+    shapes = shapes or [(2, 32)] * n
+    out, calls = [], _attention_calls(m)
+    for i, (b, t) in enumerate(shapes):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 512, (b, t), generator=g)
+        for p in m.parameters():
+            p.grad = None
+        before = list(calls)
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in m.named_parameters() if p.requires_grad}
+        out.append((loss.detach(), grads, [c - b0 for c, b0 in zip(calls, before)]))
+    return out
+
+
+def test_skipped_recomputes_give_plain_checkpointings_loss_and_gradients_at_every_step():
+    plain = _steps(_model())
+    m = _model()
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    ours = _steps(m)
+    for step, ((l0, g0, c0), (l1, g1, c1)) in enumerate(zip(plain, ours)):
+        assert torch.equal(l0, l1), step
+        assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0), step
+        assert c0 == [2, 2, 2]
+    assert [c for _, _, c in ours] == [[2, 2, 2], [1, 1, 1], [1, 1, 1]]  # measured, then no recompute
+    d = R.describe(m)
+    assert d["layers_skipped"] == {"last": 3, "min": 3, "max": 3} and d["recomputes"] == 3
+    assert (d["measured_tokens"], d["activation_gib_per_layer"], d["step_growth_gib"]) == (64, 0.25, 2.5)
+
+
+def test_no_room_keeps_every_recompute_and_a_longer_batch_is_judged_on_its_tokens():
+    m = _model()
+    R.enable(m, recompute="auto", _memory=NoRoom)
+    assert [c for _, _, c in _steps(m)] == [[2, 2, 2]] * 3
+    assert R.describe(m)["layers_skipped"]["max"] == 0
+
+    class Tight(FakeMemory):
+        # the measured step: 6 reads in its 3 recomputes, so a growth of 10 reads (2.5 GiB) and
+        # 0.25 GiB per layer; room for those beside the 4 GiB headroom, not for four times the tokens
+        usable = 4 * GIB + 10 * 2**28 + 3 * 2**28 + 2**26
+
+    m = _model()
+    R.enable(m, recompute="auto", _memory=Tight)
+    counts = [c for _, _, c in _steps(m, shapes=[(2, 32), (2, 32), (2, 128), (2, 32)])]
+    assert counts[1] == [1, 1, 1] and counts[2] == [2, 2, 2] and counts[3] == [1, 1, 1]
+
+
+def test_a_later_gradient_checkpointing_enable_keeps_the_decision_and_disable_restores():
+    m = _model()
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    _steps(m, n=1)
+    # Trainer turns checkpointing on again at train(): new functions on every layer
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert [c for _, _, c in _steps(m, n=2)] == [[1, 1, 1]] * 2
+    R.disable(m)
+    assert not any(isinstance(getattr(layer, "_gradient_checkpointing_func", None), R.BudgetedCheckpoint)
+                   for layer in R._layers(m))
+    assert [c for _, _, c in _steps(m, n=1)] == [[2, 2, 2]]
+
+
+def test_all_and_cpu_keep_plain_checkpointing_and_enable_reports_it():
+    m = _model()
+    optim.enable(m, recompute="all")
+    assert [c for _, _, c in _steps(m, n=2)] == [[2, 2, 2]] * 2
+    m = _model()
+    optim.enable(m)  # auto on CPU: nothing to measure the device with, every recompute stays
+    assert [c for _, _, c in _steps(m, n=2)] == [[2, 2, 2]] * 2
+    assert optim.enabled(m)["optim.recompute"]["resolved"] == {"recompute": "auto"}
+    assert R.run_stats(m)["recompute_stats"]["layers_skipped"]["max"] == 0
