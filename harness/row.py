@@ -183,6 +183,8 @@ MEASURED = {
     "offload_stats": "optim.offload's statistics (None where offload is off)",
     "packing_counters": "optim.packing's counters: builds, cache hits, host syncs",
     "compile_stats": "optim.regional's compiled layers and failures",
+    "traceback": "an error row's Python traceback (its last 4,000 characters)",
+    "log_tail": "a row of a point whose process died without a result: the end of its log",
     "recompute_stats": "optim.recompute's decisions: layers that skipped their recompute, what the first step measured",
 }
 # Fields of earlier rows, kept readable: no code writes them now.

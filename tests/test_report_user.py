@@ -126,3 +126,23 @@ def test_a_compiled_stock_faster_than_the_other_peers_is_the_headline_denominato
     row = tables.find("user vs the fastest peer").row(model="qwen3-0.6b")
     assert row["user vs the fastest peer"] == (pytest.approx(187.7 / 206.8), "stock + compile")
     assert row["stock + compile (`stock-compiled`) ms"] == 187.7
+
+
+def test_the_columns_come_from_the_latest_run_that_measured_the_user_beside_a_peer():
+    """A later run of the user's path and the peers replaces an earlier one whole: its rows are not
+    mixed with the earlier run's by a median over both; an ablation only the earlier run has is
+    listed with no ratio against the later user row."""
+    def at(r, when, code):
+        return {**r, "recorded_at": when, "env": {"code_sha": code}}
+
+    old = [at(r, "2026-11-23T07:00:00+00:00", "a") for r in ROWS if r["model"] == "gpt-oss-20b"]
+    old.append(at(_row("gpt-oss-20b", 2048, "ours-graph", 216.5, 50.6), "2026-11-23T07:05:00+00:00", "a"))
+    new = [at(_row("gpt-oss-20b", 2048, v, ms, pk), "2026-11-26T06:40:00+00:00", "b")
+           for v, ms, pk in (("stock", 648.4, 52.6), ("liger", 613.8, 52.57), ("user", 156.0, 56.78))]
+    (p,) = user_points(old + new, SPEC)
+    assert p["ms"] == {"stock": 648.4, "compiled": None, "liger": 613.8, "user": 156.0}
+    assert p["over_liger"] == pytest.approx(613.8 / 156.0)
+    assert fmt.stat(p["others"]["ours-graph"], "step_ms") == 216.5 and not p["others_same_run"]["ours-graph"]
+    with fmt.recording() as tables:
+        user_md(old + new, SPEC)
+    assert tables.find("vs user").row(variant="ours-graph")["vs user"] == "other run"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from harness.report.fmt import DASH
 from harness.report import fmt
-from harness.report.runs import steps_by_gpu, run_note
+from harness.report.runs import run_note, split_runs, steps_by_gpu
 from harness.roles import role_of
 
 ROLES = ("stock", "compiled", "liger", "user")
@@ -48,22 +48,40 @@ def _best(rows: list[dict], variant: str) -> dict | None:
     return mine[0] if mine else None
 
 
+def _side_by_side(rows: list[dict], names: dict[str, str | None]) -> list[dict]:
+    """A point's rows from one run: the latest run (``runs.split_runs``) with an ok row of the
+    user's path and of a peer, so the columns are measured side by side and a later run of some
+    of them does not mix with an earlier one's; every row where no run has both."""
+    def ok(run, col):
+        return any(r.get("variant") == names[col] and r.get("status") == "ok" for r in run) if names[col] else False
+
+    paired = [run for run in split_runs(rows) if ok(run, "user") and any(ok(run, c) for c in PEERS)]
+    return paired[-1] if paired else rows
+
+
+def _latest(rows: list[dict], variant: str) -> dict | None:
+    """The variant's row from the latest run that has one."""
+    runs = [run for run in split_runs(rows) if any(r.get("variant") == variant for r in run)]
+    return _best(runs[-1], variant) if runs else None
+
+
 def _peak(r: dict | None) -> float | None:
     return fmt.number((r or {}).get("peak_allocated_gib")) if (r or {}).get("status") == "ok" else None
 
 
 def user_points(rows: list[dict], spec: dict) -> list[dict]:
-    """Per (gpu, model, seq_len) with any of the three variants: their rows (median repeat), the
-    ratios a reader asks for, and the other variants' rows."""
+    """Per (gpu, model, seq_len) with any of the columns' variants: their rows (median repeat) from
+    one run (``_side_by_side``), the ratios a reader asks for, and the other variants' rows."""
     names = variant_names(rows, spec)
     out = []
     for slug, g in steps_by_gpu(rows).items():
         keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in names.values()}
         for model, t in sorted(keys, key=lambda k: (fmt.natural(k[0]), fmt.number(k[1]) or 0)):
-            mine = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
+            at = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
+            mine = _side_by_side(at, names)
             got = {role: _best(mine, v) if v else None for role, v in names.items()}
             ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
-            others = sorted({r["variant"] for r in mine if r.get("variant") not in names.values()})
+            others = sorted({r["variant"] for r in at if r.get("variant") not in names.values()})
             fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
             out.append({
                 "gpu": slug, "model": model, "seq_len": t, "rows": got, "ms": ms,
@@ -73,7 +91,9 @@ def user_points(rows: list[dict], spec: dict) -> list[dict]:
                 "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
                 "fastest_peer": fastest,  # of the peers measured ok here
                 "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
-                "others": {v: _best(mine, v) for v in others},
+                # each other variant from the latest run that has it, and whether that is the columns' run
+                "others": {v: _latest(at, v) for v in others},
+                "others_same_run": {v: any(r.get("variant") == v for r in mine) for v in others},
             })
     return out
 
@@ -119,10 +139,12 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
             "is `torch.cuda.max_memory_allocated` over the measured steps.",
             fmt.table(header, body)]
     others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
-               fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["ms"]["user"] and _peak(r) is not None else DASH]
+               (fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["others_same_run"][v] else "other run")
+               if p["ms"]["user"] and _peak(r) is not None else DASH]
               for p in pts for v, r in p["others"].items()]
     if others:
-        text += ["Every other variant of the file at those points (ablations of the defaults):",
+        text += ["Every other variant of the file at those points (ablations of the defaults), each from the "
+                 "latest run that has it; \"vs user\" only where that is the run of the columns above:",
                  fmt.table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
     for p in pts:
         labelled = [(names[role], [r]) for role in ROLES if (r := p["rows"][role]) is not None]
