@@ -10,7 +10,7 @@ from _report import (
 )
 
 from harness import report
-from harness.report import profiles
+from harness.report import fmt, profiles
 
 
 def _write(path, data):
@@ -34,14 +34,22 @@ def _profile_summary(**over):
 
 def test_profile_section_splits_kernel_time_by_family(tmp_path):
     _write(tmp_path / "x" / "profiles" / H100 / "a.summary.json", _profile_summary())
-    text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
+    with fmt.recording() as tables:
+        text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
     assert "## Where the step's time goes (profiles)" in text
-    assert "| forward | 200.0 | 150.0 | 75.0% | 10 | 0 |" in text
-    assert "| grouped GEMM (torch grouped_mm) | 300.0 | 60.0% | 37.5 |" in text
-    assert "| copies and fills | 50.0 | 10.0% | 6.2 |" in text
-    assert "| other (elementwise, reductions, indexing) | 30.0 | 6.0% | 3.8 |" in text  # masked_fill is not a fill
-    assert "| kernels outside the top 4 | 20.0 | 4.0% | 2.5 |" in text
-    assert "| all kernels | 500.0 | 100.0% | 62.5 |" in text
+    phase = tables.find("GPU span ms").row(phase="forward")
+    assert [phase[k] for k in ("GPU span ms", "host span ms", "GPU busy", "launches", "host syncs")] == [200.0, 150.0, 75.0, 10, 0]
+    kinds = {r["kernel family"]: (r["ms per step"], r["of kernel time"], r["ms per 1k tokens"])
+             for r in tables.find("kernel family").rows()}
+    per_k = 1024 / 8192
+    assert kinds == {
+        "grouped GEMM (torch grouped_mm)": (300.0, 60.0, 300.0 * per_k),
+        "attention": (100.0, 20.0, 100.0 * per_k),
+        "copies and fills": (50.0, 10.0, 50.0 * per_k),
+        "other (elementwise, reductions, indexing)": (30.0, 6.0, 30.0 * per_k),  # masked_fill is not a fill
+        "kernels outside the top 4": (20.0, 4.0, 20.0 * per_k),
+        "all kernels": (500.0, 100.0, 500.0 * per_k),
+    }
     (tmp_path / "x" / "profiles" / H100 / "b.summary.json").write_text('{"phases": {}}')
     with pytest.raises(profiles.ProfileFileError, match="b.summary.json: not a harness profile summary"):
         report.build_report(tmp_path, "x", tmp_path / "reports")

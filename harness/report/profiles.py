@@ -45,7 +45,7 @@ def load_profiles(results_root: Path | str, experiment: str) -> list[dict]:
 
 def _share(x) -> str:
     """x in percent, unsigned: a part of a whole."""
-    return f"{v:.1f}%" if (v := fmt.number(x)) is not None else DASH
+    return fmt.Cell(f"{v:.1f}%", v) if (v := fmt.number(x)) is not None else fmt.Cell(DASH, None)
 
 
 def profile_md(s: dict) -> str:

@@ -17,6 +17,7 @@ how much each GPU holds.
 
 from __future__ import annotations
 
+from harness.report import fmt
 from harness.report.fmt import md_table
 
 DASH = "-"
@@ -34,11 +35,25 @@ def _ok(r: dict | None) -> bool:
 def _ms(r: dict | None) -> str:
     if r is None:
         return "not run"
-    return f"{r['step_ms']['p50']:.1f}" if _ok(r) else r.get("status", "error")
+    return fmt.Cell(f"{r['step_ms']['p50']:.1f}", r['step_ms']['p50']) if _ok(r) else r.get("status", "error")
 
 
 def _gib(r: dict | None) -> str:
-    return f"{r['peak_allocated_gib']:.1f}" if _ok(r) and r.get("peak_allocated_gib") is not None else DASH
+    if _ok(r) and r.get("peak_allocated_gib") is not None:
+        return fmt.Cell(f"{r['peak_allocated_gib']:.1f}", r["peak_allocated_gib"])
+    return fmt.Cell(DASH, None)
+
+
+def _ratio(x) -> fmt.Cell:
+    return fmt.Cell(f"{x:.3f}×", x) if x else fmt.Cell(DASH, None)
+
+
+def _pct(x) -> fmt.Cell:
+    return fmt.Cell(f"{100 * x:.1f}%", x) if x else fmt.Cell(DASH, None)
+
+
+def _met(ok: bool) -> fmt.Cell:
+    return fmt.Cell("met" if ok else "not met", ok)
 
 
 def scaling_points(rows: list[dict], spec: dict) -> list[dict]:
@@ -71,13 +86,10 @@ def scaling_md(rows: list[dict], spec: dict) -> str:
               f"{ours} peak GiB per GPU", f"{stock} peak GiB per GPU"]
     body = []
     for p in pts:
-        kept = (DASH if p["speedup"] is None or p["speedup1"] is None
-                else ("met" if p["speedup"] >= p["speedup1"] else "not met"))
+        kept = (fmt.Cell(DASH, None) if p["speedup"] is None or p["speedup1"] is None
+                else _met(p["speedup"] >= p["speedup1"]))
         body.append([p["gpu"], p["model"], p["seq_len"], p["gpus"], _ms(p["stock"]), _ms(p["ours"]),
-                     f"{p['speedup']:.3f}×" if p["speedup"] else DASH,
-                     f"{p['speedup1']:.3f}×" if p["speedup1"] else DASH, kept,
-                     f"{100 * p['eff']:.1f}%" if p["eff"] else DASH,
-                     f"{100 * p['eff_stock']:.1f}%" if p["eff_stock"] else DASH,
+                     _ratio(p["speedup"]), _ratio(p["speedup1"]), kept, _pct(p["eff"]), _pct(p["eff_stock"]),
                      _gib(p["ours"]), _gib(p["stock"])])
     parts = ["## Scaling over GPUs: ours beside stock, on one GPU and on several",
              (f"Each point is one torchrun group, the model sharded with FSDP2. Step times are rank 0's; speedup is "
@@ -101,19 +113,20 @@ def scaling_targets(pts: list[dict], targets: list[dict], ours: str) -> list[lis
             if "min_efficiency" in t:
                 v = p and p["eff"]
                 out.append([f"{ours} keeps ≥ {100 * t['min_efficiency']:.0f}% of its one-GPU tokens/s per GPU, {where}",
-                            f"{100 * v:.1f}%" if v else "not measured",
-                            DASH if not v else ("met" if v >= t["min_efficiency"] else "not met")])
+                            _pct(v) if v else "not measured",
+                            fmt.Cell(DASH, None) if not v else _met(v >= t["min_efficiency"])])
             if t.get("keeps_one_gpu_speedup"):
                 n, one = (p["speedup"], p["speedup1"]) if p else (None, None)
                 out.append([f"{ours} beats stock by at least its one-GPU ratio, {where}",
-                            f"{n:.3f}× on {t.get('gpus', 2)} GPUs vs {one:.3f}× on 1" if n and one else "not measured",
-                            DASH if not (n and one) else ("met" if n >= one else "not met")])
+                            fmt.Cell(f"{n:.3f}× on {t.get('gpus', 2)} GPUs vs {one:.3f}× on 1", (n, one))
+                            if n and one else "not measured",
+                            fmt.Cell(DASH, None) if not (n and one) else _met(n >= one)])
             if t.get("trains"):
                 r = p and p["ours"]
                 out.append([f"{ours} trains sharded, its memory per GPU reported, {where}",
-                            (f"ok, {_gib(r)} GiB peak per GPU" if _ok(r) else r.get("status", "error")) if r
-                            else "not measured",
-                            DASH if not r else ("met" if _ok(r) else "not met")])
+                            (fmt.Cell(f"ok, {_gib(r)} GiB peak per GPU", fmt.value(_gib(r))) if _ok(r)
+                             else r.get("status", "error")) if r else "not measured",
+                            fmt.Cell(DASH, None) if not r else _met(_ok(r))])
     return out
 
 

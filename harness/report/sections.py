@@ -36,7 +36,7 @@ def section_results(df_steps, df_bw, rows, out_dir) -> str:
         spread = r.step_ms_p80 / r.step_ms_p20 if is_known(r.step_ms_p20) and r.step_ms_p20 else float("nan")
         body.append([
             r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.variant, r.repeat,
-            f"{fmt_ms(r.step_ms_p50)} [{fmt_ms(r.step_ms_p20)}–{fmt_ms(r.step_ms_p80)}]",
+            fmt.Cell(f"{fmt_ms(r.step_ms_p50)} [{fmt_ms(r.step_ms_p20)}–{fmt_ms(r.step_ms_p80)}]", r.step_ms_p50),
             fmt_ms(r.forward_ms_p50), fmt_ms(r.backward_ms_p50), fmt_ms(r.optimizer_ms_p50),
             fmt_num(r.steps_per_s_p50, ".2f"), fmt_num(r.tokens_per_s_p50, ",.0f"),
             fmt_num(r.peak_allocated_gib_p50, ".2f"), fmt_num(r.peak_reserved_gib_p50, ".2f"),
@@ -119,7 +119,7 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
                         frame, styles)
     multi = _multi_gpu(sp)
     body = [[r.model, r.seq_len, r.batch_size, *([r.gpus] if multi else []), r.repeat, r.baseline_variant, r.variant,
-             fmt_ms(r.baseline_step_ms_p50), fmt_ms(r.step_ms_p50), f"{r.speedup:.2f}×"] for r in sp.itertuples()]
+             fmt_ms(r.baseline_step_ms_p50), fmt_ms(r.step_ms_p50), fmt.times(r.speedup)] for r in sp.itertuples()]
     header = ["model", "seq_len", "batch", *(["GPUs"] if multi else []), "repeat", "baseline", "variant",
               "baseline step ms p50", "variant step ms p50", "speedup"]
     same = "same model, seq_len, batch" + (", GPUs" if multi else "") + " and repeat"
@@ -134,8 +134,8 @@ def section_bandwidth(df_steps, df_bw, rows, out_dir) -> str:
     body = []
     for r in df_bw.itertuples():
         known = is_known(r.pcie_ceiling_gbps) and is_known(r.p50)
-        of_ceiling = f"{100 * r.p50 / r.pcie_ceiling_gbps:.0f}%" if known else "n/a"
-        gbps = f"{fmt_num(r.p50, '.2f')} [{fmt_num(r.p20, '.2f')}–{fmt_num(r.p80, '.2f')}]"
+        of_ceiling = fmt.Cell(f"{100 * r.p50 / r.pcie_ceiling_gbps:.0f}%", r.p50 / r.pcie_ceiling_gbps) if known else "n/a"
+        gbps = fmt.Cell(f"{fmt_num(r.p50, '.2f')} [{fmt_num(r.p20, '.2f')}–{fmt_num(r.p80, '.2f')}]", r.p50)
         body.append([r.memory, fmt.size(r.size_bytes), gbps, of_ceiling])
     table = md_table(["memory", "size", "GB/s p50 [p20–p80]", "of PCIe ceiling"], body)
     return "### Host → device bandwidth\n\n" + embed_figure(path, "H2D bandwidth") + "\n\n" + table
@@ -226,8 +226,10 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
         if compiled:
             compiling.append(f"{key[0]} T={key[1]} `{key[3]}`")
         body.append([key[0], key[1], key[2], key[3] + (f" ({key[4]} GPUs)" if key[4] > 1 else ""), len(reps),
-                     " / ".join(f"{m:.1f}" for m in medians), r2r, f"{within:.3f}",
-                     "–" if compiled is None else f"{compiled} of {max(len(cs) for cs in counts)}"])
+                     fmt.Cell(" / ".join(f"{m:.1f}" for m in medians), tuple(medians)),
+                     fmt.Cell(r2r, run_to_run if len(medians) > 1 else None), fmt.num(within, ".3f"),
+                     "–" if compiled is None else fmt.Cell(f"{compiled} of {max(len(cs) for cs in counts)}",
+                                                           (compiled, max(len(cs) for cs in counts)))])
     header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
               "run-to-run p80/p20", "within-run p80/p20 (worst repeat)", "measured steps that compiled"]
 
@@ -265,9 +267,9 @@ def section_scaling(df_steps, df_bw, rows, out_dir) -> str:
         coll = [x.get("collective_ms") for x in ranks if is_known(x.get("collective_ms"))]
         eff = r.get("scaling_efficiency")
         body.append([r["model"], r["seq_len"], r["variant"], r["world_size"], fmt_ms(r["step_ms"]["p50"]),
-                     fmt_num(r.get("tokens_per_s_per_gpu"), ",.0f"), f"{100 * eff:.1f}%" if is_known(eff) else "-",
-                     " / ".join(fmt_num(x.get("peak_allocated_gib"), ".2f") for x in ranks) or "-",
-                     " / ".join(fmt_ms(c) for c in coll) or "-"])
+                     fmt_num(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt_pct(eff) if is_known(eff) else "-",
+                     fmt.joined(" / ", *(fmt_num(x.get("peak_allocated_gib"), ".2f") for x in ranks)) if ranks else "-",
+                     fmt.joined(" / ", *(fmt_ms(c) for c in coll)) if coll else "-"])
     header = ["model", "seq_len", "variant", "GPUs", "step ms p50 (rank 0)", "tokens/s per GPU",
               "scaling efficiency", "peak alloc GiB per rank", "NCCL kernel ms per rank"]
     note = ("Each point is one torchrun group, the model sharded with FSDP2. Scaling efficiency is tokens/s "
