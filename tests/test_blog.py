@@ -200,19 +200,21 @@ def test_the_gate_targets_are_judged_from_its_runs(tmp_path):
     run("cache", "fail", [pt(0.9, 1.1)], guards=[{"guard": {"switch": "packing_cache"}, "ok": False}])
     run("other", "fail", [pt(0.9, 1.1)], guards=[{"guard": {"switch": "moe_lora"}, "ok": False}])
     run("mem", "fail", [pt(0.9, 1.1, "MEMORY")])
-    md = gate.targets(tmp_path, {"a_a": ["aa", "aa-off", "gone"], "max_minutes": 8,
-                                 "must_fail": {"cache": "packing_cache", "other": "packing_cache", "mem": "memory"},
-                                 "must_pass": ["aa"]})
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
-    assert rows["A/A: head against itself passes, every interval holding 1.0 (`aa`)"].endswith("| met |")
-    assert rows["A/A: head against itself passes, every interval holding 1.0 (`aa-off`)"].endswith("| not met |")
-    assert "not measured" in rows["A/A: head against itself passes, every interval holding 1.0 (`gone`)"]
-    assert rows["a planted packing_cache regression fails and names it (`cache`)"].endswith("| met |")
-    assert rows["a planted packing_cache regression fails and names it (`other`)"].endswith("| not met |")  # wrong switch
-    assert rows["a planted memory regression fails and names it (`mem`)"].endswith("| met |")
-    assert rows["a slowdown below the threshold passes (`aa`)"].endswith("| met |")
+    with fmt.recording() as tables:
+        gate.targets(tmp_path, {"a_a": ["aa", "aa-off", "gone"], "max_minutes": 8,
+                                "must_fail": {"cache": "packing_cache", "other": "packing_cache", "mem": "memory"},
+                                "must_pass": ["aa"]})
+    rows = {r["target"]: (r["measured"], r["met?"]) for r in tables.find("met?").rows()}
+    assert rows["A/A: head against itself passes, every interval holding 1.0 (`aa`)"][1] is True
+    assert rows["A/A: head against itself passes, every interval holding 1.0 (`aa-off`)"][1] is False
+    assert rows["A/A: head against itself passes, every interval holding 1.0 (`gone`)"] == ("not measured", None)
+    assert rows["a planted packing_cache regression fails and names it (`cache`)"][1] is True
+    assert rows["a planted packing_cache regression fails and names it (`other`)"][1] is False  # wrong switch
+    assert rows["a planted memory regression fails and names it (`mem`)"][1] is True
+    assert rows["a slowdown below the threshold passes (`aa`)"][1] is True
     # the newest A/A run's rounds and parity: (100 + 30) / 60 = 2.2 minutes for aa-off
-    assert "2.2 min (`aa-off`) | met |" in rows["the suite finishes in ≤ 8 minutes on one GPU, rounds and parity included"]
+    minutes = rows["the suite finishes in ≤ 8 minutes on one GPU, rounds and parity included"]
+    assert minutes == (pytest.approx(130 / 60), True)
     assert gate.targets(tmp_path, {}) == ""
 
 
@@ -523,8 +525,9 @@ def test_the_peers_table_claims_no_run_where_one_role_alone_was_measured():
     alone = data.RolePoint("gpu-x", "NVIDIA H200", "m", 16384, rows={"best": row("packed-flex", 615.9, "2026-01-01T00:00:00+00:00")})
     pair = data.RolePoint("gpu-x", "NVIDIA H200", "m", 2048, rows={"stock": row("s", 400.0, "2026-01-01T00:00:00+00:00"),
                                                                 "best": row("o", 200.0, "2026-01-01T00:05:00+00:00")})
-    lines = peers_table([alone, pair]).splitlines()
-    assert lines[2].endswith("| `packed-flex` | – |") and lines[3].endswith("| `o` | yes |"), lines
+    with fmt.recording() as tables:
+        peers_table([alone, pair])
+    assert [(r["best variant"], r["one run"]) for r in tables[0].rows()] == [("`packed-flex`", "–"), ("`o`", "yes")]
 
 
 
@@ -539,13 +542,18 @@ def test_a_cell_from_another_run_than_its_stock_carries_a_dagger_and_the_table_s
     p = data.RolePoint("gpu-x", "NVIDIA H200", "m", 2048,
                        rows={"stock": row("s", 800.0, "10:00"), "peer": row("liger", 1200.0, "02:00"),
                              "user": row("user", 400.0, "10:03"), "best": row("o", 300.0, "10:06", code="d")})
-    line = peers_table([p]).splitlines()[2]
-    assert "| 800.0 |" in line and "1200.0 (0.67×) † |" in line and "400.0 (2.00×) |" in line, line
-    assert "300.0 (2.67×) † |" in line, line
+    with fmt.recording() as tables:
+        peers_table([p])
+    (shown,) = tables[0].rows()
+    cells = [shown[k] for k in tables[0].header if k.endswith(" ms")]
+    assert cells == [(800.0, None, False), (1200.0, pytest.approx(800 / 1200), True), (400.0, 2.0, False),
+                     (300.0, pytest.approx(800 / 300), True)], cells
     assert peers_table([p]).endswith("† measured by another run than the stock beside it: its ratio compares two runs.")
     p.rows["peer"] = row("liger", 1200.0, "10:01")
     p.rows["best"] = row("o", 300.0, "10:06")
-    assert "†" not in peers_table([p])
+    with fmt.recording() as tables:
+        peers_table([p])
+    assert not any(v[2] for k, v in tables[0].rows()[0].items() if k.endswith(" ms"))
 
 def test_a_role_the_plan_skips_on_a_smaller_gpu_says_so_where_one_merely_missing_says_not_run():
     from harness.report.blog import moe

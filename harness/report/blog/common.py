@@ -30,7 +30,10 @@ def cell(p: RolePoint, role: str) -> str:
     if r is None:
         return p.failed.get(role, "not run").upper() if role in p.failed else "not run"
     s = p.speedup(role) if role != "stock" else None
-    return fmt.ms(p.ms(role)) + (f" ({fmt.times(s)})" if s else "") + (OTHER_RUN if _apart(p, role) else "")
+    apart = _apart(p, role)
+    # the cell keeps (ms, speed-up over stock, whether another run than the stock's measured it)
+    return fmt.Cell(fmt.ms(p.ms(role)) + (f" ({fmt.times(s)})" if s else "") + (OTHER_RUN if apart else ""),
+                    (p.ms(role), s, apart))
 
 
 # marks a role measured by another run than the stock row beside it: its ratio compares two runs

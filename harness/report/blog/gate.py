@@ -43,6 +43,10 @@ def _minutes(g: dict) -> float:
     return (sum(r.get("wall_s") or 0 for r in g.get("rounds") or []) + (g.get("parity_s") or 0)) / 60
 
 
+def _met(ok: bool) -> fmt.Cell:
+    return fmt.Cell("met" if ok else "not met", ok)
+
+
 def targets(root: Path | str, spec: dict) -> str:
     """``### gate``: each of the gate's targets with what its run measured ("" without ``spec``)."""
     if not spec:
@@ -52,16 +56,16 @@ def targets(root: Path | str, spec: dict) -> str:
         g = _load(root, run)
         goal = f"A/A: head against itself passes, every interval holding 1.0 (`{run}`)"
         if g is None:
-            body.append([goal, "not measured", DASH])
+            body.append([goal, "not measured", fmt.Cell(DASH, None)])
             continue
         pts = g.get("points") or []
         body.append([goal, f"{g.get('outcome')}; " + ", ".join(_interval(p.get("time")) for p in pts),
-                     "met" if g.get("outcome") == "pass" and pts and all(map(_holds_one, pts)) else "not met"])
+                     _met(g.get("outcome") == "pass" and bool(pts) and all(map(_holds_one, pts)))])
     for run, why in (spec.get("must_fail") or {}).items():
         g = _load(root, run)
         goal = f"a planted {why} regression fails and names it (`{run}`)"
         if g is None:
-            body.append([goal, "not measured", DASH])
+            body.append([goal, "not measured", fmt.Cell(DASH, None)])
             continue
         if why == "memory":
             named = [p.get("label") for p in g.get("points") or [] if p.get("verdict") == "MEMORY"]
@@ -69,20 +73,20 @@ def targets(root: Path | str, spec: dict) -> str:
         else:
             named = [s for s in _failed_switches(g) if s == why]
             seen = f"{g.get('outcome')}; failing guards: {', '.join(_failed_switches(g)) or 'none'}"
-        body.append([goal, seen, "met" if g.get("outcome") == "fail" and named else "not met"])
+        body.append([goal, seen, _met(g.get("outcome") == "fail" and bool(named))])
     for run in spec.get("must_pass") or []:
         g = _load(root, run)
         goal = f"a slowdown below the threshold passes (`{run}`)"
-        body.append([goal, "not measured", DASH] if g is None else
+        body.append([goal, "not measured", fmt.Cell(DASH, None)] if g is None else
                     [goal, f"{g.get('outcome')}; " + ", ".join(_interval(p.get("time")) for p in g.get("points") or []),
-                     "met" if g.get("outcome") == "pass" else "not met"])
+                     _met(g.get("outcome") == "pass")])
     if "max_minutes" in spec:
         runs = [(run, g) for run in spec.get("a_a") or [] if (g := _load(root, run)) and g.get("rounds")]
         goal = f"the suite finishes in ≤ {spec['max_minutes']:g} minutes on one GPU, rounds and parity included"
         if not runs:
-            body.append([goal, "not measured", DASH])
+            body.append([goal, "not measured", fmt.Cell(DASH, None)])
         else:
             run, g = runs[-1]
             m = _minutes(g)
-            body.append([goal, f"{m:.1f} min (`{run}`)", "met" if m <= spec["max_minutes"] else "not met"])
+            body.append([goal, fmt.Cell(f"{m:.1f} min (`{run}`)", m), _met(m <= spec["max_minutes"])])
     return "### `gate`\n\n" + fmt.table(["target", "measured", "met?"], body) if body else ""
