@@ -195,41 +195,54 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
     return "### Methodology\n\n" + " ".join(parts)
 
 
-def section_spread(df_steps, df_bw, rows, out_dir) -> str:
-    """Two spreads: within a run (p80/p20 of the step samples) and run to run (p80/p20 of the
-    per-repeat medians, each repeat a fresh process). Host-bound steps show host jitter in the
-    first; the second is what a regression gate compares."""
+def spread_points(rows) -> tuple[list[dict], dict[bool, list[float]], list[str]]:
+    """Two spreads per ok step point: within a run (p80/p20 of the step samples, its worst repeat)
+    and run to run (p80/p20 of the per-repeat medians, each repeat a fresh process; None with one
+    repeat). Returns the points, the worst of each for steps replayed as CUDA graphs (True) and
+    eager (False) as [run to run, within], and the points that compiled while measured."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("kind") == "step" and r.get("status") == "ok":
             key = (r["model"], r["seq_len"], r.get("batch_size"), r["variant"], int(r.get("gpus") or 1))
             groups.setdefault(key, []).append(r)
-    if not groups:
-        return ""
-    body, compiling = [], []
-    worst = {False: [0.0, 0.0], True: [0.0, 0.0]}  # per how the step ran: [run to run, within]
+    points, compiling = [], []
+    worst = {False: [0.0, 0.0], True: [0.0, 0.0]}
     for key in sorted(groups):
         reps = groups[key]
         graphed = bool(reps[0].get("cuda_graph"))
         medians = [r["step_ms"]["p50"] for r in reps]
         within = max(r["step_ms"]["p80"] / r["step_ms"]["p20"] for r in reps)
         worst[graphed][1] = max(worst[graphed][1], within)
+        run_to_run = None
         if len(medians) > 1:
             q = pd.Series(medians).quantile([0.2, 0.8])
             run_to_run = q[0.8] / q[0.2]
             worst[graphed][0] = max(worst[graphed][0], run_to_run)
-            r2r = f"{run_to_run:.3f}"
-        else:
-            r2r = "n/a (1 repeat)"
         counts = [r["compiled_graphs_per_step"] for r in reps if r.get("compiled_graphs_per_step") is not None]
         compiled = max((sum(1 for c in cs if c) for cs in counts), default=None)
         if compiled:
             compiling.append(f"{key[0]} T={key[1]} `{key[3]}`")
-        body.append([key[0], key[1], key[2], key[3] + (f" ({key[4]} GPUs)" if key[4] > 1 else ""), len(reps),
+        points.append({"key": key, "graphed": graphed, "medians": medians, "run_to_run": run_to_run,
+                       "within": within, "compiled": compiled,
+                       "measured": max((len(cs) for cs in counts), default=None)})
+    return points, worst, compiling
+
+
+def section_spread(df_steps, df_bw, rows, out_dir) -> str:
+    """``spread_points`` as a table, then the worst spreads: host-bound steps show host jitter
+    within a run; run to run is what a regression gate compares."""
+    points, worst, compiling = spread_points(rows)
+    if not points:
+        return ""
+    body = []
+    for p in points:
+        key, medians = p["key"], p["medians"]
+        body.append([key[0], key[1], key[2], key[3] + (f" ({key[4]} GPUs)" if key[4] > 1 else ""), len(medians),
                      fmt.Cell(" / ".join(f"{m:.1f}" for m in medians), tuple(medians)),
-                     fmt.Cell(r2r, run_to_run if len(medians) > 1 else None), fmt.num(within, ".3f"),
-                     "–" if compiled is None else fmt.Cell(f"{compiled} of {max(len(cs) for cs in counts)}",
-                                                           (compiled, max(len(cs) for cs in counts)))])
+                     fmt.Cell(f"{p['run_to_run']:.3f}", p["run_to_run"]) if p["run_to_run"] is not None
+                     else fmt.Cell("n/a (1 repeat)", None), fmt.num(p["within"], ".3f"),
+                     "–" if p["compiled"] is None else fmt.Cell(f"{p['compiled']} of {p['measured']}",
+                                                                (p["compiled"], p["measured"]))])
     header = ["model", "seq_len", "batch", "variant", "repeats", "step ms p50 per repeat",
               "run-to-run p80/p20", "within-run p80/p20 (worst repeat)", "measured steps that compiled"]
 
@@ -239,10 +252,10 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
                 else f"worst within-run spread {step:.3f}")
 
     lines = []
-    if any(r[0].get("cuda_graph") for r in groups.values()):
+    if any(p["graphed"] for p in points):
         lines.append(f"- Steps replayed as CUDA graphs (`cuda_graph = true`, optim.graphs): {worst_text(True)}. "
                      "The host issues one launch per phase, so these spreads are the GPU's.")
-        if not all(r[0].get("cuda_graph") for r in groups.values()):
+        if not all(p["graphed"] for p in points):
             lines.append(f"- Eager steps: {worst_text(False)}. A host-bound eager step (the GPU waits "
                          "for Python between kernels) varies with the host CPU; the graphed twin of the "
                          "same point shows what the GPU itself does.")
