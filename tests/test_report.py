@@ -204,7 +204,7 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
     for rep, samples in enumerate([[10, 11, 12, 13, 14], [10, 10, 10, 10, 10], [20, 20, 20, 20, 20]]):
         append_row(tmp_path / "sp" / "cpu.jsonl", row(rep, samples))
     with fmt.recording() as tables:
-        readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
+        report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
     # per-repeat medians 12, 10, 20: quantiles 0.2 -> 10.8, 0.8 -> 16.8, ratio 1.556
     v = tables.find("run-to-run p80/p20").row(variant="v")
     assert (v["repeats"], v["step ms p50 per repeat"]) == (3, (12, 10, 20))  # in the rows' order
@@ -226,7 +226,7 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
     r["compiled_graphs_per_step"] = [0] * 5
     append_row(tmp_path / "sp" / "cpu.jsonl", r)
     with fmt.recording() as tables:
-        readme = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
+        report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
     dyn = tables.find("measured steps that compiled").row(variant="v-dyn")
     assert (dyn["repeats"], dyn["measured steps that compiled"]) == (2, (2, 5))  # the worst repeat
     assert sections.spread_points(report.res.load_experiment_rows(tmp_path, "sp"))[2] == ["m T=64 `v-dyn`"]
