@@ -10,20 +10,27 @@ weights, and the recompute is a third of the step.
 How a step decides, with checkpointing on as the user set it (``gradient_checkpointing_enable``,
 ``TrainingArguments(gradient_checkpointing=True)``):
 
-1. The first step runs every checkpointed layer as configured. It measures what the step grows
-   above what was allocated at its start (its peak, from CUDA's peak statistics), and each
-   layer's activations: the memory its recompute holds for the backward.
-2. Every later forward decides for its own batch, from its tokens: the step's growth and each
-   layer's activations scaled by the tokens against the first step's (the growth never below the
-   first step's), against what the process can still allocate (free device memory plus the
-   caching allocator's unused blocks) less a headroom. Layers skip their recompute, cheapest
-   first, while their activations fit; the rest checkpoint as configured. CUDA's peak statistics
-   are reset once, at the first step's start, so the growth is that step's own.
+1. The first step with a backward runs every checkpointed layer as configured. It measures what
+   the step grows above what was allocated at its start (its peak, read when its backward ends),
+   and each layer's activations: the memory its recompute holds for the backward. CUDA's peak
+   statistics are reset once, at that step's start, so the growth is the step's own; a reset by
+   anyone else before its backward ends is seen, and the next step measures again.
+2. Every later forward decides for its own batch, from its tokens, against what the process can
+   still allocate (free device memory plus the caching allocator's unused blocks) less a headroom
+   (5 % of the GPU, at least 1 GiB): the step's growth scaled by the tokens (never below what was
+   measured), each layer's activations by the tokens up to the measured batch and by their square
+   above it (attention that keeps a T x T matrix grows so). Layers skip their recompute, cheapest
+   first, while they fit; the rest checkpoint as configured, and a layer measured at nothing
+   (zero bytes) always does.
 
 The math is the same either way (a recompute repeats the layer's forward), so losses and
-gradients are those of plain checkpointing. Layers the model does not checkpoint, evaluation and
-``torch.no_grad`` are untouched; checkpointing through ``optim.offload`` (memory first) keeps every
-recompute. The decision reads only host-side allocator counters: no device sync.
+gradients are those of plain checkpointing (with dropout, as long as the checkpoint preserves the
+RNG state, transformers' default). Layers the model does not checkpoint, evaluation and
+``torch.no_grad`` are untouched. Every recompute stays: through ``optim.offload`` (memory first),
+inside a CUDA-graph capture (it allocates from a pool of its own), on a model split over devices
+(the layers off the measured device), and on a model with several stacks of checkpointed layers
+(a vision tower beside the decoder). The decision reads only host-side allocator counters: no
+device sync.
 
 Switch ``recompute``: ``auto`` (the default: skip recompute where it fits, on CUDA), ``all`` (every
 checkpointed layer recomputes: plain checkpointing).
@@ -79,13 +86,16 @@ def headroom(total: int) -> int:
 
 def plan(acts: dict[int, int], growth: int, tokens: int, first_tokens: int, usable: int, total: int) -> frozenset[int]:
     """The layers that skip their recompute for a batch of ``tokens``: cheapest first, while the
-    step's growth and their activations (both measured at ``first_tokens``, scaled by the tokens;
-    the growth never below what was measured) fit in ``usable`` less the headroom."""
+    step's growth and their activations (both measured at ``first_tokens``) fit in ``usable`` less
+    the headroom. The growth is scaled by the tokens, never below what was measured; activations by
+    the tokens up to the measured batch and by their square above it (attention that keeps a
+    T x T matrix grows so), so a longer batch than the measured one is judged conservatively."""
     scale = tokens / first_tokens
     room = usable - growth * max(1.0, scale) - headroom(total)
+    act_scale = scale if scale <= 1 else scale * scale
     skip = []
     for idx, act in sorted(acts.items(), key=lambda kv: (kv[1], kv[0])):
-        room -= act * scale
+        room -= act * act_scale
         if room < 0:
             break
         skip.append(idx)
@@ -103,31 +113,32 @@ class RecomputeState:
     start_allocated: int = 0  # allocated at the measured step's start
     growth: int | None = None  # the measured step's peak above its start
     acts: dict[int, int] = field(default_factory=dict)  # layer index -> activation bytes at first_tokens
-    checkpointed: set = field(default_factory=set)  # the layers the measured step checkpointed
     measuring: bool = False
+    measured_forward: int = -1
     forwards: int = 0
     decided_for: int = -1
     skip: frozenset = frozenset()
     skipped: dict[str, int] = field(default_factory=lambda: {"last": 0, "min": -1, "max": 0})
     recomputed: int = 0  # recomputes run since enable (a skipped layer runs none)
     peak_reset: bool = False
+    inactive: str = ""  # why the module keeps every recompute for this model, where it does
     mem: Any = None
 
     def begin(self, tokens: int, device: torch.device) -> None:
-        """The first checkpointed layer call of a forward: measure (first step) or decide."""
+        """The first checkpointed layer call of a forward: measure (the first step with a
+        backward) or decide."""
         self.decided_for = self.forwards
         if self.mem is None:
             self.mem = self.memory(device)
-        if self.measuring and self.checkpointed and set(self.acts) >= self.checkpointed:
-            self.growth = max(0, self.mem.peak() - self.start_allocated)  # the measured step is over
-            self.measuring = False
-        if self.growth is None:  # measure this step (or keep measuring: its backward has not run)
+        if self.growth is None:  # measure this step (again, where the last measured forward had no backward)
             self.skip = frozenset()
-            if not self.measuring:
-                self._start_measuring(tokens)
+            self._start_measuring(tokens)
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return  # a CUDA-graph capture replays the decision of the warm-up steps
+            # a CUDA-graph capture allocates from its own pool, not the cached blocks the decision
+            # counts: the captured step recomputes every layer, as configured
+            self.skip = frozenset()
+            return
         usable, total = self.mem.usable_and_total()
         self.skip = plan(self.acts, self.growth, tokens, self.first_tokens, usable, total)
         n = len(self.skip)
@@ -135,11 +146,27 @@ class RecomputeState:
         self.skipped["min"] = n if self.skipped["min"] < 0 else min(self.skipped["min"], n)
 
     def _start_measuring(self, tokens: int) -> None:
-        self.measuring, self.first_tokens, self.acts, self.checkpointed = True, tokens, {}, set()
+        self.measuring, self.measured_forward, self.first_tokens, self.acts = True, self.forwards, tokens, {}
         self.start_allocated = self.mem.allocated()
         if self.mem.peak() > self.start_allocated:  # an earlier computation's peak: not this step's
             self.mem.reset_peak()
             self.peak_reset = True
+
+    def backward_started(self) -> None:
+        """The measured step's first recompute: its peak is read when this backward ends."""
+        if self.measuring and not getattr(self, "_queued", False):
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        if not self.measuring:
+            return
+        peak = self.mem.peak()
+        if not self.acts or peak < self.start_allocated + max(self.acts.values()):
+            self.measuring = False  # the peak was reset meanwhile: measure the next step again
+            return
+        self.growth, self.measuring = peak - self.start_allocated, False
 
 
 class BudgetedCheckpoint:
@@ -161,7 +188,6 @@ class BudgetedCheckpoint:
         counted = self._counted(fn)
         if not st.measuring:
             return self.__wrapped__(counted, *args, **kwargs)
-        st.checkpointed.add(self.index)
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # the recompute runs whole
             return self.__wrapped__(counted, *args, **kwargs)
 
@@ -176,16 +202,23 @@ class BudgetedCheckpoint:
             st.recomputed += 1
             if not st.measuring:
                 return fn(*args, **kwargs)
+            st.backward_started()
             before = st.mem.allocated()
             out = fn(*args, **kwargs)
-            st.acts[index] = max(0, st.mem.allocated() - before)  # what the backward holds of it
+            held = st.mem.allocated() - before  # what the backward holds of it
+            if held > 0:  # nothing measured (frees elsewhere): unknown, so never skipped
+                st.acts[index] = held
             return out
         return run
 
 
 def _active(st: RecomputeState, x: torch.Tensor, inner) -> bool:
-    if st.mode != "auto" or type(inner).__name__ == "Offloader":  # offload: memory first, every recompute
+    """Whether this call is the module's to decide: auto, not through optim.offload, a backward
+    to come (grad on), and on the device the first step measured (one device per model)."""
+    if st.mode != "auto" or st.inactive or type(inner).__name__ == "Offloader" or not torch.is_grad_enabled():
         return False
+    if st.mem is not None and getattr(st.mem, "device", x.device) != x.device:
+        return False  # a model split over devices: its other devices' layers keep their recompute
     return x.device.type == "cuda" or st.memory is not Memory
 
 
@@ -205,14 +238,12 @@ def _wrap(st: RecomputeState, layers: list[nn.Module]) -> None:
             layer._gradient_checkpointing_func = BudgetedCheckpoint(st, i, fn)
 
 
-def _stack(model: nn.Module, layers: list[nn.Module]) -> nn.Module:
-    """The module whose forward runs the decoder layers (it holds their ModuleList)."""
+def _stacks(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose forward runs the decoder layers (each holds a ModuleList of them)."""
     ids = {id(m) for m in layers}
-    for m in model.modules():
-        for child in m.children():
-            if isinstance(child, nn.ModuleList) and any(id(x) in ids for x in child):
-                return m
-    return owner(model)
+    out = [m for m in model.modules()
+           if any(isinstance(c, nn.ModuleList) and any(id(x) in ids for x in c) for c in m.children())]
+    return out or [owner(model)]
 
 
 def enable(model: nn.Module, *, recompute: str | None = None, _memory=None, **_ignored) -> nn.Module:
@@ -232,7 +263,11 @@ def enable(model: nn.Module, *, recompute: str | None = None, _memory=None, **_i
         st.forwards += 1
         _wrap(st, layers)  # a later gradient_checkpointing_enable sets new functions
 
-    st.hook = _stack(model, layers).register_forward_pre_hook(before_forward)
+    stacks = _stacks(model, layers)
+    if len(stacks) > 1:  # a vision tower beside the decoder: one budget cannot judge both stacks' tokens
+        st.inactive = f"{len(stacks)} stacks of checkpointed layers: every recompute kept"
+        return model
+    st.hook = stacks[0].register_forward_pre_hook(before_forward)
     _wrap(st, layers)
     return model
 
@@ -259,6 +294,8 @@ def describe(model: nn.Module) -> dict[str, Any]:
         return {}
     d = {"recompute": st.mode, "layers": st.layers, "layers_skipped": dict(st.skipped),
          "recomputes": st.recomputed}
+    if st.inactive:
+        d["inactive"] = st.inactive
     if st.growth is not None:
         d.update(measured_tokens=st.first_tokens, allocated_at_start_gib=round(st.start_allocated / GIB, 3),
                  step_growth_gib=round(st.growth / GIB, 3),

@@ -31,6 +31,10 @@ def test_step_flops_hand_checked():
     g = flops.step_flops(tokens=10, frozen_params=100, adapter_params=10, doc_lengths=[4, 6],
                          layer_windows=[None, 3], num_heads=2, head_dim=4, recompute=False)
     assert g.hardware_flops == g.model_flops == 9880
+    # a quarter of the layers recomputed (optim.recompute let the others skip): a quarter of it
+    h = flops.step_flops(tokens=10, frozen_params=100, adapter_params=10, doc_lengths=[4, 6],
+                         layer_windows=[None, 3], num_heads=2, head_dim=4, recompute=0.25)
+    assert h.hardware_flops == 9880 + (2200 + 1760) / 4
 
 
 def test_peak_lookup_refuses_unknown():

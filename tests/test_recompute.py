@@ -32,8 +32,9 @@ def test_plan_skips_the_cheapest_layers_while_they_fit():
     assert R.plan(acts, 10 * GIB, 1000, 1000, 16 * GIB, 80 * GIB) == {0, 2}  # room 2: the two 1 GiB layers
     assert R.plan(acts, 10 * GIB, 1000, 1000, 15 * GIB, 80 * GIB) == {0}
     assert R.plan(acts, 10 * GIB, 1000, 1000, 14 * GIB, 80 * GIB) == set()
-    # twice the tokens: twice the growth and the activations
-    assert R.plan(acts, 10 * GIB, 2000, 1000, 30 * GIB, 80 * GIB) == {0, 2}
+    # twice the tokens: twice the growth, four times the activations (a T x T term grows so)
+    assert R.plan(acts, 10 * GIB, 2000, 1000, 30 * GIB, 80 * GIB) == {0}
+    assert R.plan(acts, 10 * GIB, 2000, 1000, 32 * GIB, 80 * GIB) == {0, 2}
     # fewer tokens: the activations shrink, the growth is never taken below what was measured
     assert R.plan(acts, 10 * GIB, 500, 1000, 16 * GIB, 80 * GIB) == {0, 1, 2}
     assert R.plan(acts, 10 * GIB, 500, 1000, 14 * GIB, 80 * GIB) == set()
@@ -155,3 +156,55 @@ def test_all_and_cpu_keep_plain_checkpointing_and_enable_reports_it():
     assert [c for _, _, c in _steps(m, n=2)] == [[2, 2, 2]] * 2
     assert optim.enabled(m)["optim.recompute"]["resolved"] == {"recompute": "auto"}
     assert R.run_stats(m)["recompute_stats"]["layers_skipped"]["max"] == 0
+
+
+def test_a_forward_without_backward_is_not_the_measured_step_and_a_reset_peak_measures_again():
+    """A first forward with no backward (evaluation with grad on, a log-prob pass) leaves nothing
+    measured: the next forward measures on its own tokens. A peak statistic reset during the
+    measured step (a logger's reset_peak_memory_stats) is seen, and the step after measures again."""
+    m = _model()
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # no backward to come: not the module's to decide
+        m(input_ids=torch.randint(0, 512, (1, 8), generator=g), use_cache=False)
+    m(input_ids=torch.randint(0, 512, (1, 8), generator=g), use_cache=False)  # grad on, no backward
+    counts = [c for _, _, c in _steps(m, n=2)]
+    assert R.describe(m)["measured_tokens"] == 64 and counts == [[2, 2, 2], [1, 1, 1]]
+
+    class Resetting(FakeMemory):  # the peak reads below what the measured step allocated
+        def peak(self) -> int:
+            return 0
+
+    m = _model()
+    R.enable(m, recompute="auto", _memory=Resetting)
+    assert [c for _, _, c in _steps(m, n=3)] == [[2, 2, 2]] * 3
+    assert "step_growth_gib" not in R.describe(m)
+
+
+def test_a_model_with_two_stacks_of_checkpointed_layers_keeps_every_recompute():
+    from torch import nn
+
+    m = _model()
+    vision = nn.ModuleList([R._layers(m)[0].__class__(m.config, 0)])  # a second stack, as a vision tower's
+    both = nn.ModuleDict({"text": m, "vision": vision})
+    R.enable(both, recompute="auto", _memory=FakeMemory)
+    assert R.describe(both)["inactive"] == "2 stacks of checkpointed layers: every recompute kept"
+    assert not any(isinstance(getattr(x, "_gradient_checkpointing_func", None), R.BudgetedCheckpoint)
+                   for x in R._layers(both))
+    assert [c for _, _, c in _steps(m, n=2)] == [[2, 2, 2]] * 2
+
+
+def test_the_harness_counts_only_the_recomputes_that_ran_in_hardware_flops():
+    from types import SimpleNamespace
+
+    from harness.run.record import recomputed_share
+
+    m = _model()
+    point = SimpleNamespace(switches={"gradient_checkpointing": True})
+    assert recomputed_share(point, m) == 1.0  # optim.recompute not applied: every layer recomputes
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    _steps(m, n=1)
+    assert recomputed_share(point, m) == 1.0  # the measured step recomputed all
+    _steps(m, n=1)
+    assert recomputed_share(point, m) == 0.0
+    assert recomputed_share(SimpleNamespace(switches={"gradient_checkpointing": False}), m) == 0.0

@@ -64,9 +64,10 @@ def step_flops(
     layer_windows: list[int | None],
     num_heads: int,
     head_dim: int,
-    recompute: bool,
+    recompute: float,
 ) -> StepFlops:
-    """FLOPs of one step over ``tokens`` tokens.
+    """FLOPs of one step over ``tokens`` tokens; ``recompute`` is the share of the layers whose
+    forward gradient checkpointing runs again (True: all, False: none).
 
     ``frozen_params``/``adapter_params`` are the matmul parameters each token passes through
     (for MoE, only the active experts' share). ``layer_windows`` has one entry per decoder layer:
@@ -77,7 +78,7 @@ def step_flops(
     linear_fwd = 2.0 * (frozen_params + adapter_params) * tokens
     linear_bwd = 2.0 * frozen_params * tokens + 4.0 * adapter_params * tokens
     model = linear_fwd + linear_bwd + 3.0 * attn_fwd
-    hardware = model + (linear_fwd + attn_fwd if recompute else 0.0)
+    hardware = model + (linear_fwd + attn_fwd) * float(recompute)
     return StepFlops(model, hardware, frozen_params, adapter_params, attn_fwd)
 
 

@@ -109,15 +109,28 @@ def memory(device: torch.device) -> dict:
     }
 
 
+def recomputed_share(point, model) -> float:
+    """The share of decoder layers whose forward checkpointing ran again in the last step: none
+    without checkpointing, all with it, less the layers optim.recompute let skip."""
+    if not point.switches["gradient_checkpointing"]:
+        return 0.0
+    from optim import recompute
+
+    st = recompute.describe(model)
+    layers, skipped = st.get("layers"), (st.get("layers_skipped") or {}).get("last", 0)
+    return 1.0 - skipped / layers if layers else 1.0
+
+
 def flops(point, spec, model, measured, times, device) -> dict:
     frozen, adapter = flopsmod.matmul_params(model, spec.num_experts, spec.experts_per_token)
+    share = recomputed_share(point, model)
     windows = flopsmod.layer_windows(spec.config())
     per_step = [
         flopsmod.step_flops(
             tokens=b.sum_len, frozen_params=frozen, adapter_params=adapter,
             doc_lengths=[l for r in b.lengths for l in r], layer_windows=windows,
             num_heads=spec.num_attention_heads, head_dim=spec.head_dim,
-            recompute=point.switches["gradient_checkpointing"],
+            recompute=share,
         )
         for b in measured
     ]
