@@ -79,6 +79,9 @@ class Memory:
         return free + max(0, torch.cuda.memory_reserved(self.device) - self.allocated()), total
 
 
+MAX_ATTEMPTS = 3  # steps that may try to be the measured one (each resets CUDA's peak statistics)
+
+
 def headroom(total: int) -> int:
     """Kept free beside the predicted peak: fragmentation, and batches that need a little more."""
     return max(GIB, int(0.05 * total))
@@ -122,6 +125,7 @@ class RecomputeState:
     recomputed: int = 0  # recomputes run since enable (a skipped layer runs none)
     peak_reset: bool = False
     inactive: str = ""  # why the module keeps every recompute for this model, where it does
+    attempts: int = 0  # steps started as the measured one
     mem: Any = None
 
     def begin(self, tokens: int, device: torch.device) -> None:
@@ -146,6 +150,11 @@ class RecomputeState:
         self.skipped["min"] = n if self.skipped["min"] < 0 else min(self.skipped["min"], n)
 
     def _start_measuring(self, tokens: int) -> None:
+        self.attempts += 1
+        if self.attempts > MAX_ATTEMPTS:  # no backward recomputed anything measurable: leave it be
+            self.inactive = f"nothing measured in {MAX_ATTEMPTS} steps: every recompute kept"
+            self.measuring = False
+            return
         self.measuring, self.measured_forward, self.first_tokens, self.acts = True, self.forwards, tokens, {}
         self.start_allocated = self.mem.allocated()
         if self.mem.peak() > self.start_allocated:  # an earlier computation's peak: not this step's
