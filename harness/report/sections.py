@@ -310,15 +310,20 @@ SECTIONS: list[Section] = [
 # Entry points
 
 
+def summary_counts(rows: list[dict]) -> dict[str, int]:
+    """What the report's first line counts: ok step points, failed points, ok bandwidth points."""
+    return {"ok": sum(1 for r in rows if r.get("kind") == "step" and r.get("status") == "ok"),
+            "failed": sum(1 for r in rows if r.get("status") in ("oom", "error", "skipped")),
+            "bandwidth": sum(1 for r in rows if r.get("kind") == "bandwidth" and r.get("status") == "ok")}
+
+
 def summary(experiment: str, rows: list[dict], df_steps: pd.DataFrame) -> str:
     steps = [r for r in rows if r.get("kind") == "step"]
-    ok = [r for r in steps if r.get("status") == "ok"]
-    failed = [r for r in rows if r.get("status") in ("oom", "error", "skipped")]
-    n_bw = sum(1 for r in rows if r.get("kind") == "bandwidth" and r.get("status") == "ok")
+    n = summary_counts(rows)
     models = fmt.distinct(r.get("model") for r in steps)
     variants = fmt.distinct(r.get("variant") for r in steps)
     gpus = fmt.distinct(r.get("gpu_slug") for r in rows)
-    return (f"{len(ok)} ok step points ({models}; variants {variants}), {len(failed)} failed, "
-            f"{n_bw} bandwidth points, on {gpus}.")
+    return (f"{n['ok']} ok step points ({models}; variants {variants}), {n['failed']} failed, "
+            f"{n['bandwidth']} bandwidth points, on {gpus}.")
 
 
