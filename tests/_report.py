@@ -1,5 +1,5 @@
-"""Shared by the report tests: rows stored the way the benches and sweeps store them, and readers
-for the Markdown a report writes."""
+"""Shared by the report tests: rows stored the way the benches and sweeps store them (the tests
+read a report's tables as data through ``harness.report.fmt.recording``)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,6 @@ COMMAND = "python -m harness.bench.x --test"
 def store(results: Path, experiment: str, rows: list[dict], env: dict = ENV) -> Path:
     """Microbenchmark rows into results/<experiment>/<gpu>.jsonl, as ``harness.bench`` stores them."""
     return res.write_bench_rows(results, experiment, rows, env=env, command=COMMAND)
-
-
-def _cells(text: str, prefix: str) -> list[str]:
-    line = next(l for l in text.splitlines() if l.startswith(prefix))
-    return [c.strip() for c in line.strip().strip("|").split("|")]
-
-
-def _section(text: str, heading: str) -> str:
-    start = text.index(heading)
-    level = heading.split(" ")[0]
-    rest = text[start + len(heading):]
-    ends = [rest.find("\n" + "#" * n + " ") for n in range(1, len(level) + 1)]
-    ends = [e for e in ends if e >= 0]
-    return heading + (rest[: min(ends)] if ends else rest)
 
 
 def _offload_point(model, seq_len, batch, layer_bytes, p50, peaks, summary) -> list[dict]:

@@ -170,7 +170,8 @@ def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
             note = f"unreachable: bound {fmt.signed_pct(bound)} < {fmt.signed_pct(seed['gain_pct'])}"
         out.append({"target": f"double over single ≥ {fmt.signed_pct(seed['gain_pct'])} ({_point(pt)})",
                     "seeds": f"{fmt.signed_pct(seed['gain_pct'])} ({seed['steps_per_s']} steps/s, {key.upper()}, B200)",
-                    "measured": f"{fmt.signed_pct(gain)} (bound {fmt.signed_pct(bound)})", "ok": ok, "note": note})
+                    "measured": fmt.Cell(f"{fmt.signed_pct(gain)} (bound {fmt.signed_pct(bound)})", (gain, bound)),
+                    "ok": ok, "note": note})
     for pt in points:
         key = _seed_key(pt["model"], seeds)
         buf, delta, layer = pt["buffer_gib"], pt["buffer_peak_gib"], pt["layer_gib"]
@@ -180,7 +181,8 @@ def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
         out.append({"target": f"second buffer ≤ one layer input ({_point(pt)})",
                     "seeds": f"+{seeds[key]['extra_vram_gb']:.2f} GB extra VRAM ({key.upper()})" if key else DASH,
                     "measured": DASH if buf is None and delta is None else
-                    f"{fmt.num(buf, '.3f')} GiB, peak {fmt.num(delta, '+.3f')} GiB vs {fmt.num(layer, '.3f')} GiB",
+                    fmt.Cell(f"{fmt.num(buf, '.3f')} GiB, peak {fmt.num(delta, '+.3f')} GiB vs {fmt.num(layer, '.3f')} GiB",
+                             (buf, delta, layer)),
                     "ok": ok, "note": ""})
     for pt in points:
         cost, saved = pt["double_vs_none_pct"], pt["saved_vs_none_gib"]
@@ -188,13 +190,15 @@ def offload_targets(points: list[dict], seeds: dict) -> list[dict]:
         out.append({"target": f"double within {NONE_STEP_TOLERANCE_PCT:.0f}% of none, peak below none ({_point(pt)})",
                     "seeds": DASH,
                     "measured": DASH if cost is None and saved is None else
-                    f"step {fmt.signed_pct(cost)}, peak {fmt.num(pt['peak']['double'], '.2f')} vs "
-                    f"{fmt.num(pt['peak']['none'], '.2f')} GiB", "ok": ok, "note": ""})
+                    fmt.Cell(f"step {fmt.signed_pct(cost)}, peak {fmt.num(pt['peak']['double'], '.2f')} vs "
+                             f"{fmt.num(pt['peak']['none'], '.2f')} GiB", (cost, pt["peak"]["double"], pt["peak"]["none"])),
+                    "ok": ok, "note": ""})
     gains = [pt["double_over_soc_pct"] for pt in points]
     known = [x for x in gains if x is not None]
     if points:
         ok = None if not known else all(x > 0 for x in known)
-        measured = (f"{fmt.signed_pct(min(known))} … {fmt.signed_pct(max(known))} over {len(known)} points" if known else DASH)
+        measured = (fmt.Cell(f"{fmt.signed_pct(min(known))} … {fmt.signed_pct(max(known))} over {len(known)} points",
+                             (min(known), max(known), len(known))) if known else DASH)
         out.append({"target": "double faster than save_on_cpu at every point", "seeds": DASH,
                     "measured": measured, "ok": ok,
                     "note": f"{len(gains) - len(known)} point(s) unmeasured" if ok and len(known) < len(gains) else ""})
