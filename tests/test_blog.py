@@ -677,3 +677,15 @@ def test_the_offload_section_gives_one_answer_per_length_the_newest_bench_run():
     for rows in (old + new, new + old):  # file order does not decide it
         _, head = offload.section(rows, {}, Path("/nonexistent"), Path("/nonexistent"))
         assert head.measured["H100"] == "qwen3-14b 2048×13 +4.0 % steps/s over single"
+
+
+def test_the_one_call_is_set_against_the_faster_of_stock_and_the_peer():
+    def row(p50):
+        return {"status": "ok", "step_ms": {"p20": p50, "p50": p50, "p80": p50}}
+
+    p = data.RolePoint("gpu-x", "NVIDIA H100", "m", 2048, rows={"stock": row(800.0), "peer": row(600.0), "user": row(200.0)})
+    assert p.over_fastest_peer() == (3.0, "peer")
+    p.rows["stock"] = row(500.0)  # stock faster than the peer: the ratio is against stock
+    assert p.over_fastest_peer() == (2.5, "stock")
+    del p.rows["user"]
+    assert p.over_fastest_peer() == (None, None)

@@ -48,8 +48,10 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
         return "", {}
     peers = {}
     for p in pts:
+        ratio, fastest = p.over_fastest_peer()
         peers.setdefault(p.gpu_name, []).append(
-            f"{p.model} {p.seq_len}: " + " / ".join(fmt.ms(p.ms(r)) for r in ("stock", "peer", "user")) + " ms")
+            f"{p.model} {p.seq_len}: " + " / ".join(fmt.ms(p.ms(r)) for r in ("stock", "peer", "user")) + " ms"
+            + (f", {fmt.times(ratio)} the faster of them ({PEER_NAME[fastest]})" if ratio else ""))
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
              "peft and Liger-Kernel's patches, in one sweep per GPU; \"best\" is the fastest setting of ours "
@@ -65,11 +67,15 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     return "\n\n".join(parts), peers
 
 
+PEER_NAME = {"stock": "stock", "peer": "Liger-Kernel"}
+
+
 def _tldr(heads: list[common.Headline], peers: dict, gpus: list[str]) -> str:
     body = [[h.optimization, h.bottleneck, *(h.measured.get(g, "not measured") for g in gpus), h.seeds or "–"]
             for h in heads]
     body.append(["`optim.enable(model)`, all of it", "the above, as a user gets it in one call",
-                 *("; ".join(peers.get(g, [])) + (" (stock / Liger-Kernel / enable)" if peers.get(g) else "not measured")
+                 *("; ".join(peers.get(g, [])) + (" (stock / Liger-Kernel / enable; enable against the faster of "
+                                                 "stock and Liger-Kernel)" if peers.get(g) else "not measured")
                    for g in gpus), "–"])
     return "## TL;DR\n\n" + fmt.table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
                                     "the published claim"], body)

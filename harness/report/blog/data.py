@@ -38,6 +38,12 @@ class RolePoint:
     def one_run(self) -> bool | None:
         return from_one_run(list(self.rows.values()))
 
+    def over_fastest_peer(self) -> tuple[float | None, str | None]:
+        """The user's path against the faster of stock and the peer measured here: (ratio, role)."""
+        user = self.ms("user")
+        fastest = min((r for r in ("stock", "peer") if self.ms(r)), key=self.ms, default=None)
+        return (self.ms(fastest) / user, fastest) if fastest and user else (None, None)
+
 
 def load_rows(results_root, experiments) -> list[dict]:
     return [r for name in experiments for r in res.load_experiment_rows(results_root, name)]
