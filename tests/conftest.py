@@ -185,3 +185,15 @@ def write_toml(tmp_path):
         return p
 
     return _write
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: on a small CPU machine shared with other jobs, a tiny
+    model's steps run several times faster so (the tests that train a model ask for it)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

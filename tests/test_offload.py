@@ -16,13 +16,7 @@ from harness.workload import models
 MODES = ("none", "single", "double", "save_on_cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # two cores shared with other jobs: one intra-op thread is several times faster here
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _spec(name, layers=4):

@@ -17,12 +17,7 @@ from harness.workload import models
 GIB = 2**30
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_plan_skips_the_cheapest_layers_while_they_fit():
