@@ -278,6 +278,34 @@ def test_variant_models_and_gate_suite(write_toml):
     assert experiment.load(write_toml(VALID)).gate is None
 
 
+def test_a_variant_runs_at_its_own_lengths_and_a_guard_needs_its_pair_there(write_toml):
+    """variants.<v>.seq_lens: the variant's points at those of the file's lengths only (a gate suite
+    judges its user points at a length the GPU's time dominates); the other points keep their ids."""
+    whole = experiment.load(write_toml(GATE))
+    text = GATE.replace('[variants.cache]\n', '[variants.cache]\nseq_lens = [64]\n')
+    exp = experiment.load(write_toml(text))
+    assert {p.seq_len for p in exp.points() if p.variant == "cache"} == {64}
+    assert {p.seq_len for p in exp.points() if p.variant == "nocache"} == {64, 128}
+    kept = {p.point_id for p in whole.points()}
+    assert {p.point_id for p in exp.points()} == kept - {p.point_id for p in whole.points()
+                                                          if p.variant == "cache" and p.seq_len == 128}
+    with pytest.raises(ExperimentError) as err:  # the guard's pair at 128: 'on' does not run there
+        experiment.load(write_toml(text.replace("seq_len = 64\non", "seq_len = 128\non")))
+    assert err.value.key == "gate.guards[0].on" and "does not run at 128 tokens" in str(err.value)
+
+
+@pytest.mark.parametrize("value, key, fragment", [
+    ("[256]", "variants.cache.seq_lens[0]", "256 is not one of [experiment] seq_lens"),
+    ("[]", "variants.cache.seq_lens", "non-empty list"),
+    ("64", "variants.cache.seq_lens", "non-empty list"),
+    ('["64"]', "variants.cache.seq_lens[0]", "not one of"),
+])
+def test_malformed_variant_seq_lens(write_toml, value, key, fragment):
+    with pytest.raises(ExperimentError) as err:
+        experiment.load(write_toml(GATE.replace('[variants.cache]\n', f'[variants.cache]\nseq_lens = {value}\n')))
+    assert err.value.key == key and fragment in str(err.value), str(err.value)
+
+
 def test_the_gate_judges_by_role_or_by_name(write_toml):
     """judge = ["user"] picks every variant of the user's path, each on its own models; a name picks
     one variant; the optim.enable guard reads the roles (user against stock)."""

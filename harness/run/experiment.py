@@ -123,6 +123,7 @@ class Experiment:
     # package -> version specifier the sweep needs installed (what the rows claim to measure)
     requires: dict[str, str] = field(default_factory=dict)
     variant_models: dict[str, list[str]] = field(default_factory=dict)  # variants run on some models only
+    variant_seq_lens: dict[str, list[int]] = field(default_factory=dict)  # ... and at some lengths only
     gate: GateSpec | None = None  # [gate]: this file is a regression-gate suite (harness.gate)
     parallel: str = ""  # "fsdp2": each point one process per GPU under torchrun, the model sharded
 
@@ -136,6 +137,8 @@ class Experiment:
                 for seq_len in self.seq_lens:
                     for gpus, (vname, settings) in itertools.product(self.gpus, self.variants.items()):
                         if model not in self.variant_models.get(vname, [model]):
+                            continue
+                        if seq_len not in self.variant_seq_lens.get(vname, [seq_len]):
                             continue
                         out.append(
                             SweepPoint(
@@ -289,13 +292,16 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     variant_cuda_graph: dict[str, bool] = {}
     variant_stack: dict[str, str] = {}
     variant_models: dict[str, list[str]] = {}
+    variant_seq_lens: dict[str, list[int]] = {}
     roles: dict[str, str] = {}
     for vname, settings in variants_raw.items():
         check_keys(path, f"variants.{vname}", settings,
-                    set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role", "stack", "models"})
+                    set(SWITCHES) | {"loss", "lora_dtype", "cuda_graph", "role", "stack", "models", "seq_lens"})
         settings = dict(settings)
         if "models" in settings:  # this variant runs on these of the file's models only
             variant_models[vname] = _variant_models(path, vname, settings.pop("models"), canon)
+        if "seq_lens" in settings:  # ... and at these of its lengths only
+            variant_seq_lens[vname] = _variant_seq_lens(path, vname, settings.pop("seq_lens"), seq_lens)
         implied, declared = "", ""  # the stack a role implies where the file names none; the role as written
         if "role" in settings:  # what the variant stands for in a comparison (harness.roles); reports read it
             declared = settings.pop("role")
@@ -373,7 +379,8 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     baseline = exp.get("baseline", next(iter(variants)))
     choice(path, "experiment.baseline", baseline, list(variants))
     report = parse_report(path, raw.get("report", {}), variants)
-    gate = parse_gate(path, raw["gate"], canon, seq_lens, variants, variant_models, roles) if "gate" in raw else None
+    gate = (parse_gate(path, raw["gate"], canon, seq_lens, variants, variant_models, variant_seq_lens, roles)
+            if "gate" in raw else None)
 
     return Experiment(
         name=name, path=str(path), description=str(exp.get("description", "")), models=canon,
@@ -383,7 +390,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
         variant_cuda_graph=variant_cuda_graph, variant_stack=variant_stack, roles=roles, report=report,
-        requires=requires, variant_models=variant_models, gate=gate,
+        requires=requires, variant_models=variant_models, variant_seq_lens=variant_seq_lens, gate=gate,
     )
 
 
@@ -401,6 +408,16 @@ def _variant_models(path, vname: str, raw: Any, models: list[str]) -> list[str]:
             raise ExperimentError(path, f"{key}[{i}]", f"{m!r} is not one of [experiment] models", models)
         out.append(name)
     return out
+
+
+def _variant_seq_lens(path, vname: str, raw: Any, seq_lens: list[int]) -> list[int]:
+    key = f"variants.{vname}.seq_lens"
+    if not isinstance(raw, list) or not raw:
+        raise ExperimentError(path, key, f"must be a non-empty list of this file's seq_lens, got {raw!r}", seq_lens)
+    for i, t in enumerate(raw):
+        if isinstance(t, bool) or t not in seq_lens:
+            raise ExperimentError(path, f"{key}[{i}]", f"{t!r} is not one of [experiment] seq_lens", seq_lens)
+    return list(raw)
 
 
 def _requires(path, raw: Any) -> dict[str, str]:

@@ -58,7 +58,7 @@ GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity"
 
 
 def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants: dict, variant_models: dict,
-               roles: dict) -> GateSpec:
+               variant_seq_lens: dict, roles: dict) -> GateSpec:
     """``[gate]`` and its ``[[gate.guards]]``, each guard's pair checked against the variants."""
     from harness.gate.files import parse_fraction
 
@@ -90,6 +90,9 @@ def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants:
             v = choice(path, f"{where}.{side}", g[side], list(variants))
             if model not in variant_models.get(v, [model]):
                 raise ExperimentError(path, f"{where}.{side}", f"variant {v!r} does not run on {model} (its models)")
+            if g["seq_len"] not in variant_seq_lens.get(v, [g["seq_len"]]):
+                raise ExperimentError(path, f"{where}.{side}",
+                                      f"variant {v!r} does not run at {g['seq_len']} tokens (its seq_lens)")
         switch, on, off = g["switch"], g["on"], g["off"]
         if switch == ENABLE_GUARD:
             if roles.get(on) != "user" or roles.get(off) != "stock" or any(k in OWNER for k in variants[off]):

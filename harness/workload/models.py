@@ -144,7 +144,8 @@ REGISTRY: dict[str, ModelSpec] = {}
 for _s in _REAL:
     REGISTRY[_s.name] = _s
     REGISTRY[f"{_s.name}-tiny"] = _tiny(_s)
-for _s, _n in ((REGISTRY["qwen3-0.6b"], 4), (REGISTRY["gpt-oss-20b"], 2), (REGISTRY["qwen3-30b-a3b"], 2)):
+for _s, _n in ((REGISTRY["qwen3-0.6b"], 4), (REGISTRY["qwen3-8b"], 4), (REGISTRY["gpt-oss-20b"], 2),
+               (REGISTRY["qwen3-30b-a3b"], 2)):
     REGISTRY[f"{_s.name}-{_n}l"] = _layers(_s, _n)
 
 
