@@ -215,6 +215,21 @@ def test_the_gate_targets_are_judged_from_its_runs(tmp_path):
     assert minutes == (pytest.approx(130 / 60), True)
     assert gate.targets(tmp_path, {}) == ""
 
+    # max_half_width: aa's widest interval is +-10 %, so it holds 1.0 yet does not resolve 5 %;
+    # a planted step-time regression is met when some point is named SLOWER
+    run("slow", "fail", [pt(1.2, 1.3, "SLOWER"), pt(0.99, 1.01)])
+    run("quiet", "fail", [pt(0.99, 1.01)], guards=[{"guard": {"switch": "moe_lora"}, "ok": False}])
+    with fmt.recording() as tables:
+        gate.targets(tmp_path, {"a_a": ["aa"], "max_half_width": 0.05, "must_fail": {"slow": "time", "quiet": "time"}})
+    rows = {r["target"]: (r["measured"], r["met?"]) for r in tables.find("met?").rows()}
+    measured, met = rows["A/A: head against itself passes, every interval holding 1.0 within ±5% (`aa`)"]
+    assert met is False and measured.endswith("widest ±10.0%")
+    with fmt.recording() as tables:
+        gate.targets(tmp_path, {"a_a": ["aa"], "max_half_width": 0.11})
+    assert [r["met?"] for r in tables.find("met?").rows()] == [True]
+    assert rows["a planted time regression fails and names it (`slow`)"] == ("fail; SLOWER on p", True)
+    assert rows["a planted time regression fails and names it (`quiet`)"][1] is False  # failed, not on time
+
 
 def test_a_plan_whose_experiments_have_no_rows_still_writes_a_report(tmp_path, write_toml):
     p = write_toml("[blog]\nsources = { moe = 'nothing-here' }\n", "plan.toml")

@@ -3,8 +3,10 @@
 them:
 
     [blog.gate]
-    a_a = ["a-a-2", "a-a-3"]                     # head against itself: passes, every interval holds 1.0
-    must_fail = { planted-cache-off = "packing_cache", planted-mem256 = "memory" }  # and says why
+    a_a = ["a-a-4"]                              # head against itself: passes, every interval holds 1.0
+    max_half_width = 0.05                        # ... within this fraction of 1.0
+    must_fail = { planted-cache-off = "packing_cache", planted-mem256 = "memory",
+                  planted-recompute-all = "time" }  # and says why: a guard, memory or step time
     must_pass = ["planted-sleep3"]               # a slowdown below the threshold
     max_minutes = 8                              # rounds and parity, on one GPU
 """
@@ -39,6 +41,11 @@ def _failed_switches(g: dict) -> list[str]:
     return [x["guard"]["switch"] for x in g.get("guards") or [] if not x.get("ok", True)]
 
 
+def _half_width(p: dict) -> float:
+    t = p.get("time") or {}
+    return (t["high"] - t["low"]) / 2 if t.get("low") is not None and t.get("high") is not None else float("inf")
+
+
 def _minutes(g: dict) -> float:
     return (sum(r.get("wall_s") or 0 for r in g.get("rounds") or []) + (g.get("parity_s") or 0)) / 60
 
@@ -54,22 +61,28 @@ def targets(root: Path | str, spec: dict) -> str:
     root, body = Path(root), []
     for run in spec.get("a_a") or []:
         g = _load(root, run)
-        goal = f"A/A: head against itself passes, every interval holding 1.0 (`{run}`)"
+        width = spec.get("max_half_width")
+        goal = ("A/A: head against itself passes, every interval holding 1.0"
+                + (f" within ±{width:.0%}" if width else "") + f" (`{run}`)")
         if g is None:
             body.append([goal, "not measured", fmt.Cell(DASH, None)])
             continue
         pts = g.get("points") or []
-        body.append([goal, f"{g.get('outcome')}; " + ", ".join(_interval(p.get("time")) for p in pts),
-                     _met(g.get("outcome") == "pass" and bool(pts) and all(map(_holds_one, pts)))])
+        widest = max(map(_half_width, pts), default=float("inf"))
+        seen = f"{g.get('outcome')}; " + ", ".join(_interval(p.get("time")) for p in pts)
+        body.append([goal, seen + (f"; widest ±{widest:.1%}" if width else ""),
+                     _met(g.get("outcome") == "pass" and bool(pts) and all(map(_holds_one, pts))
+                          and (not width or widest <= width))])
     for run, why in (spec.get("must_fail") or {}).items():
         g = _load(root, run)
         goal = f"a planted {why} regression fails and names it (`{run}`)"
         if g is None:
             body.append([goal, "not measured", fmt.Cell(DASH, None)])
             continue
-        if why == "memory":
-            named = [p.get("label") for p in g.get("points") or [] if p.get("verdict") == "MEMORY"]
-            seen = f"{g.get('outcome')}; MEMORY on {', '.join(named) or 'no point'}"
+        if why in ("memory", "time"):
+            verdict = "MEMORY" if why == "memory" else "SLOWER"
+            named = [p.get("label") for p in g.get("points") or [] if p.get("verdict") == verdict]
+            seen = f"{g.get('outcome')}; {verdict} on {', '.join(named) or 'no point'}"
         else:
             named = [s for s in _failed_switches(g) if s == why]
             seen = f"{g.get('outcome')}; failing guards: {', '.join(_failed_switches(g)) or 'none'}"

@@ -95,9 +95,10 @@ def load(path: Path | str) -> Plan:
         raise ExperimentError(path, "blog", f"unknown keys {sorted(unknown)}",
                               ["title", "sources", "seeds", "steps", "gate"])
     gate = blog.get("gate") or {}
-    bad = set(gate) - {"a_a", "must_fail", "must_pass", "max_minutes"} if isinstance(gate, dict) else {"gate"}
+    keys = ["a_a", "max_half_width", "must_fail", "must_pass", "max_minutes"]
+    bad = set(gate) - set(keys) if isinstance(gate, dict) else {"gate"}
     if bad:
-        raise ExperimentError(path, "blog.gate", f"unknown keys {sorted(bad)}", ["a_a", "must_fail", "must_pass", "max_minutes"])
+        raise ExperimentError(path, "blog.gate", f"unknown keys {sorted(bad)}", keys)
     raw = blog.get("sources")
     if not isinstance(raw, dict) or not raw:
         raise ExperimentError(path, "blog.sources", "missing: name the experiments each section reads", sorted(REGISTRY))
