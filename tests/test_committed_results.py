@@ -68,3 +68,30 @@ def test_every_committed_row_keeps_the_experiment_file_it_ran_from():
             if sha and not (kept / f"{sha}.toml").is_file():
                 missing.add(f"{path.parent.name}/experiments/{sha}.toml")
     assert not missing, f"rows name experiment files results/ does not keep: {sorted(missing)}"
+
+
+def _gate_run(name: str) -> dict:
+    return json.loads((ROOT / "results" / "gate" / name / "gate.json").read_text())
+
+
+def test_the_committed_a_a_run_is_of_the_suite_as_it_is_and_resolves_five_percent():
+    """results/gate/a-a-4 ran experiments/gate.toml as it is now (an edited suite needs a new A/A
+    run), head against itself: it passed, and every judged point's 99 % interval holds 1.0 with a
+    half-width of at most 5 %, the slowdown the gate judges."""
+    run = _gate_run("a-a-4")
+    assert (ROOT / "results/gate/a-a-4/suite.toml").read_bytes() == (ROOT / "experiments/gate.toml").read_bytes()
+    assert run["base"]["sha"] == run["head"]["sha"] and run["outcome"] == "pass"
+    judged = {p["label"]: p["time"] for p in run["points"]}
+    assert {label.split()[-1] for label in judged} == {"user", "moe-graph"}
+    assert sum(label.endswith(" user") for label in judged) == 3  # one user point per family
+    for label, t in judged.items():
+        assert t["low"] <= 1.0 <= t["high"], label
+        assert (t["high"] - t["low"]) / 2 <= 0.05, (label, t)
+
+
+def test_the_replanted_user_path_regression_fails_the_gate_naming_each_user_point():
+    run = _gate_run("planted-recompute-all")
+    assert run["outcome"] == "fail" and run["exit_code"] == 1
+    failed = [p for p in run["points"] if p["outcome"] == "fail" and p["verdict"] == "SLOWER"]
+    assert sorted(p["model"] for p in failed) == ["gpt-oss-20b-2l", "qwen3-30b-a3b-2l", "qwen3-8b-4l"]
+    assert all(p["variant"] == "user" and p["time"]["low"] > 1.05 for p in failed)
