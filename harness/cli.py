@@ -109,11 +109,12 @@ def cmd_sweep(args) -> int:
         from harness.run import cluster
 
         summary = cluster.run(exp, args.results, address=args.ray_address, overwrite=args.overwrite,
-                              progress=not args.quiet, command=args.command, resources=args.ray_resources)
+                              progress=not args.quiet, command=args.command, resources=args.ray_resources,
+                              keep_older=args.keep_older_rows)
     else:
         summary = sweep.run(exp, args.results, overwrite=args.overwrite, progress=not args.quiet, command=args.command,
                             stop_after_s=args.stop_after, deadline_s=args.deadline,
-                            point_estimate_s=args.point_estimate)
+                            point_estimate_s=args.point_estimate, keep_older=args.keep_older_rows)
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
     if summary.left:
         print(f"stopped with {summary.left} points left (--stop-after/--deadline): the same command resumes", file=sys.stderr)
@@ -313,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="run an experiment file and write its results and report")
     p.add_argument("experiment", nargs="?", help="experiment TOML (default: smoke-gpu.toml on a GPU, smoke-cpu.toml otherwise)")
     p.add_argument("--overwrite", action="store_true", help="rerun points that already have results")
+    p.add_argument("--keep-older-rows", action="store_true",
+                   help="count points finished by other code (optim/harness sources, torch, transformers, peft or "
+                        "a peer of other versions) as done; by default the sweep measures them again")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path, help="reports root (default: reports/)")
     p.add_argument("--no-report", action="store_true", help="do not rebuild the report afterwards")

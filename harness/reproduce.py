@@ -23,6 +23,7 @@ from pathlib import Path
 
 from harness import results as res
 from harness import roles
+from harness.measure.env import code_id
 from harness.report import runs
 from harness.report.blog import plan as plan_file
 from harness.run import experiment
@@ -110,7 +111,7 @@ def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) 
         return sum(len(pts) for pts, _ in todo), len(exp.points())
     if step.sweep:
         exp = _cut(step, plan_dir)
-        done = res.finished_point_ids(res.results_path(results, exp.name, slug))
+        done = res.finished_point_ids(res.results_path(results, exp.name, slug), code_id())
         ids = [p.point_id for p in exp.points()]
         return sum(i not in done for i in ids), len(ids)
     rows = res.read_rows(res.results_path(results, str(step.experiment), slug))
@@ -218,7 +219,7 @@ def work(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> list
         return [(step.argv(plan_dir), [])]
     if not step.together:
         exp = _cut(step, plan_dir)
-        done = res.finished_point_ids(res.results_path(results, exp.name, slug))
+        done = res.finished_point_ids(res.results_path(results, exp.name, slug), code_id())  # as the sweep resumes
         return [(step.argv(plan_dir), [p for p in exp.points() if p.point_id not in done])]
     _, todo = _groups(step, plan_dir, results, slug)
     _, rest = _parse_cut(step)

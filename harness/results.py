@@ -153,8 +153,11 @@ def replace_rows(path: str | Path, drop, new_rows: list[dict]) -> None:
         _write_atomic(path, rows)
 
 
-def finished_point_ids(path: str | Path) -> set[str]:
-    return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED}
+def finished_point_ids(path: str | Path, code_id: str | None = None) -> set[str]:
+    """The points a step row finished (ok or oom); with ``code_id``, only rows that code measured
+    (``env.code_id``, ``harness.measure.env.code_id``)."""
+    return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED
+            and (code_id is None or (r.get("env") or {}).get("code_id") == code_id)}
 
 
 def point_wall_s(rows: list[dict]) -> dict[str, float]:

@@ -269,6 +269,7 @@ def _tiny_experiment(tmp_path, variants: str = "[variants.a]\nattn_implementatio
 
 def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, write_toml, capsys):
     from harness import results as res
+    from harness.measure.env import code_id
 
     _tiny_experiment(tmp_path)
     p = write_toml("[blog]\nsources = { moe = 'e' }\n"
@@ -283,11 +284,16 @@ def test_status_says_what_is_left_on_a_gpu_type_from_the_rows_alone(tmp_path, wr
     assert "big" in out and "skipped: needs 100 GiB" in out
     assert "the report's figures: 2 of 2 points left, ~10 min of GPU time" in out
     assert "the appendix's tables: 4 of 4 points left, ~20 min of GPU time" in out
-    # one finished row of the cut: one point left there, and three in the appendix
+    # a finished row of other code (another code_id) leaves its point to run again, as the sweep does
     exp = experiment.subset(experiment.load(tmp_path / "e.toml"), variants=["a"])
     point = exp.points()[0]
-    res.append_row(res.results_path(tmp_path / "r", "e", "gpu-x"),
-                   {"kind": "step", "status": "ok", "point_id": point.point_id, "variant": "a"})
+    res.append_row(res.results_path(tmp_path / "r", "e", "gpu-x"), {"kind": "step", "status": "ok",
+                   "point_id": point.point_id, "variant": "a", "env": {"code_id": "other"}})
+    reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
+    assert "the report's figures: 2 of 2 points left" in capsys.readouterr().out
+    # one finished row of this code: one point left there, and three in the appendix
+    res.append_row(res.results_path(tmp_path / "r", "e", "gpu-x"), {"kind": "step", "status": "ok",
+                   "point_id": point.point_id, "variant": "a", "env": {"code_id": code_id()}})
     reproduce.status(p, "gpu-x", 80, results=tmp_path / "r")
     out = capsys.readouterr().out
     assert "the report's figures: 1 of 2 points left" in out and "the appendix's tables: 3 of 4 points left" in out

@@ -18,6 +18,28 @@ def test_code_sha_tracks_the_measuring_code_only(tmp_path, monkeypatch):
     assert env.code_sha() != first
 
 
+def test_code_id_covers_the_sources_and_the_versions_of_the_stack_and_the_peers(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    from harness.measure import env
+
+    monkeypatch.setattr(env, "REPO_ROOT", tmp_path)
+    for pkg in ("optim", "harness"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "a.py").write_text("x = 1\n")
+    first = env.code_id()
+    assert env.code_versions()["torch"] == metadata.version("torch")
+    assert {"transformers", "peft", "liger-kernel", "trl", "unsloth"} <= set(env.code_versions())
+    real = env._dist_version
+    for dist in ("torch", "peft", "liger-kernel"):  # another version of the stack or a peer: other code
+        monkeypatch.setattr(env, "_dist_version", lambda d, dist=dist: "0.0.1" if d == dist else real(d))
+        assert env.code_id() != first, dist
+    monkeypatch.setattr(env, "_dist_version", real)
+    assert env.code_id() == first
+    (tmp_path / "harness" / "a.py").write_text("x = 2\n")
+    assert env.code_id() != first
+
+
 def test_cpu_model_reads_the_model_name(tmp_path):
     from harness.measure import env
 

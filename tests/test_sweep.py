@@ -84,6 +84,43 @@ def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monk
     assert rows["boom"]["status"] == rows["dies"]["status"] == "ok" and rows["oom"]["status"] == "oom"
 
 
+def test_a_code_change_measures_again_and_says_so(tmp_path, write_toml):
+    """A comment appended to optim/loss.py, then the same sweep: the finished point runs again (its
+    row's env.code_id is of other code), one line says why and names the flag, and the older row
+    stays as that code's result; with --keep-older-rows the point counts as done."""
+    import shutil
+
+    repo = tmp_path / "repo"  # a copy of the measuring code, to change
+    for pkg in ("optim", "harness"):
+        shutil.copytree(REPO_ROOT / pkg, repo / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    path = write_toml(EXP.split("[variants.boom]")[0])
+    results = tmp_path / "results"
+
+    def sweep_again(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "harness", "sweep", str(path), "--results", str(results),
+                               "--no-report", "--quiet", *extra], cwd=repo, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(repo)}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    assert "ran 1, skipped 0" in sweep_again()
+    out = sweep_again()
+    assert "ran 0, skipped 1" in out and "other code" not in out
+    with open(repo / "optim" / "loss.py", "a") as f:
+        f.write("# a comment\n")
+    out = sweep_again()
+    assert "ran 1, skipped 0" in out
+    (line,) = [ln for ln in out.splitlines() if "again" in ln]
+    assert line.startswith("measuring 1 finished point(s) again") and "--keep-older-rows" in line
+    rows = res.read_rows(res.results_path(results, "iso", "cpu"))
+    assert len(rows) == 2 and rows[0]["point_id"] == rows[1]["point_id"]
+    assert rows[0]["env"]["code_id"] != rows[1]["env"]["code_id"]  # both kept, each its code's
+    with open(repo / "optim" / "loss.py", "a") as f:
+        f.write("# another\n")
+    out = sweep_again("--keep-older-rows")
+    assert "ran 0, skipped 1" in out and "keeping 1 finished point(s) measured by other code" in out
+
+
 def test_overwrite_reruns_and_replaces(tmp_path, write_toml):
     exp = experiment.load(write_toml(EXP.split("[variants.boom]")[0]))
     sweep.run(exp, tmp_path / "results", progress=False)

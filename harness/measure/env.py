@@ -130,6 +130,28 @@ def code_sha() -> str:
     return h.hexdigest()[:16]
 
 
+# The installed distributions whose version can change what a point measures: the stack it runs on
+# and the peers it compares with. ``code_id`` hashes their versions with ``code_sha``.
+CODE_DISTRIBUTIONS = ("torch", "triton", "transformers", "peft", "liger-kernel", "trl", "unsloth",
+                      "unsloth-zoo", "cut-cross-entropy")
+
+
+def code_versions() -> dict[str, str | None]:
+    """``CODE_DISTRIBUTIONS``' installed versions, read without importing them (None: not installed)."""
+    return {dist: _dist_version(dist) for dist in CODE_DISTRIBUTIONS}
+
+
+def code_id() -> str:
+    """The code identity a row records (``env.code_id``) and a sweep resumes on: ``code_sha`` (the
+    sources of optim/ and harness/) and ``code_versions``, hashed. A row of another code_id was
+    measured by other code; the sweep measures its point again unless told to keep it."""
+    import hashlib
+    import json
+
+    value = json.dumps({"code_sha": code_sha(), **code_versions()}, sort_keys=True)
+    return hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
 def cpu_model(cpuinfo: Path | str = "/proc/cpuinfo") -> str:
     """The host processor's model name (``model name`` of /proc/cpuinfo on Linux), else what
     ``platform`` knows. Recorded on GPU rows too: an eager step that waits on the host runs at the
@@ -201,6 +223,7 @@ def collect() -> dict:
         "cuda": torch.version.cuda,
         **git_state(),
         "code_sha": code_sha(),
+        "code_id": code_id(),
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
         "host_probe_ms": host_probe_ms(),

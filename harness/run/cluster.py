@@ -10,7 +10,8 @@ parallel point, so an OOM or a crash is still that point's row. Ray hands the ta
 Rows come back to this process, which appends each one atomically as its task ends, into the
 results file of the GPU that ran it; the point's log comes back with it. A task that Ray loses
 (its worker or node died) is an error row and the sweep goes on. Resume is the local sweep's:
-a point already finished (ok or oom) in any of the experiment's results files is not submitted.
+a point already finished (ok or oom) by this code in any of the experiment's results files is not
+submitted (``harness.run.sweep.finished``).
 
 Points that share a machine run at once when its GPUs allow: each has its own GPUs, but they
 share the host's CPUs and PCIe links, which host-bound points feel. Pin such a sweep to one
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -81,15 +83,19 @@ def _local_device(requested: str) -> str:
         return "unknown"
 
 
-def _finished(root: Path, experiment: str) -> set[str]:
+def _finished(root: Path, experiment: str, points, keep_older: bool) -> set[str]:
     done: set[str] = set()
     for path in sorted((root / experiment).glob("*.jsonl")):
-        done |= res.finished_point_ids(path)
+        ids, older = sweepmod.finished(path, points, keep_older=keep_older)
+        if older:
+            print(f"{path.name}: {older}", file=sys.stderr)
+        done |= ids
     return done
 
 
 def run(exp: Experiment, results_root: str | Path, *, address: str | None = None, overwrite: bool = False,
-        progress: bool = True, command: str = "", resources: dict[str, float] | None = None) -> sweepmod.SweepSummary:
+        progress: bool = True, command: str = "", resources: dict[str, float] | None = None,
+        keep_older: bool = False) -> sweepmod.SweepSummary:
     """Run ``exp``'s unfinished points as Ray tasks; rows appended as each ends. Connects to
     ``address`` (a running cluster, "auto") or starts a local Ray, unless one is initialized."""
     import ray
@@ -98,8 +104,8 @@ def run(exp: Experiment, results_root: str | Path, *, address: str | None = None
     sweepmod.keep_experiment_file(exp, root)
     for path in (root / exp.name).glob("*.jsonl"):
         res.read_rows(path)  # a corrupt file stops the sweep before anything is submitted
-    done = set() if overwrite else _finished(root, exp.name)
     points = [dataclasses.replace(p, command=command) for p in exp.points()]
+    done = set() if overwrite else _finished(root, exp.name, points, keep_older)
     todo = [p for p in points if p.point_id not in done]
     summary = sweepmod.SweepSummary(results_path=root / exp.name, skipped=len(points) - len(todo))
     if not todo:

@@ -1,8 +1,11 @@
 """Experiment → points → one fresh process per point → rows appended to results/.
 
-A rerun resumes: points already finished (ok or oom) in the results file are skipped unless
-``overwrite`` is set. Rows are written one at a time, atomically, as each point ends, so a sweep
-killed midway loses only the point in flight.
+A rerun resumes: points already finished (ok or oom) in the results file by this code
+(``env.code_id``: the optim/ and harness/ sources and the versions of torch, transformers, peft and
+the peers) are skipped unless ``overwrite`` is set. A point finished by other code is measured
+again, and the sweep says so in one line, unless ``keep_older`` counts those rows as finished.
+Rows are written one at a time, atomically, as each point ends, so a sweep killed midway loses only
+the point in flight.
 """
 
 from __future__ import annotations
@@ -171,12 +174,20 @@ def scaling_efficiency(row: dict, rows: list[dict]) -> float | None:
 
 def append_point_row(path: Path, row: dict) -> None:
     """Append a point's row, with its scaling efficiency when it ran on several GPUs (only then is
-    the results file read back)."""
+    the results file read back). It replaces the point's rows of the same code and its unfinished
+    ones; a finished row of other code (``env.code_id``) stays, as that code's result."""
     if row.get("status") == "ok" and (row.get("gpus") or 1) > 1:
         efficiency = scaling_efficiency(row, res.read_rows(path))
         if efficiency is not None:
             row["scaling_efficiency"] = efficiency
-    res.append_row(path, row, replace_point=True)
+    pid, code = row.get("point_id"), (row.get("env") or {}).get("code_id")
+
+    def superseded(r: dict) -> bool:
+        return bool(pid) and r.get("point_id") == pid and (
+            r.get("kind") != "step" or r.get("status") not in res.FINISHED
+            or (r.get("env") or {}).get("code_id") == code)
+
+    res.replace_rows(path, superseded, [row])
 
 
 def stopped_row(point, ran_s: float, slug: str, device_name: str) -> dict:
@@ -204,9 +215,27 @@ def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | No
     return path
 
 
+def finished(path: Path, points, *, keep_older: bool) -> tuple[set[str], str]:
+    """(the point ids a resume skips, a line saying which finished points other code measured,
+    "" if none). Other code's rows count as finished only with ``keep_older``."""
+    from harness.measure.env import code_id
+
+    code = code_id()
+    ours, anyone = res.finished_point_ids(path, code), res.finished_point_ids(path)
+    older = [p for p in points if p.point_id in anyone - ours]
+    if not older:
+        return ours, ""
+    if keep_older:
+        return anyone, (f"keeping {len(older)} finished point(s) measured by other code than this "
+                        f"(code_id {code}) as done (--keep-older-rows)")
+    return ours, (f"measuring {len(older)} finished point(s) again: their rows were measured by other code "
+                  f"than this (code_id {code}: the optim/ and harness/ sources, torch, transformers, peft "
+                  f"or a peer differ); --keep-older-rows counts them as done")
+
+
 def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, progress: bool = True,
         command: str = "", stop_after_s: float | None = None, deadline_s: float | None = None,
-        point_estimate_s: float | None = None) -> SweepSummary:
+        point_estimate_s: float | None = None, keep_older: bool = False) -> SweepSummary:
     """Run ``exp``'s unfinished points; ``command`` (the command line that started the sweep) is
     recorded in every row. With ``stop_after_s``, no point starts once that many seconds have
     passed; with ``deadline_s``, no point starts that its estimate says would end later than that
@@ -225,7 +254,10 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     keep_experiment_file(exp, results_root)
 
     existing = res.read_rows(path)  # fails loudly on a corrupt file before anything runs
-    done = set() if overwrite else res.finished_point_ids(path)
+    points = [dataclasses.replace(p, command=command) for p in exp.points()]
+    done, older = (set(), "") if overwrite else finished(path, points, keep_older=keep_older)
+    if older:
+        sys.stderr.write(older + "\n")
 
     if exp.bandwidth and device_name != "cpu":
         have_bw = any(r.get("kind") == "bandwidth" and r.get("status") == "ok" for r in existing)
@@ -235,7 +267,6 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
                 row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
             res.replace_rows(path, lambda r: r.get("kind") == "bandwidth", rows)
 
-    points = [dataclasses.replace(p, command=command) for p in exp.points()]
     todo = [p for p in points if p.point_id not in done]
     summary.skipped = len(points) - len(todo)
     recorded = res.point_wall_s(existing)  # this GPU type's earlier wall times: the ETA's first guess
