@@ -123,7 +123,7 @@ def test_bandwidth_section(demo_readme, demo_tables):
     assert (pinned["GB/s p50 [p20–p80]"], pinned["of PCIe ceiling"]) == (53.5, pytest.approx(53.5 / 63.02, abs=1e-3))
     assert (pageable["GB/s p50 [p20–p80]"], pageable["of PCIe ceiling"]) == (9.0, pytest.approx(9.0 / 63.02, abs=1e-3))
     cpu = _section(demo_readme.read_text(), "## cpu (`cpu`)")
-    assert "No bandwidth rows for this GPU type." in cpu
+    assert "No bandwidth rows: host → device copies are measured on a GPU." in cpu
 
 
 def test_methodology_from_env(demo_readme):
@@ -145,6 +145,7 @@ def test_unknown_experiment_raises(tmp_path):
 def test_rebuild_is_deterministic(tmp_path):
     first = report.build_report(FIXTURE_RESULTS, "demo", tmp_path).read_text()
     assert "These rows ran on a CPU" not in first  # GPU rows beside the CPU ones
+    assert "on the same GPU type." in first
     (tmp_path / "demo" / "stale.png").write_bytes(PNG_SIGNATURE)
     again = report.build_report(FIXTURE_RESULTS, "demo", tmp_path)
     assert again.read_text() == first
@@ -163,6 +164,7 @@ def test_cpu_only_results(tmp_path):
                                       "end, and say nothing of GPU speed.**")  # the report's first line says so
     assert "n/a (no GPU peak on CPU)" in text  # MFU/HFU
     assert "No device memory peaks recorded (CPU run)." in text
+    assert "on the same CPU: they check the pipeline, not GPU speed." in text and "GPU type" not in text
     sp = tables.find("speedup").row(model="llama-3.2-1b-tiny", seq_len=256, variant="eager")
     assert (sp["baseline step ms p50"], sp["variant step ms p50"], sp["speedup"]) == (42.0, 56.0, pytest.approx(0.75))
     assert not (readme.parent / "cpu-peak-memory.png").exists()

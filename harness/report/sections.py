@@ -129,7 +129,9 @@ def section_speedup(df_steps, df_bw, rows, out_dir) -> str:
 
 def section_bandwidth(df_steps, df_bw, rows, out_dir) -> str:
     if df_bw.empty:
-        return "### Host → device bandwidth\n\nNo bandwidth rows for this GPU type."
+        on_cpu = bool(rows) and all((r.get("gpu_slug") or "cpu") == "cpu" for r in rows)
+        return "### Host → device bandwidth\n\n" + ("No bandwidth rows: host → device copies are measured on a GPU."
+                                                   if on_cpu else "No bandwidth rows for this GPU type.")
     path = plot_bandwidth(df_bw, out_dir / f"{fmt.gpu_slug(rows)}-h2d-bandwidth.png")
     body = []
     for r in df_bw.itertuples():
@@ -175,6 +177,7 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
                        if e.get(gen_key) is not None or e.get(width_key) is not None)
 
     device = fmt.distinct([e.get("device_name") for e in envs] + [r.get("device_name") for r in rows])
+    on_cpu = bool(rows) and all((r.get("gpu_slug") or "cpu") == "cpu" for r in rows)
     repeats = {r.get("repeat") for r in steps if r.get("repeat") is not None}
     parts = [
         f"Measured on {device} (device count {env('device_count')}), host {env('hostname')}, {env('platform')}.",
@@ -190,7 +193,8 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
         f"{fmt.distinct(r.get('lora_dtype', 'fp32') for r in steps)} (fp32: peft's default upcast).",
         f"Statistic: {STATISTIC}.",
         "The Python garbage collector is collected, frozen and disabled for the measured steps.",
-        "Speedups are ratios of medians measured side by side in one run, on the same GPU type.",
+        "Speedups are ratios of medians measured side by side in one run, on the same "
+        + ("CPU: they check the pipeline, not GPU speed." if on_cpu else "GPU type."),
     ]
     return "### Methodology\n\n" + " ".join(parts)
 
