@@ -235,6 +235,29 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
     assert sections.spread_points(report.res.load_experiment_rows(tmp_path, "sp"))[2] == ["m T=64 `v-dyn`"]
 
 
+def test_other_codes_rows_of_a_point_are_not_its_repeats(tmp_path):
+    """Rows of one point measured by two codes (a re-run after a change keeps the older row as that
+    code's result): the spread's repeats are the newest code's rows alone, and it says what it left out."""
+    from harness.results import append_row
+
+    def row(repeat, median, code, at):
+        return {"kind": "step", "status": "ok", "experiment": "sp", "gpu_slug": "cpu", "device_name": "cpu",
+                "model": "m", "seq_len": 64, "batch_size": 1, "variant": "v", "baseline_variant": "v",
+                "repeat": repeat, "point_id": f"p{repeat}", "env": {"code_sha": code}, "recorded_at": at,
+                "step_ms": {"p20": median, "p50": median, "p80": median, "samples": [median] * 5},
+                "forward_ms": {"p50": 1.0}, "backward_ms": {"p50": 1.0}, "optimizer_ms": {"p50": 1.0}}
+
+    path = tmp_path / "sp" / "cpu.jsonl"
+    append_row(path, row(0, 30.0, "new", "2026-01-02T00:00:00+00:00"))  # file order is not time order
+    append_row(path, row(0, 20.0, "old", "2026-01-01T00:00:00+00:00"))
+    append_row(path, row(1, 21.0, "old", "2026-01-01T00:01:00+00:00"))
+    append_row(path, row(1, 33.0, "new", "2026-01-02T00:01:00+00:00"))
+    (point,), _, _ = sections.spread_points(report.res.load_experiment_rows(tmp_path, "sp"))
+    assert point["medians"] == [30.0, 33.0] and point["older"] == 2
+    text = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
+    assert "other code's rows of 1 point(s) (2 rows) are that code's results, not repeats" in text
+
+
 def test_report_cli_takes_an_experiment_file_for_its_name(tmp_path, capsys):
     from harness import cli
 

@@ -29,6 +29,23 @@ def code_ids(rows: list[dict]) -> set:
     return {e.get("code_sha") or e.get("git_sha") for r in rows if (e := r.get("env") or {})} - {None}
 
 
+def code_of(r: dict):
+    """The code that measured one row (``code_ids``' key): env.code_sha, else the commit."""
+    e = r.get("env") or {}
+    return e.get("code_sha") or e.get("git_sha")
+
+
+def newest_code(rows: list[dict]) -> list[dict]:
+    """The rows measured by the code that measured the most recently recorded of them (rows without
+    a recording time count as oldest): one point's repeats, without other code's rows of it."""
+    if not rows:
+        return []
+    order = sorted(range(len(rows)), key=lambda i: (recorded_at(rows[i]) is not None,
+                                                     recorded_at(rows[i]) or 0, i))
+    code = code_of(rows[order[-1]])
+    return [r for r in rows if code_of(r) == code]
+
+
 def from_one_run(rows: list[dict]) -> bool | None:
     """True when the rows were recorded within SAME_RUN_MINUTES of each other running the same code
     (one code hash, or one commit for rows without one), False when not, None when a time is missing."""

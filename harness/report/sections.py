@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.report.fmt import is_known, fmt_ms, fmt_num, fmt_pct, md_table
-from harness.report import fmt
+from harness.report import fmt, runs
 from harness.report.frames import PLOT_VARIANTS, STATISTIC, Section, points_frame, role_frame, speedup_frame
 from harness.report.palette import ROLE_LABEL
 from harness.report.plots import (
@@ -212,7 +212,7 @@ def spread_points(rows) -> tuple[list[dict], dict[bool, list[float]], list[str]]
     points, compiling = [], []
     worst = {False: [0.0, 0.0], True: [0.0, 0.0]}
     for key in sorted(groups):
-        reps = groups[key]
+        reps = runs.newest_code(groups[key])  # other code's rows of the point are not its repeats
         graphed = bool(reps[0].get("cuda_graph"))
         medians = [r["step_ms"]["p50"] for r in reps]
         within = max(r["step_ms"]["p80"] / r["step_ms"]["p20"] for r in reps)
@@ -227,7 +227,7 @@ def spread_points(rows) -> tuple[list[dict], dict[bool, list[float]], list[str]]
         if compiled:
             compiling.append(f"{key[0]} T={key[1]} `{key[3]}`")
         points.append({"key": key, "graphed": graphed, "medians": medians, "run_to_run": run_to_run,
-                       "within": within, "compiled": compiled,
+                       "within": within, "compiled": compiled, "older": len(groups[key]) - len(reps),
                        "measured": max((len(cs) for cs in counts), default=None)})
     return points, worst, compiling
 
@@ -269,6 +269,11 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
         lines.append(f"- torch.compile made graphs during measured steps of {', '.join(compiling)}: those steps "
                      "were timed with a compile, so the median is not the steady state (a shape or value that "
                      "changes per batch recompiles; `TORCH_LOGS=recompiles` names the guard).")
+    older = [p for p in points if p["older"]]
+    if older:
+        lines.append(f"- Repeats are the rows of the newest code that measured each point; other code's rows of "
+                     f"{len(older)} point(s) ({sum(p['older'] for p in older)} rows) are that code's results, "
+                     "not repeats, and are left out here.")
     summary = "\n".join(lines)
     return "### Spread\n\n" + md_table(header, body) + "\n\n" + summary
 
