@@ -237,7 +237,7 @@ def test_spread_section_reports_run_to_run_and_within_run(tmp_path):
 
 def test_other_codes_rows_of_a_point_are_not_its_repeats(tmp_path):
     """Rows of one point measured by two codes (a re-run after a change keeps the older row as that
-    code's result): the spread's repeats are the newest code's rows alone, and it says what it left out."""
+    code's result): the spread's repeats are the newest code's rows alone, the older ones stale."""
     from harness.results import append_row
 
     def row(repeat, median, code, at):
@@ -253,9 +253,11 @@ def test_other_codes_rows_of_a_point_are_not_its_repeats(tmp_path):
     append_row(path, row(1, 21.0, "old", "2026-01-01T00:01:00+00:00"))
     append_row(path, row(1, 33.0, "new", "2026-01-02T00:01:00+00:00"))
     (point,), _, _ = sections.spread_points(report.res.load_experiment_rows(tmp_path, "sp"))
-    assert point["medians"] == [30.0, 33.0] and point["older"] == 2
-    text = report.build_report(tmp_path, "sp", tmp_path / "rep").read_text()
-    assert "other code's rows of 1 point(s) (2 rows) are that code's results, not repeats" in text
+    assert point["medians"] == [30.0, 33.0]
+    with fmt.recording() as tables:  # the report reads the newest code's rows; the others are its appendix's
+        report.build_report(tmp_path, "sp", tmp_path / "rep")
+    assert tables.find("run-to-run p80/p20").row(variant="v")["step ms p50 per repeat"] == (30.0, 33.0)
+    assert sorted(fmt.number(r["step ms p50"]) for r in tables.find("why stale").rows()) == [20.0, 21.0]
 
 
 def test_report_cli_takes_an_experiment_file_for_its_name(tmp_path, capsys):
@@ -571,3 +573,66 @@ def test_the_role_plots_name_which_variant_played_each_role_and_keep_the_roles_o
     sections.section_speedup(df, None, rows, tmp_path)
     bars = [c.get_label() for c in seen[-1].axes[0].containers if c.get_label() and not c.get_label().startswith("_")]
     assert bars == [ROLE_LABEL[r] for r in ("peer", "user", "best")]
+
+
+def test_an_edited_experiment_file_never_mixes_with_the_old_one(tmp_path, write_toml):
+    """Rows of an experiment file's earlier version, whose variant 'opt' ran with the packing cache on,
+    and of its version now, where 'opt' turns it off and the variant 'gone' is dropped: the report reads
+    the file as it is now. A point of 'opt' measured by both versions shows once, from the newer;
+    the older 'opt' rows and every 'gone' row are listed as stale in the appendix and read nowhere
+    else; 'base', defined alike by both, keeps its older row, and of its point re-run by newer
+    code the newer row alone."""
+    import dataclasses
+
+    from harness.report import current
+    from harness.results import append_row
+    from harness.run import experiment, sweep
+
+    v1 = """[experiment]
+name = "ed"
+models = ["qwen3-0.6b-tiny"]
+seq_lens = [64, 128]
+device = "cpu"
+[variants.base]
+role = "stock"
+attn_implementation = "sdpa"
+[variants.opt]
+role = "ours"
+packing_backend = "sdpa"
+packing_cache = true
+[variants.gone]
+role = "ablation"
+attn_implementation = "eager"
+"""
+    v2 = v1.replace("packing_cache = true", "packing_cache = false").split("[variants.gone]")[0]
+    results = tmp_path / "results"
+
+    def sweep_rows(text, hour, points=None, code="c1"):
+        exp = experiment.load(write_toml(text, f"ed-{hour}.toml"))
+        sweep.keep_experiment_file(exp, results)
+        for p in exp.points():
+            if points and (p.variant, p.seq_len) not in points:
+                continue
+            ms = {"base": 100.0, "opt": 50.0 if "true" in text else 80.0, "gone": 90.0}[p.variant] + hour
+            row = {**dataclasses.asdict(p), "point_id": p.point_id, "kind": "step", "status": "ok",
+                   "gpu_slug": "cpu", "device_name": "cpu", "experiment_sha256": exp.sha256,
+                   "recorded_at": f"2026-01-01T{hour:02d}:00:00+00:00", "env": {"code_sha": code},
+                   **{m: {"p20": ms, "p50": ms, "p80": ms, "samples": [ms] * 3}
+                      for m in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms")}}
+            append_row(results / "ed" / "cpu.jsonl", row)
+
+    sweep_rows(v1, 1)  # the whole file then
+    sweep_rows(v2, 2, points={("opt", 64)})  # the edited variant, re-run at one length
+    sweep_rows(v2, 3, points={("base", 64)}, code="c2")  # base re-run by newer code
+    with fmt.recording() as tables:
+        text = report.build_report(results, "ed", tmp_path / "rep").read_text()
+    shown = tables.find("step ms p50 [p20–p80]").rows()
+    assert sorted((r["variant"], r["seq_len"]) for r in shown) == [("base", 64), ("base", 128), ("opt", 64)]
+    assert {(r["variant"], r["seq_len"]): fmt.number(r["step ms p50 [p20–p80]"]) for r in shown}[("opt", 64)] == 82.0
+    appendix = text[text.index("## Appendix: stale rows"):]
+    stale = tables.find("why stale").rows()
+    assert sorted((r["variant"], r["seq_len"], r["why stale"]) for r in stale) == [
+        ("base", 64, current.OLDER_CODE), ("gone", 64, current.FILE_CHANGED), ("gone", 128, current.FILE_CHANGED),
+        ("opt", 64, current.FILE_CHANGED), ("opt", 128, current.FILE_CHANGED)]
+    assert "`results/ed/experiments/" in appendix
+    assert "gone" not in text[:text.index("## Appendix: stale rows")]  # read nowhere else

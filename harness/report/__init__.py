@@ -20,7 +20,7 @@ from pathlib import Path
 from harness import results as res
 from harness.errors import InputError
 from harness.measured import REGISTRY
-from harness.report import bench, output, profiles, spec
+from harness.report import bench, current, output, profiles, spec
 from harness.report import fmt
 from harness.report.frames import bandwidth_frame, steps_frame
 from harness.report.sections import SECTIONS, summary
@@ -30,6 +30,8 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
     """Write reports/<experiment>/README.md and its PNGs from results/<experiment>/ alone."""
     rows = res.load_experiment_rows(results_root, experiment)
     profiled = profiles.load_profiles(results_root, experiment)
+    parted = current.split(results_root, experiment, rows) if rows else current.Split(rows=[])
+    rows = parted.rows  # the experiment file as it is now, each point's newest code; the rest: the appendix
     if not rows and not profiled:
         known = sorted(p.name for p in Path(results_root).iterdir() if p.is_dir()) if Path(results_root).is_dir() else []
         raise InputError(f"no result rows for experiment {experiment!r} under {Path(results_root) / experiment}"
@@ -66,6 +68,7 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
         parts += bench.sweep_targets(tables, rows)
         parts += profiles.profile_sections(results_root, experiment)
         parts += bench.sections(rows, experiment, tables)
+        parts += [text for text in [current.appendix(parted, experiment)] if text]
         return build.finish(out_dir / "README.md", "\n\n".join(parts) + "\n")
 
 

@@ -227,7 +227,7 @@ def spread_points(rows) -> tuple[list[dict], dict[bool, list[float]], list[str]]
         if compiled:
             compiling.append(f"{key[0]} T={key[1]} `{key[3]}`")
         points.append({"key": key, "graphed": graphed, "medians": medians, "run_to_run": run_to_run,
-                       "within": within, "compiled": compiled, "older": len(groups[key]) - len(reps),
+                       "within": within, "compiled": compiled,
                        "measured": max((len(cs) for cs in counts), default=None)})
     return points, worst, compiling
 
@@ -269,11 +269,6 @@ def section_spread(df_steps, df_bw, rows, out_dir) -> str:
         lines.append(f"- torch.compile made graphs during measured steps of {', '.join(compiling)}: those steps "
                      "were timed with a compile, so the median is not the steady state (a shape or value that "
                      "changes per batch recompiles; `TORCH_LOGS=recompiles` names the guard).")
-    older = [p for p in points if p["older"]]
-    if older:
-        lines.append(f"- Repeats are the rows of the newest code that measured each point; other code's rows of "
-                     f"{len(older)} point(s) ({sum(p['older'] for p in older)} rows) are that code's results, "
-                     "not repeats, and are left out here.")
     summary = "\n".join(lines)
     return "### Spread\n\n" + md_table(header, body) + "\n\n" + summary
 

@@ -46,7 +46,12 @@ class RolePoint:
 
 
 def load_rows(results_root, experiments) -> list[dict]:
-    return [r for name in experiments for r in res.load_experiment_rows(results_root, name)]
+    """The rows each experiment's report reads (``current.split``): its file as it is now, each
+    point's newest code."""
+    from harness.report import current
+
+    return [r for name in experiments
+            for r in current.split(results_root, name, res.load_experiment_rows(results_root, name)).rows]
 
 
 def _median_repeat(rows: list[dict]) -> dict | None:
