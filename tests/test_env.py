@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 
-def test_code_sha_tracks_the_measuring_code_only(tmp_path, monkeypatch):
+import pytest
+
+
+@pytest.fixture
+def env_of_a_tree(tmp_path, monkeypatch):
+    """harness.measure.env reading a tree of its own: optim/a.py and harness/a.py, ``x = 1``."""
     from harness.measure import env
 
     monkeypatch.setattr(env, "REPO_ROOT", tmp_path)
     for pkg in ("optim", "harness"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "a.py").write_text("x = 1\n")
+    return env
+
+
+def test_code_sha_tracks_the_measuring_code_only(tmp_path, env_of_a_tree):
+    env = env_of_a_tree
     first = env.code_sha()
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "r.py").write_text("y = 2\n")  # not measuring code
@@ -18,15 +28,10 @@ def test_code_sha_tracks_the_measuring_code_only(tmp_path, monkeypatch):
     assert env.code_sha() != first
 
 
-def test_code_id_covers_the_sources_and_the_versions_of_the_stack_and_the_peers(tmp_path, monkeypatch):
+def test_code_id_covers_the_sources_and_the_versions_of_the_stack_and_the_peers(tmp_path, monkeypatch, env_of_a_tree):
     from importlib import metadata
 
-    from harness.measure import env
-
-    monkeypatch.setattr(env, "REPO_ROOT", tmp_path)
-    for pkg in ("optim", "harness"):
-        (tmp_path / pkg).mkdir()
-        (tmp_path / pkg / "a.py").write_text("x = 1\n")
+    env = env_of_a_tree
     first = env.code_id()
     assert env.code_versions()["torch"] == metadata.version("torch")
     assert {"transformers", "peft", "liger-kernel", "trl", "unsloth"} <= set(env.code_versions())

@@ -141,14 +141,15 @@ def code_versions() -> dict[str, str | None]:
     return {dist: _dist_version(dist) for dist in CODE_DISTRIBUTIONS}
 
 
-def code_id() -> str:
+def code_id(sha: str | None = None) -> str:
     """The code identity a row records (``env.code_id``) and a sweep resumes on: ``code_sha`` (the
-    sources of optim/ and harness/) and ``code_versions``, hashed. A row of another code_id was
-    measured by other code; the sweep measures its point again unless told to keep it."""
+    sources of optim/ and harness/; ``sha`` when already read) and ``code_versions``, hashed. A row
+    of another code_id was measured by other code; the sweep measures its point again unless told
+    to keep it."""
     import hashlib
     import json
 
-    value = json.dumps({"code_sha": code_sha(), **code_versions()}, sort_keys=True)
+    value = json.dumps({"code_sha": sha or code_sha(), **code_versions()}, sort_keys=True)
     return hashlib.sha256(value.encode()).hexdigest()[:16]
 
 
@@ -222,8 +223,8 @@ def collect() -> dict:
         "cut_cross_entropy": _dist_version("cut-cross-entropy"),
         "cuda": torch.version.cuda,
         **git_state(),
-        "code_sha": code_sha(),
-        "code_id": code_id(),
+        "code_sha": (sha := code_sha()),
+        "code_id": code_id(sha),  # the sources are read once
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
         "host_probe_ms": host_probe_ms(),

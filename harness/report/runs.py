@@ -26,7 +26,7 @@ def recorded_at(r: dict):
 
 def code_ids(rows: list[dict]) -> set:
     """What ran: the hash of the measuring code where rows record it (env.code_sha), else the commit."""
-    return {e.get("code_sha") or e.get("git_sha") for r in rows if (e := r.get("env") or {})} - {None}
+    return {code_of(r) for r in rows} - {None}
 
 
 def code_of(r: dict):
