@@ -20,10 +20,13 @@ is the ``peer`` and plays nothing else, ``stack = "compiled"`` is ``stock-compil
 switch, and ``ours`` or an ``ablation`` where it does (``optim.enable(model, **switches)``).
 
 The parts a reader follows from table to table and plot to plot (``PARTS``) are read from the
-roles: the stock baseline, the peer, the user's path, and ours at its best (the fastest of the
-``user`` and ``ours`` variants). Rows (and kept experiment files) from before the vocabulary was
+roles: the stock baseline, stock compiled, the peer, the user's path, and ours at its best (the
+fastest of the ``user`` and ``ours`` variants). The first three (``PEERS``) are what a user would
+run instead; a headline ratio is against the fastest of them measured at the point. Rows (and kept experiment files) from before the vocabulary was
 one say ``ours-default`` for optim's defaults; ``role_of`` reads that as ``user`` where the user's
-stack built the variant, else as ``ours``.
+stack built the variant, else as ``ours``. Those from before ``stock-compiled`` say ``stock`` for a
+stock variant other than the baseline whose decoder layers were compiled; ``role_of`` reads that as
+``stock-compiled``.
 
 This module imports nothing: an experiment file is checked against it without torch or pandas.
 """
@@ -38,7 +41,8 @@ STACK_ROLES = {"user": ("user", "ours", "ablation"), "liger": ("peer",),  # the 
                "compiled": ("stock-compiled",)}
 LEGACY = ("ours-default",)  # a role name of rows recorded before the vocabulary was one (see role_of)
 
-PARTS = ("stock", "peer", "user", "best")
+PARTS = ("stock", "stock-compiled", "peer", "user", "best")
+PEERS = ("stock", "stock-compiled", "peer")  # what a user would run instead: a ratio's denominator is the fastest
 OURS = ("user", "ours")  # the roles "best" picks from
 SIDE_BY_SIDE = ("stock", "peer", "user")  # what a reader compares: from one run where one has all three
 
@@ -48,6 +52,9 @@ def role_of(r: Mapping[str, Any]) -> str:
     role = str(r.get("role") or "")
     if role == "ours-default":  # optim's defaults: the user's path where a user's stack built it
         return "user" if r.get("stack") == "user" else "ours"
+    if role == "stock" and r.get("variant") != r.get("baseline_variant") \
+            and (r.get("switches") or {}).get("compile_layers") and r.get("stack") in (None, "", "transformers"):
+        return "stock-compiled"  # recorded before the vocabulary had it: stock with its layers compiled
     return role
 
 
@@ -67,8 +74,8 @@ def parts(r: Mapping[str, Any]) -> set[str]:
     out = set()
     if is_baseline(r):
         out.add("stock")
-    if role == "peer":
-        out.add("peer")
+    if role in ("peer", "stock-compiled"):
+        out.add(role)
     if role == "user":
         out.add("user")
     if role in OURS:

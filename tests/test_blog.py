@@ -565,14 +565,14 @@ def test_a_cell_from_another_run_than_its_stock_carries_a_dagger_and_the_table_s
         peers_table([p])
     (shown,) = tables[0].rows()
     cells = [shown[k] for k in tables[0].header if k.endswith(" ms")]
-    assert cells == [(800.0, None, False), (1200.0, pytest.approx(800 / 1200), True), (400.0, 2.0, False),
+    assert cells == [(800.0, None, False), "not run", (1200.0, pytest.approx(800 / 1200), True), (400.0, 2.0, False),
                      (300.0, pytest.approx(800 / 300), True)], cells
     assert peers_table([p]).endswith("† measured by another run than the stock beside it: its ratio compares two runs.")
     p.rows["peer"] = row("liger", 1200.0, "10:01")
     p.rows["best"] = row("o", 300.0, "10:06")
     with fmt.recording() as tables:
         peers_table([p])
-    assert not any(v[2] for k, v in tables[0].rows()[0].items() if k.endswith(" ms"))
+    assert not any(v[2] for k, v in tables[0].rows()[0].items() if k.endswith(" ms") and isinstance(v, tuple))
 
 def test_a_role_the_plan_skips_on_a_smaller_gpu_says_so_where_one_merely_missing_says_not_run():
     from harness.report.blog import moe
@@ -592,9 +592,9 @@ def test_a_role_the_plan_skips_on_a_smaller_gpu_says_so_where_one_merely_missing
     short = moe._too_small(rows, {"big": 100.0})
     assert short == {"big": {"H100": "skipped (GPU < 100 GiB)"}}
     lines = moe._seeds_table(data.role_points(rows), "big", {}, short["big"]).splitlines()
-    h100, h200 = lines[4].split(" | ")[4:8], lines[4].split(" | ")[8:12]
-    assert h100 == ["skipped (GPU < 100 GiB)"] * 3 + ["600.0"], lines  # the setting that fit is kept
-    assert h200[0] == "900.0" and h200[1:3] == ["not run"] * 2, lines  # the big GPU's gap is just not run
+    h100, h200 = lines[4].split(" | ")[4:9], lines[4].split(" | ")[9:14]
+    assert h100 == ["skipped (GPU < 100 GiB)"] * 4 + ["600.0"], lines  # the setting that fit is kept
+    assert h200[0] == "900.0" and h200[1:4] == ["not run"] * 3, lines  # the big GPU's gap is just not run
     small = moe._seeds_table(data.role_points(rows), "small", {}, short.get("small")).splitlines()
     assert "skipped" not in "\n".join(small) and "not run" in small[4], small
 
@@ -700,7 +700,7 @@ def test_the_offload_section_gives_one_answer_per_length_the_newest_bench_run():
         assert head.measured["H100"] == "qwen3-14b 2048×13 +4.0 % steps/s over single"
 
 
-def test_the_one_call_is_set_against_the_faster_of_stock_and_the_peer():
+def test_the_one_call_is_set_against_the_fastest_of_stock_stock_compiled_and_the_peer():
     def row(p50):
         return {"status": "ok", "step_ms": {"p20": p50, "p50": p50, "p80": p50}}
 
@@ -708,5 +708,48 @@ def test_the_one_call_is_set_against_the_faster_of_stock_and_the_peer():
     assert p.over_fastest_peer() == (3.0, "peer")
     p.rows["stock"] = row(500.0)  # stock faster than the peer: the ratio is against stock
     assert p.over_fastest_peer() == (2.5, "stock")
+    p.rows["stock-compiled"] = row(250.0)  # compiled stock, fastest of all three
+    assert p.over_fastest_peer() == (1.25, "stock-compiled")
+    p.rows["user"] = row(400.0)  # the one call slower than a peer: a ratio below 1, said as it is
+    assert p.over_fastest_peer() == (0.625, "stock-compiled")
     del p.rows["user"]
     assert p.over_fastest_peer() == (None, None)
+
+
+def test_the_tldr_gives_the_range_over_every_length_from_pairs_one_run_measured():
+    from harness.report.blog.common import gains_range
+
+    pairs = [{"gain_pct": 39.1, "noise_pct": 5.0, "seq_len": 2048, "one_run": True},
+             {"gain_pct": 2.0, "noise_pct": 3.0, "seq_len": 8192, "one_run": True},
+             {"gain_pct": -0.4, "noise_pct": 1.0, "seq_len": 16384, "one_run": None},  # no recording time: kept
+             {"gain_pct": 38.8, "noise_pct": 1.0, "seq_len": 8192, "one_run": False}]  # two commits apart
+    text = gains_range(pairs, "per step")
+    assert text.startswith("-0.4 % to +39.1 % per step (median +2.0 %) over 3 model × length pairs, 2048–16384 tokens")
+    assert "2 of them within the step's own spread" in text and "1 pairs measured by two runs left out" in text
+    assert "38.8" not in text
+    assert gains_range(pairs[3:], "per step") == "not measured in one run (1 pairs by two runs)"
+
+
+def test_the_speedup_figure_draws_every_role_a_point_measured_a_panel_per_model_and_gpu(tmp_path, monkeypatch):
+    from harness.report.blog import figures
+
+    seen = []
+    monkeypatch.setattr(figures, "save_png", lambda fig, path: seen.append(fig) or path)
+
+    def row(p50, when):
+        return {"status": "ok", "step_ms": {"p20": p50, "p50": p50, "p80": p50},
+                "recorded_at": f"2026-01-01T{when}:00+00:00", "env": {"code_sha": "c"}}
+
+    pts = []
+    for gpu in ("NVIDIA H100", "NVIDIA H200"):
+        for t in (2048, 8192):
+            pts.append(data.RolePoint(gpu, gpu, "m", t, rows={
+                "stock": row(800.0, "10:00"), "stock-compiled": row(400.0, "02:00"),  # another run: hollow
+                "peer": row(700.0, "10:01"), "user": row(300.0, "10:02"), "best": row(250.0, "10:03")}))
+    assert figures.speedup_vs_length(pts, tmp_path / "x.png", "step time") == tmp_path / "x.png"
+    (fig,) = seen
+    assert [ax.get_title() for ax in fig.axes] == ["m, H100", "m, H200"]
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["stock = 1", "stock + torch.compile", "Liger-Kernel", "optim.enable() defaults",
+                      "ours, best setting", "from another run than its stock"]

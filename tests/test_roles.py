@@ -89,7 +89,12 @@ def test_parts_read_from_the_role_and_the_baseline_only():
     assert roles.parts(row("user", "ours-default", stack="user")) == {"user", "best"}  # an older row
     assert roles.parts(row("auto", "ours-default")) == {"best"}  # optim's defaults, not the user's build
     assert roles.parts(row("graph", "ours")) == {"best"}
-    assert roles.parts(row("c", "stock-compiled")) == roles.parts(row("a", "ablation")) == set()
+    assert roles.parts(row("c", "stock-compiled")) == {"stock-compiled"}  # a peer of its own in every table
+    assert roles.parts(row("a", "ablation")) == set()
+    # recorded before the vocabulary had stock-compiled: stock, not the baseline, its layers compiled
+    old = row("stock-flex-compiled", "stock", switches={"compile_layers": True})
+    assert roles.role_of(old) == "stock-compiled" and roles.parts(old) == {"stock-compiled"}
+    assert roles.parts(row("stock", "stock", switches={"compile_layers": True})) == {"stock"}  # the baseline stays
 
 
 def test_frames_read_older_rows_in_todays_vocabulary():

@@ -124,7 +124,7 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
                     "ratio": meas / pred if meas is not None and pred else None,
                     "ratio_device": meas / pred_dev if meas is not None and pred_dev else None,
                     "gain_pct": fmt.gain_pct(p_off, p_on), "noise_pct": _noise_pct(on, off),
-                    "noise_ms": _width_ms(on, off)})
+                    "noise_ms": _width_ms(on, off), "one_run": from_one_run([on, off])})
     return out
 
 

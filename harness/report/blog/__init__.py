@@ -20,7 +20,8 @@ from harness.measured import REGISTRY
 from harness.report import spec as spec_file
 from harness.report import fmt, output
 from harness.report.blog import appendix, common, consistency, data, gate, plan as plan_file
-from harness.report.blog.style import embed
+from harness.report.blog.style import ROLE_LABEL, embed
+from harness.roles import PEERS
 from harness.report.blog import figures
 from harness.run import experiment as experiment_file
 
@@ -49,13 +50,15 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     peers = {}
     for p in pts:
         ratio, fastest = p.over_fastest_peer()
+        shown = [r for r in (*PEERS, "user") if p.ms(r)]
         peers.setdefault(p.gpu_name, []).append(
-            f"{p.model} {p.seq_len}: " + " / ".join(fmt.ms(p.ms(r)) for r in ("stock", "peer", "user")) + " ms"
-            + (f", {fmt.times(ratio)} the faster of them ({PEER_NAME[fastest]})" if ratio else ""))
+            f"{p.model} {p.seq_len}: " + ", ".join(f"{ROLE_LABEL[r]} {fmt.ms(p.ms(r))}" for r in shown) + " ms"
+            + (f"; enable() {fmt.times(ratio)} the fastest of the others ({ROLE_LABEL[fastest]})" if ratio else ""))
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
-             "peft and Liger-Kernel's patches, in one sweep per GPU; \"best\" is the fastest setting of ours "
-             "the sweep ran (CUDA graphs, for one), what the one call does not yet reach by itself.",
+             "peft (eager, and with every decoder layer compiled where the sweep ran it) and Liger-Kernel's "
+             "patches, in one sweep per GPU; \"best\" is the fastest setting of ours the sweep ran (CUDA graphs, "
+             "for one), what the one call does not yet reach by itself.",
              common.peers_table(pts)]
     if caveat := common.stock_caveats(pts):
         parts.append(caveat)
@@ -67,16 +70,11 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     return "\n\n".join(parts), peers
 
 
-PEER_NAME = {"stock": "stock", "peer": "Liger-Kernel"}
-
-
 def _tldr(heads: list[common.Headline], peers: dict, gpus: list[str]) -> str:
     body = [[h.optimization, h.bottleneck, *(h.measured.get(g, "not measured") for g in gpus), h.seeds or "–"]
             for h in heads]
     body.append(["`optim.enable(model)`, all of it", "the above, as a user gets it in one call",
-                 *("; ".join(peers.get(g, [])) + (" (stock / Liger-Kernel / enable; enable against the faster of "
-                                                 "stock and Liger-Kernel)" if peers.get(g) else "not measured")
-                   for g in gpus), "–"])
+                 *("; ".join(peers.get(g, [])) or "not measured" for g in gpus), "–"])
     return "## TL;DR\n\n" + fmt.table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
                                     "the published claim"], body)
 

@@ -3,6 +3,7 @@ step's time and memory go."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from harness.report import fmt
@@ -84,6 +85,25 @@ def split_table(points: list[RolePoint]) -> str:
 def gains_text(values: list[tuple[str, float]]) -> str:
     """ "model: +x %" items joined, for the TL;DR."""
     return ", ".join(f"{label} {v:+.1f} %" for label, v in values) or "not measured"
+
+
+def gains_range(pairs: list[dict], what: str) -> str:
+    """The TL;DR's measure of an on/off pair over every model and length measured: the range and
+    median of the step gain over the pairs whose two sides one run measured, how many of them gain
+    no more than the step's own spread, and how many pairs two runs measured (left out). ``pairs``:
+    dicts with ``gain_pct``, ``noise_pct``, ``seq_len`` and ``one_run``."""
+    one = sorted((p for p in pairs if p.get("gain_pct") is not None and p.get("one_run") is not False),
+                 key=lambda p: p["gain_pct"])
+    apart = sum(1 for p in pairs if p.get("gain_pct") is not None and p.get("one_run") is False)
+    if not one:
+        return "not measured" + (f" in one run ({apart} pairs by two runs)" if apart else "")
+    gains = [p["gain_pct"] for p in one]
+    lengths = sorted({int(p["seq_len"]) for p in one})
+    flat = sum(1 for p in one if p.get("noise_pct") is not None and p["gain_pct"] <= p["noise_pct"])
+    span = f"{lengths[0]}–{lengths[-1]}" if len(lengths) > 1 else f"{lengths[0]}"
+    text = (f"{gains[0]:+.1f} % to {gains[-1]:+.1f} % {what} (median {statistics.median(gains):+.1f} %) over {len(one)} "
+            f"model × length pairs, {span} tokens; {flat} of them within the step's own spread")
+    return text + (f"; {apart} pairs measured by two runs left out" if apart else "")
 
 
 def stock_caveats(points: list[RolePoint]) -> str:

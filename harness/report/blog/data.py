@@ -1,5 +1,5 @@
-"""Rows -> the four parts a reader compares at each point (``harness.roles.PARTS``): stock, the peer
-(Liger-Kernel), the user's path (``optim.enable()`` as a user calls it), and ours at its best
+"""Rows -> the parts a reader compares at each point (``harness.roles.PARTS``): stock, stock
+compiled, the peer (Liger-Kernel), the user's path (``optim.enable()`` as a user calls it), and ours at its best
 setting. Parts come from what the rows record (``role``, ``baseline_variant``), read through
 ``harness.roles``, never from variant names."""
 
@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 
 from harness import results as res
-from harness.roles import PARTS, SIDE_BY_SIDE, parts, role_of
+from harness.roles import PARTS, PEERS, SIDE_BY_SIDE, parts, role_of
 from harness.report import fmt
 from harness.report.runs import from_one_run, split_runs, recorded_at
 from harness.report.blog.style import gpu_short
@@ -39,9 +39,10 @@ class RolePoint:
         return from_one_run(list(self.rows.values()))
 
     def over_fastest_peer(self) -> tuple[float | None, str | None]:
-        """The user's path against the faster of stock and the peer measured here: (ratio, role)."""
+        """The user's path against the fastest of what a user would run instead (``PEERS``: stock,
+        stock compiled, the peer) measured here: (ratio, that role)."""
         user = self.ms("user")
-        fastest = min((r for r in ("stock", "peer") if self.ms(r)), key=self.ms, default=None)
+        fastest = min((r for r in PEERS if self.ms(r)), key=self.ms, default=None)
         return (self.ms(fastest) / user, fastest) if fastest and user else (None, None)
 
 

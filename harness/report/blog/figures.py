@@ -12,49 +12,57 @@ from harness.report.blog.data import RolePoint
 from harness.report.output import save_png
 
 
-def _lines_for(roles: list[str], gpus: list[str]) -> list[str]:
-    """The roles drawn: as many as fit in the line budget with one line per GPU each, the peer
-    dropped first, then the default (best is what the section is about)."""
-    roles = list(roles)
-    for drop in ("peer", "user"):
-        if len(roles) * len(gpus) <= style.MAX_LINES - 1 or len(roles) == 1:
-            break
-        if drop in roles:
-            roles.remove(drop)
-    return roles
+DRAWN = ("stock-compiled", "peer", "user", "best")  # every role beside stock, whose line is y = 1
 
 
 def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | None:
-    """Speed-up over stock against sequence length, a panel per model, a line per GPU and role."""
-    models = sorted({p.model for p in points if any(p.speedup(r) for r in ("peer", "user", "best"))})
-    if not models:
+    """Speed-up over stock against sequence length: a panel per model and GPU, a line per role the
+    points measured (every one: stock compiled, the peer, the user's path and ours at its best).
+    A point whose role came from another run than its stock is drawn hollow."""
+    panels = sorted({(p.model, p.gpu_name) for p in points if any(p.speedup(r) for r in DRAWN)},
+                    key=lambda k: (k[1], k[0]))
+    if not panels:
         return None
-    gpus = sorted({p.gpu_name for p in points})
-    roles = _lines_for([r for r in ("peer", "user", "best") if any(p.speedup(r) for p in points)], gpus)
-    fig, axes = style.figure(len(models), width=4.6, height=3.8)
+    roles = [r for r in DRAWN if any(p.speedup(r) for p in points)]
+    fig, axes = style.grid(len(panels))
     lengths = sorted({p.seq_len for p in points})
-    for ax, model in zip(axes, models):
+    apart = False
+    for ax, (model, gpu) in zip(axes, panels):
         ax.axhline(1.0, color=style.ROLE_COLOR["stock"], lw=1.2, label="stock = 1")
-        for gi, gpu in enumerate(gpus):
-            for role in roles:
-                pts = sorted((p.seq_len, s) for p in points if p.model == model and p.gpu_name == gpu
-                             and (s := p.speedup(role)))
-                if pts:
-                    # best is often enable() itself: drawn wide and pale beneath, the default's line
-                    # stays visible inside it rather than hidden under it
-                    wide = dict(lw=6, alpha=0.35, markersize=9, zorder=1) if role == "best" else dict(lw=1.6, zorder=2)
-                    ax.plot(*zip(*pts), color=style.ROLE_COLOR[role], ls=style.GPU_STYLES[gi % 4],
-                            marker=style.GPU_MARKERS[gi % 4], label=f"{style.ROLE_LABEL[role]}, {gpu}", **wide)
+        for role in roles:
+            pts = sorted((p.seq_len, s, common_run(p, role)) for p in points
+                         if p.model == model and p.gpu_name == gpu and (s := p.speedup(role)))
+            if not pts:
+                continue
+            # best is often enable() itself: drawn wide and pale beneath, the default's line stays visible
+            wide = dict(lw=6, alpha=0.35, markersize=9, zorder=1) if role == "best" else dict(lw=1.6, zorder=2)
+            color = style.ROLE_COLOR[role]
+            ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], color=color, marker=style.ROLE_MARKER[role],
+                    label=style.ROLE_LABEL[role], **wide)
+            hollow = [(x, y) for x, y, one in pts if one is False]
+            if hollow:
+                apart = True
+                ax.scatter(*zip(*hollow), s=70, facecolors="white", edgecolors=color, linewidths=1.5, zorder=3)
         if len(lengths) > 1 and lengths[-1] / max(lengths[0], 1) >= 4:
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
-        ax.set_title(model, fontsize=10)
+        ax.set_title(f"{model}, {gpu}", fontsize=10)
         ax.set_xlabel("tokens per step")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
+    if apart:
+        axes[0].scatter([], [], s=70, facecolors="white", edgecolors="black", label="from another run than its stock")
     axes[0].set_ylabel(f"speed-up over stock ({what})")
     style.legend_outside(fig, axes)
     return save_png(fig, path)
+
+
+def common_run(p: RolePoint, role: str) -> bool | None:
+    """Whether ``role`` at ``p`` was measured by the run that measured its stock (None: unknown)."""
+    from harness.report.runs import from_one_run
+
+    stock, r = p.rows.get("stock"), p.rows.get(role)
+    return None if stock is None or r is None else from_one_run([stock, r])
 
 
 def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path | None:

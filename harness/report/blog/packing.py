@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.report import fmt
 from harness.report.packing import packing_cache_points
 from harness.report.blog import figures
-from harness.report.blog.common import Headline, gains_text, peers_table, split_table
+from harness.report.blog.common import Headline, gains_range, peers_table, split_table
 from harness.report.blog.data import role_points
 from harness.report.blog.style import embed, gpu_short
 
@@ -75,9 +75,8 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
                      "wide models) they can hide behind kernels already queued; these pairs do not tell that "
                      "apart from noise. The varlen metadata costs under 1 ms a build, so it has little to save.")
     for gpu in sorted({p["gpu"] for p in pts}):
-        gains = [(p["model"], p["gain_pct"]) for p in pts if p["gpu"] == gpu and p["backend"] == BACKEND
-                 and p["seq_len"] == 2048 and p["gain_pct"] is not None]
-        head.measured[names.get(gpu, gpu)] = gains_text(gains) + f" ({BACKEND}, 2048 tokens)"
+        head.measured[names.get(gpu, gpu)] = gains_range(
+            [p for p in pts if p["gpu"] == gpu and p["backend"] == BACKEND], "per step") + f" ({BACKEND})"
     return "\n\n".join(parts), head
 
 

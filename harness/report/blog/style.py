@@ -7,7 +7,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLES  # noqa: F401 (the blog's modules read them here)
+from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLE_MARKER, ROLES  # noqa: F401 (the blog's modules read them here)
 from harness.report.plots import legend_entries
 
 GPU_STYLES = ("-", "--", ":", "-.")
@@ -24,6 +24,18 @@ def gpu_short(device_name: str | None) -> str:
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     fig = Figure(figsize=(width * ncols, height))
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+def grid(n: int, width: float = 3.8, height: float = 3.4, max_cols: int = 3):
+    """``n`` panels, at most ``max_cols`` a row: (figure, the n axes in reading order); empty cells
+    of the last row are removed."""
+    cols = min(n, max_cols)
+    rows = -(-n // cols)
+    fig = Figure(figsize=(width * cols, height * rows + 0.4))
+    axes = list(fig.subplots(rows, cols, squeeze=False).ravel())
+    for ax in axes[n:]:
+        fig.delaxes(ax)
+    return fig, axes[:n]
 
 
 def legend_outside(fig: Figure, axes, ncol: int = 3) -> None:
