@@ -138,6 +138,7 @@ def _experiment_name(arg: str) -> str:
 
 def cmd_report(args) -> int:
     from harness import report
+    from harness.report import headline
 
     if args.experiments:
         names = [_experiment_name(a) for a in args.experiments]
@@ -153,6 +154,15 @@ def cmd_report(args) -> int:
             except ExperimentError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
+        readme = args.reports.parent / "README.md"  # the README beside the reports: its headline block
+        text = readme.read_text() if readme.is_file() else ""
+        if headline.BEGIN in text or headline.END in text:
+            try:
+                headline.write(readme, args.results)
+            except headline.HeadlineError as e:
+                print(f"error: {readme}: {e}", file=sys.stderr)
+                return 2
+            paths.append(readme)
     for p in paths:
         print(p)
     return 0

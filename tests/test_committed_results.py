@@ -1,60 +1,121 @@
-"""What the README and the committed results claim holds: each headline figure is a value some row
-holds, and each row keeps the experiment file it ran from."""
+"""What the README and the committed results claim holds: each headline figure is written from, and
+keyed to, one row's statistic; no doc cites a figure otherwise; each row keeps the experiment file it
+ran from; the committed gate runs show what the gate claims."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+import pytest
+
+from harness.report import cite, headline
+
 ROOT = Path(__file__).resolve().parents[1]
-FIGURE = re.compile(r"(\d+\.\d+) (?:ms|GiB)\b")
+DOCS = ("README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))))
 
 
-def _recorded(results: Path) -> set[str]:
-    """Every number of every row, as the README would print it (one or two decimals), except single
-    steps' samples: the README cites statistics, and thousands of samples would let a stale figure
-    pass by matching one of them."""
-    seen: set[str] = set()
-
-    def walk(x):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                if k != "samples":
-                    walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-        elif isinstance(x, (int, float)) and not isinstance(x, bool):
-            seen.update((f"{x:.1f}", f"{x:.2f}"))
-
-    for path in results.glob("*/*.jsonl"):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                walk(json.loads(line))
-    return seen
+def test_every_readme_figure_is_keyed_to_the_row_statistic_that_gives_it():
+    """The headline block is what `python -m harness report` writes from the rows now, each figure's
+    key reads back to that figure, and nothing outside the block cites a measured figure."""
+    text = (ROOT / "README.md").read_text()
+    assert len(cite.FIGURE.findall(text[text.index(headline.BEGIN):text.index(headline.END)])) >= 30
+    assert headline.problems(text, ROOT / "results") == []
 
 
-def _headline(readme: str) -> str:
-    return readme[readme.index("## Headline results"):readme.index("\n## ", readme.index("## Headline results") + 3)]
+def test_the_blogs_one_call_figures_are_keyed_to_the_rows_that_give_them():
+    """reports/README.md is what the code writes from the rows (tests/test_report_snapshots.py); its
+    TL;DR's line for the one call also keys each figure to its row, and those keys read back."""
+    text = (ROOT / "reports" / "README.md").read_text()
+    tldr = text[text.index("## TL;DR"):text.index("\n## ", text.index("## TL;DR") + 3)]
+    line = next(row for row in tldr.splitlines() if row.startswith("| `optim.enable(model)`, all of it"))
+    assert len(cite.FIGURE.findall(line)) >= 20
+    keys = tldr[tldr.index(cite.KEYS):]
+    assert cite.check_keys(line + "\n" + keys, ROOT / "results") == []
 
 
-def test_every_headline_figure_is_a_value_a_committed_row_holds():
-    section = _headline((ROOT / "README.md").read_text())
-    figures = FIGURE.findall(section)
-    assert len(figures) >= 20  # the tables are there, and the pattern reads them
-    recorded = _recorded(ROOT / "results")
-    missing = sorted(set(f for f in figures if f not in recorded), key=float)
-    assert not missing, f"README figures no row in results/ holds: {missing}"
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_doc_cites_a_measured_figure_outside_a_block_written_from_rows(doc):
+    assert headline.loose_figures((ROOT / doc).read_text()) == [], \
+        f"{doc} cites measured figures: write them from rows (harness/report/headline.py) or cite the report"
 
 
-def test_a_figure_no_row_holds_is_caught(tmp_path):
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "gpu.jsonl").write_text(json.dumps({"step_ms": {"p50": 236.54, "samples": [494.5]}}) + "\n")
-    recorded = _recorded(tmp_path)
-    assert "236.5" in recorded and "236.6" not in recorded and "494.5" not in recorded
-    readme = "# t\n\n## Headline results\n\n| a | 236.5 ms | 1.23 GiB |\n\n## Next\n\n999.9 ms\n"
-    assert FIGURE.findall(_headline(readme)) == ["236.5", "1.23"]
+def _edit_block(text: str, old: str, new: str) -> str:
+    a, b = text.index(headline.BEGIN), text.index(headline.END)
+    block = text[a:b]
+    assert old in block
+    return text[:a] + block.replace(old, new, 1) + text[b:]
+
+
+def test_a_hand_typed_stale_or_unkeyed_figure_in_the_readme_is_caught():
+    text = (ROOT / "README.md").read_text()
+    results = ROOT / "results"
+    shown, key = next(line.split(" = ", 1) for line in text.split(cite.KEYS)[1].splitlines()
+                      if line.endswith("step_ms.p50") and line.split(" = ", 1)[1].startswith("ms "))
+    value = float(shown.split()[0])
+    typo = f"{value + 0.1:.1f} ms"
+    # the figure typed by hand in the table and its key alike: the row still gives the old one
+    edited = _edit_block(text, f"{shown} = {key}", f"{typo} = {key}").replace(f"| {shown} |", f"| {typo} |", 1)
+    assert any(f"README shows {typo} where its row gives {shown}" in p for p in headline.problems(edited, results))
+    # a figure in the table with no key
+    edited = _edit_block(text, f"| {shown} |", f"| {shown} (was 236.5 ms) |")
+    assert any("no key" in p and "236.5 ms" in p for p in headline.problems(edited, results))
+    # a key to a row no longer current (another recording time: a re-measured or stale row)
+    stale = key.replace("@20", "@19", 1)
+    edited = _edit_block(text, f"{shown} = {key}", f"{shown} = {stale}")
+    assert any("0 current rows" in p for p in headline.problems(edited, results))
+    # a figure typed outside the block
+    edited = text.replace("## Run a sweep, a report, a gate", "Ours took 236.5 ms.\n\n## Run a sweep, a report, a gate")
+    assert any("outside the headline block" in p and "236.5 ms" in p for p in headline.problems(edited, results))
+    # the block as the rows gave it once, before a row changed: not what the code writes now
+    edited = _edit_block(text, "What `optim.enable(model)` gives", "What `optim.enable()` gives")
+    assert any("not what the rows give now" in p for p in headline.problems(edited, results))
+    assert "one of each" in headline.problems(text.replace(headline.END, ""), results)[0]
+
+
+def _row(exp, variant, role, p50, when, code="c1", gib=2.0):
+    return {"kind": "step", "status": "ok", "experiment": exp, "variant": variant, "role": role,
+            "baseline_variant": "stock", "stack": {"liger": "liger", "user": "user"}.get(variant),
+            "gpu_slug": "gpu-x", "device_name": "NVIDIA H100 80GB HBM3", "model": "m", "seq_len": 2048,
+            "lora_rank": 16, "point_id": f"{variant}-pt", "recorded_at": f"2026-01-01T{when}:00+00:00",
+            "step_ms": {"p20": p50, "p50": p50, "p80": p50}, "peak_allocated_gib": gib,
+            "env": {"code_sha": code, "git_sha": code * 4}}
+
+
+def test_report_writes_the_block_and_a_newer_measurement_makes_the_old_figures_stale(tmp_path):
+    from harness import cli
+
+    results = tmp_path / "results"
+    (results / "user").mkdir(parents=True)
+    rows = [_row("user", "stock", "stock", 800.0, "10:00", gib=9.0), _row("user", "liger", "peer", 600.0, "10:01"),
+            _row("user", "user", "user", 200.0, "10:02", gib=2.5)]
+    path = results / "user" / "gpu-x.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{headline.BEGIN}\n{headline.END}\n\nThe rest.\n")
+    assert cli.main(["report", "--results", str(results), "--reports", str(tmp_path / "reports")]) == 0
+    text = readme.read_text()
+    assert "| H100 | m, LoRA r=16, 2048 tokens | 800.0 ms | not run | 600.0 ms | 200.0 ms | 3.00× (Liger-Kernel) " \
+           "| 2.50 GiB / 2.00 GiB | `c1c1c1c` |" in text and text.endswith("\n\nThe rest.\n")
+    assert headline.problems(text, results) == []
+    # the user's path measured again by newer code: the README's figure is now stale
+    rows.append(_row("user", "user", "user", 150.0, "11:00", code="c2"))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = headline.problems(text, results)
+    assert any("0 current rows" in p for p in found) and any("not what the rows give now" in p for p in found)
+    assert cli.main(["report", "--results", str(results), "--reports", str(tmp_path / "reports")]) == 0
+    assert "| 150.0 ms † |" in readme.read_text() and headline.problems(readme.read_text(), results) == []  # † another run
+
+
+def test_a_readme_with_a_broken_block_gets_one_error_and_keeps_its_text(tmp_path, capsys):
+    from harness import cli
+
+    (tmp_path / "results").mkdir()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{headline.END}\n{headline.BEGIN}\n")
+    assert cli.main(["report", "--results", str(tmp_path / "results"), "--reports", str(tmp_path / "reports")]) == 2
+    assert "one of each, in that order" in capsys.readouterr().err
+    assert readme.read_text() == f"# x\n\n{headline.END}\n{headline.BEGIN}\n"
 
 
 def test_every_committed_row_keeps_the_experiment_file_it_ran_from():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from harness.measured import REGISTRY
 from harness.report import spec as spec_file
-from harness.report import fmt, output
+from harness.report import cite, fmt, output
 from harness.report.blog import appendix, common, consistency, data, gate, plan as plan_file
 from harness.report.blog.style import ROLE_LABEL, embed
 from harness.roles import PEERS
@@ -47,13 +47,15 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     pts = data.role_points(rows)
     if not pts:
         return "", {}
-    peers = {}
+    peers, figs = {}, cite.Figures()  # the TL;DR's figures, each keyed to its row
     for p in pts:
         ratio, fastest = p.over_fastest_peer()
         shown = [r for r in (*PEERS, "user") if p.ms(r)]
         peers.setdefault(p.gpu_name, []).append(
-            f"{p.model} {p.seq_len}: " + ", ".join(f"{ROLE_LABEL[r]} {fmt.ms(p.ms(r))}" for r in shown) + " ms"
-            + (f"; enable() {fmt.times(ratio)} the fastest of the others ({ROLE_LABEL[fastest]})" if ratio else ""))
+            f"{p.model} {p.seq_len}: " + ", ".join(f"{ROLE_LABEL[r]} {figs.ms(p.rows[r])}" for r in shown)
+            + (f"; enable() {figs.ratio(p.rows[fastest], p.rows['user'])} the fastest of the others "
+               f"({ROLE_LABEL[fastest]})" if ratio else ""))
+    peers["keys"] = figs
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
              "peft (eager, and with every decoder layer compiled where the sweep ran it) and Liger-Kernel's "
@@ -75,8 +77,10 @@ def _tldr(heads: list[common.Headline], peers: dict, gpus: list[str]) -> str:
             for h in heads]
     body.append(["`optim.enable(model)`, all of it", "the above, as a user gets it in one call",
                  *("; ".join(peers.get(g, [])) or "not measured" for g in gpus), "–"])
-    return "## TL;DR\n\n" + fmt.table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
-                                    "the published claim"], body)
+    keys = peers.get("keys")
+    return ("## TL;DR\n\n" + fmt.table(["optimization", "bottleneck removed", *(f"measured, {g}" for g in gpus),
+                                     "the published claim"], body)
+            + (f"\n\n{cite.keys_comment(keys)}" if keys and keys.keys else ""))
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,14 @@ def _crossover_check(rows: list[dict]) -> str:
     return text
 
 
+def _span(values: list[tuple[float, int]]) -> str:
+    """ "a× to b× (1024–16384 tokens, n points)" over (ratio, tokens) pairs."""
+    rs, ts = sorted(v for v, _ in values), sorted(t for _, t in values)
+    r = fmt.times(rs[0]) if len(rs) == 1 else f"{fmt.times(rs[0])} to {fmt.times(rs[-1])}"
+    t = f"{ts[0]}" if ts[0] == ts[-1] else f"{ts[0]}–{ts[-1]}"
+    return f"{r} ({t} tokens, {len(rs)} point{'s' if len(rs) > 1 else ''})"
+
+
 def _seeds_table(points: list[RolePoint], model: str, seeds: dict, short: dict[str, str] | None = None) -> str:
     """The published table for one model, rebuilt: their two columns, then ours per GPU. A role with no
     row on a GPU the plan skips for the model (``short``: GPU -> why) says why, not "not run"."""
@@ -186,12 +194,18 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
     if limits:
         parts.append("### Where the ratio stops growing\n\n" + "\n\n".join(limits))
     for gpu in sorted({p.gpu_name for p in rp}):
-        # the one call where the sweep ran it; else the best setting, named, as it is beyond the defaults
-        at = [f"{p.model} {p.seq_len}: enable() {fmt.times(p.speedup('user'))}" if p.speedup("user") else
-              f"{p.model} {p.seq_len}: {fmt.times(p.speedup('best'))} with `{p.rows['best'].get('variant')}`"
-              for p in rp if p.gpu_name == gpu and p.seq_len == 2048 and p.speedup("best")]
+        # per model, the one call against the fastest other over every length it ran; where it never
+        # ran, the best setting's range over stock, named, as it is beyond the defaults
+        at = []
+        for model in sorted({p.model for p in rp if p.gpu_name == gpu}, key=fmt.natural):
+            mine = [p for p in rp if p.gpu_name == gpu and p.model == model]
+            user = [(r, p.seq_len) for p in mine if (r := p.over_fastest_peer()[0])]
+            if user:
+                at.append(f"{model}: enable() {_span(user)} the fastest other")
+            elif best := [(s, p.seq_len) for p in mine if (s := p.speedup("best"))]:
+                at.append(f"{model}: {_span(best)} over stock with ours' best setting (beyond the defaults)")
         if at:
-            head.measured[gpu] = ", ".join(at) + " over stock"
+            head.measured[gpu] = "; ".join(at)
     return "\n\n".join(p for p in parts if p), head
 
 

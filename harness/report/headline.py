@@ -1,0 +1,151 @@
+"""README.md's headline: the one call beside what a user would run instead, written from rows.
+
+``python -m harness report`` rewrites the block between ``BEGIN`` and ``END`` in the README beside
+the reports folder. Every figure in it is cited through ``cite.Figures``, keyed to its row's
+statistic in the comment that closes the block. ``problems`` says what is wrong with a README: a key
+that does not read back to its figure, a figure with no key, a block the rows no longer give, or a
+measured figure outside the block (``tests/test_committed_results.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.report import cite, fmt
+from harness.report.blog import data
+from harness.report.blog.style import ROLE_LABEL
+from harness.roles import PEERS
+
+BEGIN = "<!-- headline: written by `python -m harness report` from results/; edit harness/report/headline.py, not this block -->"
+END = "<!-- /headline -->"
+USER = ("user", "user-moe")  # the one call's own sweeps: the table
+SWEEPS = ("packing", "moe")  # a sentence each: the one call's range against the fastest other
+
+
+class HeadlineError(ValueError):
+    """A README whose headline block is missing, malformed or not what the rows give."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The block
+
+
+def _workload(r: dict) -> str:
+    return f"{r.get('model')}, LoRA r={r.get('lora_rank')}, {r.get('seq_len')} tokens"
+
+
+def _cell(f: cite.Figures, p: data.RolePoint, role: str) -> str:
+    r = p.rows.get(role)
+    if r is None:
+        return p.failed.get(role, "not run")
+    return f.ms(r) + ("" if role == "stock" or _with_stock(p, role) else " †")
+
+
+def _with_stock(p: data.RolePoint, role: str) -> bool:
+    from harness.report.runs import from_one_run
+
+    stock = p.rows.get("stock")
+    return stock is None or from_one_run([stock, p.rows[role]]) is not False
+
+
+def _fastest(p: data.RolePoint) -> str | None:
+    return min((r for r in PEERS if p.ms(r)), key=p.ms, default=None)
+
+
+def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
+    body = []
+    for p in points:
+        fastest = _fastest(p)
+        user = p.rows.get("user")
+        vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]})" if fastest and user else "–"
+        others = [p.rows[r] for r in PEERS if r in p.rows and p.rows[r].get("peak_allocated_gib") is not None]
+        low = min(others, key=lambda r: float(r["peak_allocated_gib"]), default=None)
+        mem = (f"{f.gib(user)} / {f.gib(low)}" if user and low and user.get("peak_allocated_gib") is not None else "–")
+        exp = str((user or p.rows.get("stock") or {}).get("experiment"))
+        code = str(((user or {}).get("env") or {}).get("git_sha") or "?")[:7]
+        body.append([p.gpu_name, _workload(user or p.rows["stock"]), *(_cell(f, p, r) for r in PEERS),
+                     _cell(f, p, "user"), vs, mem, f"`{code}`", f"[{exp}](reports/{exp}/README.md)"])
+    return fmt.table(["GPU", "workload", *(ROLE_LABEL[r] for r in PEERS), "`optim.enable(model)`",
+                      "enable() against the fastest other", "peak, enable() / the lowest other", "commit", "report"], body)
+
+
+def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
+    """One sentence over a sweep: the one call against the fastest other at each point that measured both."""
+    pairs = [(p.rows[fastest]["step_ms"]["p50"] / p.rows["user"]["step_ms"]["p50"], p, fastest)
+             for p in points if "user" in p.rows and (fastest := _fastest(p))]
+    if not pairs:
+        return ""
+    pairs.sort(key=lambda x: x[0])
+
+    def at(x) -> str:
+        s, p, fastest = x
+        return (f"{f.ratio(p.rows[fastest], p.rows['user'])} at {p.model} {p.seq_len} on the {p.gpu_name} "
+                f"(against {ROLE_LABEL[fastest]}{'' if _with_stock(p, fastest) and _with_stock(p, 'user') else ', another run'})")
+
+    text = (f"**{name}** (`experiments/{name}.toml`, {len(pairs)} points): `optim.enable(model)` against the fastest "
+            f"other ran from {at(pairs[0])} to {at(pairs[-1])}.")
+    slower = [x for x in pairs if x[0] < 1.0]
+    if slower:
+        text += f" Slower than the fastest other at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
+    return text
+
+
+def render(results_root: Path | str) -> str:
+    """The block, markers and keys included, from results/ alone."""
+    root = Path(results_root)
+    f = cite.Figures()
+    user = [p for p in data.role_points(data.load_rows(root, [e for e in USER if (root / e).is_dir()]))
+            if "user" in p.rows]
+    parts = ["What `optim.enable(model)` gives with its defaults in a plain training loop, beside what a user "
+             "would run instead, each row's roles from one sweep on the GPU named (`python -m harness sweep "
+             "experiments/user.toml`, and `user-moe.toml`): the median step, and the one call's speed-up over the "
+             "fastest of stock, stock + torch.compile and Liger-Kernel measured at that point. † marks a role "
+             "measured by another run than the stock beside it.",
+             _table(f, user)]
+    for name in SWEEPS:
+        if (root / name).is_dir() and (line := _range(f, name, data.role_points(data.load_rows(root, [name])))):
+            parts.append(line)
+    return f"{BEGIN}\n\n" + "\n\n".join(parts) + f"\n\n{cite.keys_comment(f)}\n{END}"
+
+
+def _span(text: str) -> tuple[int, int]:
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise HeadlineError(f"the README holds {text.count(BEGIN)} headline begin and {text.count(END)} end markers; "
+                            f"it needs one of each, in that order:\n{BEGIN}\n{END}")
+    return text.index(BEGIN), text.index(END) + len(END)
+
+
+def write(readme: Path | str, results_root: Path | str) -> bool:
+    """Rewrite the README's block from the rows; True where it changed."""
+    readme = Path(readme)
+    text = readme.read_text()
+    a, b = _span(text)
+    new = text[:a] + render(results_root) + text[b:]
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+def loose_figures(text: str) -> list[str]:
+    """Measured figures outside the headline block (code blocks and HTML comments aside)."""
+    if BEGIN in text:
+        a, b = _span(text)
+        text = text[:a] + text[b:]
+    return cite.loose_figures(text)
+
+
+def problems(readme_text: str, results_root: Path | str) -> list[str]:
+    """What is wrong with the README's figures: each key line must give the figure shown, each
+    figure in the block must be keyed, the block must be what the rows give now, and no measured
+    figure may stand outside it."""
+    try:
+        a, b = _span(readme_text)
+    except HeadlineError as e:
+        return [str(e)]
+    block = readme_text[a:b]
+    out = [f"README {p}" for p in cite.check_keys(block, results_root)]
+    if block != render(results_root):
+        out.append("the headline block is not what the rows give now: run python -m harness report")
+    if loose := loose_figures(readme_text):
+        out.append(f"measured figures outside the headline block (write them from rows, or cite the report): {loose[:10]}")
+    return out
