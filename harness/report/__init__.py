@@ -67,7 +67,7 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
                          "the experiment file as the sweep read it.")
         parts += bench.sweep_targets(tables, rows)
         parts += profiles.profile_sections(results_root, experiment)
-        parts += bench.sections(rows, experiment, tables)
+        parts += bench.sections(rows, experiment, tables, out_dir)
         parts += [text for text in [current.appendix(parted, experiment)] if text]
         return build.finish(out_dir / "README.md", "\n\n".join(parts) + "\n")
 

@@ -7,6 +7,7 @@ beside the sweep's, told apart by ``kind`` (``offload``/``offload_summary``, ``m
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from harness.measured import REGISTRY, bench_kinds
@@ -52,9 +53,10 @@ def _provenance(g: BenchGroup, experiment: str) -> str:
             + (f": {setup}" if setup else "") + (f"; git {', '.join(sorted(shas))}" if shas else "") + ".")
 
 
-def sections(rows: list[dict], experiment: str, spec: dict | None = None) -> list[str]:
+def sections(rows: list[dict], experiment: str, spec: dict | None = None, out_dir=None) -> list[str]:
     """"## Side-by-side benchmark (one process)" and, where the experiment file's ``[report]``
-    tables (``spec``) set targets, "## Targets" ([] when the experiment has no bench rows)."""
+    tables (``spec``) set targets, "## Targets" ([] when the experiment has no bench rows). A
+    ``bench_tables`` hook that takes ``out_dir`` draws its figures there (the report's folder)."""
     spec = spec or {}
     found = groups(rows)
     if not found:
@@ -64,7 +66,8 @@ def sections(rows: list[dict], experiment: str, spec: dict | None = None) -> lis
     targets = []
     for g in found:
         body = [text for entry in REGISTRY.values() if (tables := entry.hook("bench_tables"))
-                and (text := tables(g.rows, spec.get(entry.name) or {}))]
+                and (text := tables(g.rows, spec.get(entry.name) or {},
+                                    **({"out_dir": out_dir} if "out_dir" in inspect.signature(tables).parameters else {})))]
         side += [f"### {_device(g)}", _provenance(g, experiment), *(body or ["No rows this report knows how to read."])]
         goals = [text for name, entry in REGISTRY.items() if name in spec and (judge := entry.hook("bench_targets"))
                  and (text := judge(g.rows, spec[name]))]

@@ -1,0 +1,259 @@
+"""Convergence on real text: each stack trains the same model on the Python standard library's own
+source, which ships with every Python, so nothing is downloaded.
+
+The corpus is every ``.py`` file under ``sysconfig``'s stdlib folder, in sorted order, up to
+``--corpus-mib``; one file in ``HELD_OUT_EVERY`` is held out. Tokens are bytes (0-255) and an
+end-of-document id, so the vocabulary is ``VOCAB`` and a model that learned nothing scores
+ln ``VOCAB``. Documents are packed into rows of ``--seq-len`` tokens by transformers'
+``DataCollatorWithFlattening`` (position ids restart at each document, the first token of each is
+not predicted), one row a step, the same rows in the same order for every stack.
+
+Each stack runs in a fresh process (``--stack``: Liger-Kernel patches classes), from the same seed:
+the model (a registry shape with the byte vocabulary, random weights), LoRA on every linear layer,
+AdamW, gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
+patches before peft; ``user`` is ``optim.enable(model)`` with its defaults. Each gives one
+``convergence`` row: the loss at every step, the held-out loss every ``--eval-every`` steps and at
+the end, the step time and the peak memory, and the largest gap of its curves from stock's.
+
+    python -m harness.bench.convergence --model qwen3-0.6b-4l --steps 300 --seq-len 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+STACKS = ("stock", "liger", "user")
+EOS = 256
+VOCAB = 320  # 256 bytes, the end of a document, and room to a multiple of 64
+HELD_OUT_EVERY = 20
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The standard library's ``.py`` files in sorted order (installed packages left out)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+
+
+def corpus(max_bytes: int, root: Path | None = None) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(training documents, held-out documents, what the corpus is): each document a file's bytes
+    and EOS; every ``HELD_OUT_EVERY``-th file held out; files in sorted order until ``max_bytes``."""
+    train, held, digest, n, size = [], [], hashlib.sha256(), 0, 0
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    for path in stdlib_files(root):
+        data = path.read_bytes()
+        if not data.strip():
+            continue
+        if size + len(data) > max_bytes:
+            break
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + data)
+        (held if n % HELD_OUT_EVERY == 0 else train).append([*data, EOS])  # of the files kept
+        n, size = n + 1, size + len(data)
+    if not train or not held:
+        raise RuntimeError(f"the standard library under {root} gave {len(train)} training and {len(held)} "
+                           "held-out files: too few to train on")
+    info = {"source": "python stdlib .py files", "python": sys.version.split()[0], "files": n, "bytes": size,
+            "held_out_files": len(held), "held_out_every": HELD_OUT_EVERY, "sha256": digest.hexdigest()[:16]}
+    return train, held, info
+
+
+def pack(docs: list[list[int]], seq_len: int, rows: int) -> list[dict]:
+    """``rows`` packed rows of at most ``seq_len`` tokens, documents cut to ``seq_len`` and taken in
+    order (cycling the corpus if it runs out), each row collated as stock transformers collates
+    a packed batch (``DataCollatorWithFlattening``: input_ids, position_ids, labels)."""
+    from transformers import DataCollatorWithFlattening
+
+    collate = DataCollatorWithFlattening(return_tensors="pt")
+    pieces = [d[i:i + seq_len] for d in docs for i in range(0, len(d), seq_len) if len(d[i:i + seq_len]) > 1]
+    out, row, used, k = [], [], 0, 0
+    while len(out) < rows:
+        piece = pieces[k % len(pieces)]
+        k += 1
+        if used + len(piece) > seq_len:
+            out.append(collate([{"input_ids": p} for p in row]))
+            row, used = [], 0
+        row.append(piece)
+        used += len(piece)
+    return out
+
+
+def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int):
+    import torch
+
+    from harness.run import peers
+    from harness.workload import models
+
+    spec = dataclasses.replace(models.get(model_name), vocab_size=VOCAB, name=f"{model_name}-bytes")
+    before = peers.liger_patch(device) if stack == "liger" else None
+    model = models.build(spec, device=device, dtype=dtype, attn_implementation="sdpa", lora_rank=lora_rank,
+                         seed=seed, before_lora=before)
+    # the byte vocabulary is new to the model: its embedding and lm_head train in full (small at
+    # VOCAB rows), as when a vocabulary is added in fine-tuning; LoRA adapts every linear layer
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        module.weight.requires_grad_(True)
+    enabled = None
+    if stack == "user":
+        import optim
+
+        optim.enable(model)
+        enabled = optim.enabled(model)
+    torch.manual_seed(seed)
+    return model, spec, enabled
+
+
+def _held_out_loss(model, rows: list[dict], device) -> float:
+    import torch
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in rows:
+            b = {k: v.to(device) for k, v in b.items()}
+            n = int((b["labels"][:, 1:] != -100).sum())
+            total += float(model(**b).loss) * n
+            count += n
+    model.train()
+    return total / count
+
+
+def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, lr: float, eval_every: int,
+          eval_rows: int, corpus_mib: float, seed: int = 0) -> dict:
+    """One stack, in this process: its ``convergence`` row (without env or command)."""
+    import torch
+
+    from harness.measure.timing import percentiles
+    from harness.run import peers
+
+    base = {"kind": "convergence", "model": model, "mode": stack, "seq_len": seq_len, "lora_rank": lora_rank,
+            "lr": lr, "steps": steps, "eval_every": eval_every, "vocab_size": VOCAB, "ln_vocab": math.log(VOCAB)}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base.update(device_type=device.type, dtype=str(dtype).removeprefix("torch."))
+    train_docs, held_docs, info = corpus(int(corpus_mib * 2**20))
+    base["corpus"] = info
+    try:
+        net, spec, enabled = _build(model, stack, device, dtype, lora_rank, seed)
+    except peers.PeerUnavailable as e:
+        return {**base, "status": "skipped", "message": str(e)}
+    rows = pack(train_docs, seq_len, steps)
+    held = pack(held_docs, seq_len, eval_rows)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, fused=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, held_out, step_ms = [], [], []
+    started = time.perf_counter()
+    for i, batch in enumerate(rows):
+        if i % eval_every == 0:
+            held_out.append([i, _held_out_loss(net, held, device)])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        t0 = time.perf_counter()
+        loss = net(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))  # syncs: the step's time ends here
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+    held_out.append([steps, _held_out_loss(net, held, device)])
+    p = percentiles(step_ms[min(10, steps // 2):])
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {**base, "status": "ok", "message": "", "losses": losses, "held_out": held_out,
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]), "final_held_out": held_out[-1][1],
+            "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"], "peak_gib": peak,
+            "wall_s": round(time.perf_counter() - started, 1), "optim": enabled,
+            "model_shape": {"hidden_size": spec.hidden_size, "layers": spec.num_hidden_layers}}
+
+
+def gaps(row: dict, stock: dict) -> dict:
+    """The largest relative gap of ``row``'s per-step loss (smoothed over ``SMOOTH`` steps, as a
+    single bf16 step's loss is noisy) and of its held-out losses from stock's."""
+    def smooth(xs):
+        return [sum(xs[max(0, i - SMOOTH + 1):i + 1]) / len(xs[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(xs))]
+
+    a, b = smooth(row["losses"]), smooth(stock["losses"])
+    curve = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    held = max(abs(x[1] - y[1]) / abs(y[1]) for x, y in zip(row["held_out"], stock["held_out"]))
+    first = abs(row["losses"][0] - stock["losses"][0]) / abs(stock["losses"][0])
+    return {"max_rel_gap_curve": curve, "max_rel_gap_held_out": held, "rel_gap_first_step": first}
+
+
+SMOOTH = 10
+
+
+def run(stacks: list[str], args) -> list[dict]:
+    """Each stack in a fresh process, then the gaps from stock's curves."""
+    rows = []
+    for stack in stacks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            cmd = [sys.executable, "-m", "harness.bench.convergence", "--one", stack, "--row-out", str(out),
+                   "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+                   "--lora-rank", str(args.lora_rank), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
+                   "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib)]
+            done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            if done.returncode != 0 or not out.is_file():
+                rows.append({"kind": "convergence", "model": args.model, "mode": stack, "seq_len": args.seq_len,
+                             "lora_rank": args.lora_rank, "steps": args.steps, "status": "error",
+                             "message": f"the {stack} process exited with {done.returncode}"})
+                continue
+            rows.append(json.loads(out.read_text()))
+    stock = next((r for r in rows if r["mode"] == "stock" and r["status"] == "ok"), None)
+    for r in rows:
+        if stock is not None and r["status"] == "ok" and r is not stock:
+            r.update(gaps(r, stock))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harness.bench import add_store_arguments, store
+
+    ap = argparse.ArgumentParser(prog="python -m harness.bench.convergence", description=__doc__.split("\n\n")[0])
+    add_store_arguments(ap, "convergence")
+    ap.add_argument("--model", default="qwen3-0.6b-4l", help="a registry shape, given the byte vocabulary")
+    ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=STACKS)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens (bytes) per step: one packed row")
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-rows", type=int, default=8, help="held-out rows of --seq-len tokens")
+    ap.add_argument("--corpus-mib", type=float, default=8.0)
+    ap.add_argument("--one", choices=STACKS, help=argparse.SUPPRESS)  # one stack, in this process
+    ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.seq_len < 2 or args.eval_every < 1:
+        ap.error("--steps and --eval-every must be at least 1, --seq-len at least 2")
+    if args.one:
+        row = train(args.one, model=args.model, steps=args.steps, seq_len=args.seq_len, lora_rank=args.lora_rank,
+                    lr=args.lr, eval_every=args.eval_every, eval_rows=args.eval_rows, corpus_mib=args.corpus_mib)
+        args.row_out.write_text(json.dumps(row))
+        return 0
+    rows = run(args.stacks, args)
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['mode']:6s} {r['status']}: {r['message']}")
+            continue
+        print(f"{r['mode']:6s} loss {r['losses'][0]:.3f} -> {r['final_loss']:.3f}, held-out "
+              f"{r['held_out'][0][1]:.3f} -> {r['final_held_out']:.3f} (ln V {r['ln_vocab']:.3f}), "
+              f"{r['ms']:.1f} ms/step" + (f", curve gap vs stock {r['max_rel_gap_curve']:.4f}, held-out "
+                                         f"{r['max_rel_gap_held_out']:.4f}" if "max_rel_gap_curve" in r else ""))
+    from harness.measure import env as envmod
+
+    path = store(args, rows, envmod.collect(), "harness.bench.convergence", argv)
+    print(f"stored {len(rows)} rows in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""Convergence on real text (``harness.bench.convergence``): each stack's loss curve and held-out loss
+on the Python standard library's source, the checks they pass, and the plot.
+
+The checks, stated before any run (``CHECKS``): the held-out loss at the end falls below
+``HELD_OUT_OVER_LN_V``·ln V (a model that learned nothing scores ln V); each stack's per-step loss,
+smoothed over ten steps, stays within ``CURVE_GAP`` of stock's at every step; its held-out losses
+within ``HELD_OUT_GAP``; its first step's loss within ``FIRST_STEP_GAP`` (bf16 tolerance: one step
+has not yet compounded any difference).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.report import fmt
+from harness.report.fmt import DASH
+from harness.report.moe import rows_of_kind
+
+HELD_OUT_OVER_LN_V = 0.7
+CURVE_GAP = 0.03
+HELD_OUT_GAP = 0.02
+FIRST_STEP_GAP = 0.01
+ORDER = ("stock", "liger", "user")
+LABEL = {"stock": "stock transformers + peft", "liger": "Liger-Kernel", "user": "optim.enable() defaults"}
+COLOR = {"stock": "#7f7f7f", "liger": "#9467bd", "user": "#1f77b4"}
+
+
+def _checks(r: dict) -> list[tuple[str, bool | None]]:
+    ln_v = fmt.number(r.get("ln_vocab"))
+    held = fmt.number(r.get("final_held_out"))
+    out = [(f"held-out < {HELD_OUT_OVER_LN_V}·ln V", held < HELD_OUT_OVER_LN_V * ln_v if held and ln_v else None)]
+    if r.get("mode") != "stock":
+        for key, bound, name in (("max_rel_gap_curve", CURVE_GAP, "curve"), ("max_rel_gap_held_out", HELD_OUT_GAP, "held-out"),
+                                 ("rel_gap_first_step", FIRST_STEP_GAP, "first step")):
+            v = fmt.number(r.get(key))
+            out.append((f"{name} gap ≤ {bound:.0%}", None if v is None else v <= bound))
+    return out
+
+
+def _plot(rows: list[dict], path: Path) -> Path | None:
+    from matplotlib.figure import Figure
+
+    from harness.report.output import save_png
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("losses")]
+    if not ok:
+        return None
+    fig = Figure(figsize=(7.0, 4.2))
+    ax = fig.subplots()
+    for r in sorted(ok, key=lambda r: ORDER.index(r["mode"]) if r["mode"] in ORDER else 9):
+        c = COLOR.get(r["mode"], "black")
+        xs = list(range(1, len(r["losses"]) + 1))
+        k = 10
+        smooth = [sum(r["losses"][max(0, i - k + 1):i + 1]) / len(r["losses"][max(0, i - k + 1):i + 1])
+                  for i in range(len(r["losses"]))]
+        ax.plot(xs, smooth, color=c, lw=1.4, label=f"{LABEL.get(r['mode'], r['mode'])}, training (10-step mean)")
+        ax.plot([s for s, _ in r["held_out"]], [v for _, v in r["held_out"]], color=c, ls="--", marker="o", ms=4,
+                label=f"{LABEL.get(r['mode'], r['mode'])}, held-out")
+    ln_v = fmt.number(ok[0].get("ln_vocab"))
+    if ln_v:
+        ax.axhline(ln_v, color="black", lw=1, ls=":", label="ln V (learned nothing)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right", frameon=False)
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
+def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> str:
+    """Per model: each stack's loss at the start and end, held-out loss, gaps from stock's and the
+    checks; the loss curves ("" without ``convergence`` rows)."""
+    found = rows_of_kind(rows, "convergence")
+    if not found:
+        return ""
+    parts = ["#### Convergence on real text",
+             "Each stack trains the same model from the same seed on the Python standard library's source "
+             "(`python -m harness.bench.convergence`), bytes as tokens, documents packed by transformers' "
+             "`DataCollatorWithFlattening`, one packed row a step, the same rows in the same order; each stack "
+             "in a fresh process. A model that learned nothing scores ln V. Gaps are relative to stock's: the "
+             "per-step loss smoothed over ten steps (a single bf16 step is noisy), the held-out losses, and the "
+             f"first step's loss. Checks, stated before the runs: held-out loss at the end below "
+             f"{HELD_OUT_OVER_LN_V}·ln V; curve gap at most {CURVE_GAP:.0%}, held-out gap at most "
+             f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}."]
+    by_model: dict[tuple, list[dict]] = {}  # one run's stacks: a model at a length
+    for r in found:
+        by_model.setdefault((str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0)), []).append(r)
+    for (model, _), group in sorted(by_model.items()):
+        first = next((r for r in group if r.get("status") == "ok"), group[0])
+        c = first.get("corpus") or {}
+        parts.append(f"**{model}** with the byte vocabulary ({first.get('vocab_size')} ids, ln V = "
+                     f"{fmt.num(first.get('ln_vocab'), '.3f')}), LoRA r={first.get('lora_rank')} on every linear "
+                     f"layer with the embedding and lm_head trained, AdamW lr {first.get('lr')}, "
+                     f"{first.get('steps')} steps of {first.get('seq_len')} tokens; corpus: {c.get('files')} files, "
+                     f"{c.get('bytes')} bytes of Python {c.get('python')}'s standard library (sha256 "
+                     f"`{c.get('sha256')}`), one file in {c.get('held_out_every')} held out.")
+        body = []
+        for r in sorted(group, key=lambda r: ORDER.index(r["mode"]) if r.get("mode") in ORDER else 9):
+            if r.get("status") != "ok":
+                body.append([LABEL.get(r.get("mode"), r.get("mode")), f"{r.get('status')}: {r.get('message', '')}",
+                             *([DASH] * 7)])
+                continue
+            checks = _checks(r)
+            body.append([LABEL.get(r["mode"], r["mode"]), f"{r['losses'][0]:.3f} → {r['final_loss']:.3f}",
+                         f"{r['held_out'][0][1]:.3f} → {r['final_held_out']:.3f}",
+                         *(fmt.num(r.get(k), ".2%") if r.get(k) is not None else DASH
+                           for k in ("max_rel_gap_curve", "max_rel_gap_held_out", "rel_gap_first_step")),
+                         f"{fmt.ms(r.get('ms'))} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
+                         fmt.num(r.get("peak_gib"), ".2f"),
+                         "; ".join(f"{name}: {'yes' if ok else 'no' if ok is not None else DASH}" for name, ok in checks)])
+        parts.append(fmt.table(["stack", "training loss, first → last 20", "held-out loss, start → end",
+                                "curve gap", "held-out gap", "first-step gap", "ms per step", "peak GiB", "checks met"],
+                               body))
+        if out_dir is not None and (fig := _plot(group, Path(out_dir) / f"convergence-{first.get('gpu_slug') or 'cpu'}-{model}-{first.get('seq_len')}.png")):
+            parts.append(f"![{model}: loss curves on the standard library's source]({fig.name})")
+    return "\n\n".join(parts)

@@ -1,0 +1,89 @@
+"""Convergence on real text (harness.bench.convergence): the corpus, the packing, each stack in its
+own process, and the report's checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.bench import convergence as conv
+
+
+def _stdlib(tmp_path):
+    root = tmp_path / "lib"
+    for i in range(45):
+        (root / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"pkg{i % 3}" / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * (i + 1))
+    (root / "site-packages" / "other").mkdir(parents=True)
+    (root / "site-packages" / "other" / "x.py").write_text("import this\n")
+    (root / "empty.py").write_text("\n")
+    return root
+
+
+def test_the_corpus_is_the_stdlib_source_in_sorted_order_with_every_twentieth_file_held_out(tmp_path):
+    root = _stdlib(tmp_path)
+    train, held, info = conv.corpus(10**9, root)
+    assert len(train) + len(held) == 45 and len(held) == 3  # site-packages and the empty file left out
+    assert all(d[-1] == conv.EOS and max(d[:-1]) < 256 for d in train + held)
+    assert bytes(held[0][:-1]).decode().startswith("def f0(x):")  # files in sorted order: pkg0/m00.py first
+    assert info["files"] == 45 and info["held_out_every"] == conv.HELD_OUT_EVERY
+    assert conv.corpus(10**9, root)[2]["sha256"] == info["sha256"]  # the same files, the same corpus
+    small = conv.corpus(600, root)[2]
+    assert small["bytes"] <= 600 and small["sha256"] != info["sha256"]
+    (root / "pkg0" / "m00.py").unlink()
+    with pytest.raises(RuntimeError, match="too few to train on"):
+        conv.corpus(30, root)
+
+
+def test_a_packed_row_keeps_each_document_apart_as_stock_transformers_packs_it():
+    docs = [[10, 11, 12, conv.EOS], [20, 21, conv.EOS], list(range(30, 40)) + [conv.EOS]]
+    rows = conv.pack(docs, seq_len=8, rows=3)
+    assert len(rows) == 3
+    first = rows[0]
+    assert first["input_ids"].tolist() == [[10, 11, 12, conv.EOS, 20, 21, conv.EOS]]
+    assert first["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]  # restarts at each document
+    assert first["labels"].tolist() == [[-100, 11, 12, conv.EOS, -100, 21, conv.EOS]]  # no document predicts the next's first token
+    assert all(r["input_ids"].shape[1] <= 8 for r in rows)  # a longer document is cut to the row
+    assert rows[1]["input_ids"].tolist() == [list(range(30, 38))]
+
+
+def test_each_stack_trains_in_its_own_process_and_the_one_call_follows_stocks_curve(tmp_path, capsys):
+    assert conv.main(["--results", str(tmp_path), "--model", "qwen3-0.6b-tiny", "--steps", "12", "--seq-len", "128",
+                      "--eval-every", "6", "--eval-rows", "1", "--corpus-mib", "0.5"]) == 0
+    rows = {r["mode"]: r for r in map(json.loads, (tmp_path / "convergence" / "cpu.jsonl").read_text().splitlines())}
+    assert set(rows) == {"stock", "liger", "user"}
+    assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["message"]
+    stock, user = rows["stock"], rows["user"]
+    assert stock["status"] == user["status"] == "ok" and len(stock["losses"]) == 12
+    assert [s for s, _ in stock["held_out"]] == [0, 6, 12]
+    assert stock["losses"][0] == pytest.approx(stock["ln_vocab"], rel=0.05)  # random init: about ln V
+    assert stock["final_held_out"] < stock["held_out"][0][1]  # it learns
+    assert user["rel_gap_first_step"] < 1e-4 and user["max_rel_gap_curve"] < 0.01  # fp32: the same model
+    assert user["optim"] and user["command"].startswith("python -m harness.bench.convergence")
+    assert "stored 3 rows" in capsys.readouterr().out
+
+
+def _row(mode, losses, held, gaps=None):
+    return {"kind": "convergence", "model": "m", "mode": mode, "seq_len": 64, "status": "ok", "vocab_size": 320,
+            "ln_vocab": 5.768, "lora_rank": 64, "lr": 1e-3, "steps": len(losses), "losses": losses,
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]), "held_out": held, "final_held_out": held[-1][1],
+            "ms": 10.0, "ms_p20": 9.0, "ms_p80": 11.0, "gpu_slug": "gpu-x",
+            "corpus": {"files": 3, "bytes": 100, "python": "3.12.3", "sha256": "ab", "held_out_every": 20}, **(gaps or {})}
+
+
+def test_the_report_states_its_checks_and_says_which_a_stack_misses(tmp_path):
+    from harness.report import convergence as report
+
+    rows = [_row("stock", [5.7, 3.0, 2.0], [[0, 5.7], [3, 2.5]]),
+            _row("user", [5.7, 3.1, 2.1], [[0, 5.7], [3, 2.6]],
+                 {"max_rel_gap_curve": 0.021, "max_rel_gap_held_out": 0.04, "rel_gap_first_step": 0.0}),
+            _row("liger", [5.7, 5.6, 5.5], [[0, 5.7], [3, 5.5]],
+                 {"max_rel_gap_curve": 0.9, "max_rel_gap_held_out": 1.2, "rel_gap_first_step": 0.0})]
+    text = report.bench_tables(rows, {}, out_dir=tmp_path)
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "held-out < 0.7·ln V: yes; curve gap ≤ 3%: yes; held-out gap ≤ 2%: no" in lines["optim.enable() defaults"]
+    assert "held-out < 0.7·ln V: no" in lines["Liger-Kernel"]  # learned nothing: 5.5 of ln V 5.768
+    assert "2.10%" in lines["optim.enable() defaults"] and "4.00%" in lines["optim.enable() defaults"]
+    assert (tmp_path / "convergence-gpu-x-m-64.png").is_file() and "convergence-gpu-x-m-64.png" in text
+    assert report.bench_tables([r for r in rows if r["mode"] == "x"], {}) == ""
