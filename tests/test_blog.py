@@ -524,14 +524,25 @@ def test_predicted_vs_measured_draws_a_gain_within_the_noise_hollow(tmp_path, mo
 
     drawn = {}
     monkeypatch.setattr(figures, "save_png", lambda fig, path: drawn.setdefault("fig", fig) and path)
-    figures.predicted_vs_measured([("H100", 50.0, 40.0, False), ("H100", 57.0, -103.0, True), ("H200", 60.0, 55.0),
-                                   ("H200", None, 3.0, True)], tmp_path / "s.png", "saving (ms)")
+    figures.predicted_vs_measured([("H100", 50.0, 40.0, False, "flex"), ("H100", 57.0, -103.0, True, "sdpa"),
+                                   ("H200", 60.0, 55.0, False, "flex"), ("H200", None, 3.0, True, "flex")],
+                                  tmp_path / "s.png", "saving (ms)")
     ax = drawn["fig"].axes[0]
-    marks = {c.get_label(): c for c in ax.collections}
-    assert set(marks) == {"H100", "H100, within the noise", "H200"}
-    assert marks["H100, within the noise"].get_offsets().tolist() == [[57.0, -103.0]]
-    assert marks["H100, within the noise"].get_facecolors().size == 0  # hollow
-    assert marks["H100"].get_facecolors().size and marks["H200"].get_offsets().tolist() == [[60.0, 55.0]]
+    drawn_points = {tuple(c.get_offsets().tolist()[0]): c for c in ax.collections if len(c.get_offsets())}
+    assert set(drawn_points) == {(50.0, 40.0), (57.0, -103.0), (60.0, 55.0)}  # no prediction: not drawn
+    assert drawn_points[(57.0, -103.0)].get_facecolors().size == 0  # within the noise: hollow
+    assert drawn_points[(50.0, 40.0)].get_facecolors().size
+    # a colour per backend (flex twice alike, sdpa another), a marker per GPU
+    flex, sdpa = drawn_points[(50.0, 40.0)].get_edgecolors()[0], drawn_points[(57.0, -103.0)].get_edgecolors()[0]
+    assert list(flex) == list(drawn_points[(60.0, 55.0)].get_edgecolors()[0]) and list(flex) != list(sdpa)
+    (legend,) = drawn["fig"].legends
+    assert [t.get_text() for t in legend.get_texts()] == ["y = x (the model holds)", "H100", "H200", "flex", "sdpa"]
+    # a length is a colour scale, not a legend entry per length
+    drawn.clear()
+    figures.predicted_vs_measured([("H100", 5.0, 6.0, False, "2048"), ("H100", 6.0, 5.0, False, "16384")],
+                                  tmp_path / "t.png", "saving (ms)")
+    assert [t.get_text() for t in drawn["fig"].legends[0].get_texts()] == ["y = x (the model holds)", "H100"]
+    assert len(drawn["fig"].axes) == 2  # the plot and its colour bar
 
 
 def test_the_peers_table_claims_no_run_where_one_role_alone_was_measured():

@@ -75,23 +75,40 @@ def moe_tables(rows: list[dict]) -> str:
     query = rows_of_kind(rows, "moe_query_model")
     if query:
         body = []
-        for r in sorted(query, key=lambda r: (fmt.natural(r.get("model")), fmt.number(r.get("tokens")) or 0)):
+        for r, pred in sorted(predicted_from_other_lengths(query),
+                              key=lambda x: (fmt.natural(x[0].get("model")), fmt.number(x[0].get("tokens")) or 0)):
             q = r.get("queries_per_layer") if isinstance(r.get("queries_per_layer"), dict) else {}
-            pred, meas = fmt.number(r.get("predicted_saving_ms")), fmt.number(r.get("measured_saving_ms"))
+            meas = fmt.number(r.get("measured_saving_ms"))
             body.append([r.get("model"), r.get("tokens"), fmt.joined(" / ", *(fmt.num(q.get(b), "d") for b in MOE_BACKENDS)),
-                         fmt.Cell(f"{fmt.num(r.get('per_query_ms'), '.3f')} (median {fmt.num(r.get('per_query_ms_median'), '.3f')})",
-                                  (fmt.number(r.get("per_query_ms")), fmt.number(r.get("per_query_ms_median")))),
-                         fmt.ms(pred), fmt.ms(meas), ratio_cell(meas / pred if meas is not None and pred else None),
-                         fmt.ms(r.get("predicted_saving_per_model_forward_ms"))])
+                         fmt.num(r.get("per_query_ms"), ".3f"), fmt.ms(pred), fmt.ms(meas),
+                         ratio_cell(meas / pred if meas is not None and pred else None)])
         parts.append("#### Dynamic-query model\n\n" + fmt.table(
-            ["model", "tokens", "queries / layer loop / sorted / grouped_mm", "c ms / query (median over T)",
-             "predicted saving ms / layer (E−1)·c", "measured loop − sorted ms", "measured / predicted",
-             "predicted saving ms / model forward"], body)
-            + "\n\nc = (loop − sorted) / (E − 1) on the routing path; the prediction uses the median c. "
-              "Under gradient checkpointing a training step pays the forward twice.")
+            ["model", "tokens", "queries / layer loop / sorted / grouped_mm", "c ms / query at this length",
+             "predicted saving ms / layer (E−1)·c, c from the other lengths", "measured loop − sorted ms",
+             "measured / predicted"], body)
+            + "\n\nc = (loop − sorted) / (E − 1) on the routing path. Each length's prediction takes c from the "
+              "other lengths of the same model and GPU (their median), never from the measurement it predicts; "
+              "a length measured alone has no prediction. Under gradient checkpointing a training step pays the "
+              "forward twice.")
     if crossover := moe_crossover_md(rows):
         parts.append(crossover)
     return "\n\n".join(parts)
+
+
+def predicted_from_other_lengths(query: list[dict]) -> list[tuple[dict, float | None]]:
+    """Each ``moe_query_model`` row with its saving predicted from the others: (E − 1)·c, c the
+    median per-query cost of the other lengths of its model on its GPU type (None where it has none)."""
+    import statistics
+
+    out = []
+    for r in query:
+        others = [fmt.number(o.get("per_query_ms")) for o in query if o is not r and o.get("model") == r.get("model")
+                  and o.get("gpu_slug") == r.get("gpu_slug") and o.get("tokens") != r.get("tokens")]
+        others = [c for c in others if c is not None]
+        q = r.get("queries_per_layer") if isinstance(r.get("queries_per_layer"), dict) else {}
+        extra = (fmt.number(q.get("loop")) or 0) - (fmt.number(q.get("sorted")) or 0)
+        out.append((r, extra * statistics.median(others) if others and extra else None))
+    return out
 
 
 CROSSOVER_HEADER = ["model", "tokens", "r", "s* tokens gate_up / down", "LoRA GFLOP merged → split",

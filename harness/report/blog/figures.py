@@ -65,35 +65,66 @@ def common_run(p: RolePoint, role: str) -> bool | None:
     return None if stock is None or r is None else from_one_run([stock, r])
 
 
+SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+
+
 def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path | None:
-    """(GPU, predicted, measured[, within noise]) per point, one marker per GPU, and the y = x
-    line; a point whose measured gain is within its step-time spread is drawn hollow."""
-    pairs = [(t[0], t[1], t[2], len(t) > 3 and bool(t[3])) for t in pairs if t[1] is not None and t[2] is not None]
+    """(GPU, predicted, measured[, within noise[, series]]) per point, and the y = x line: a marker
+    shape per GPU, a colour per series (the backend, or the length: what the caller names), a
+    point whose measured value is within its step-time spread drawn hollow."""
+    pairs = [(t[0], t[1], t[2], len(t) > 3 and bool(t[3]), str(t[4]) if len(t) > 4 else "")
+             for t in pairs if t[1] is not None and t[2] is not None]
     if not pairs:
         return None
     fig, (ax,) = style.figure(1, width=5.2, height=4.4)
-    values = [v for _, p, m, _ in pairs for v in (p, m)]
+    values = [v for _, p, m, _, _ in pairs for v in (p, m)]
     hi = max(values)
     log = all(v > 0 for v in values) and hi / min(values) >= 20  # else a negative gain would vanish
-    lo = min(values) / 1.5 if log else min(values + [0.0])
+    lo = min(values) / 1.5 if log else min([p for _, p, _, _, _ in pairs] + [0.0])
     ax.plot([lo, hi * 1.1], [lo, hi * 1.1], color="black", lw=1, ls="--", label="y = x (the model holds)")
-    color = style.ROLE_COLOR["best"]
-    for gi, gpu in enumerate(sorted({t[0] for t in pairs})):
-        for hollow in (False, True):
-            xy = [(p, m) for g, p, m, f in pairs if g == gpu and f == hollow]
-            if xy:
-                xs, ys = zip(*xy)
-                ax.scatter(xs, ys, marker=style.GPU_MARKERS[gi % 4], s=28, alpha=0.8,
-                           facecolors="none" if hollow else color, edgecolors=color,
-                           label=f"{gpu}, within the noise" if hollow else gpu)
+    series = sorted({s for *_, s in pairs}, key=fmt_natural)
+    numeric = bool(series) and all(s.isdigit() for s in series)  # a length: a colour scale, not a legend entry each
+    if numeric:
+        from matplotlib import cm, colors
+
+        scale = colors.LogNorm(vmin=min(map(int, series)), vmax=max(max(map(int, series)), min(map(int, series)) * 2))
+        color = {s: cm.viridis(scale(int(s))) for s in series}
+    else:
+        color = {s: (SERIES_COLORS[i % len(SERIES_COLORS)] if s else style.ROLE_COLOR["best"]) for i, s in enumerate(series)}
+    gpus = sorted({t[0] for t in pairs})
+    for gi, gpu in enumerate(gpus):
+        for s in series:
+            for hollow in (False, True):
+                xy = [(p, m) for g, p, m, f, ss in pairs if g == gpu and f == hollow and ss == s]
+                if xy:
+                    xs, ys = zip(*xy)
+                    ax.scatter(xs, ys, marker=style.GPU_MARKERS[gi % 4], s=28, alpha=0.85,
+                               facecolors="none" if hollow else [color[s]], edgecolors=[color[s]])
+    for gi, gpu in enumerate(gpus):  # the legend: a marker per GPU, a colour per series
+        ax.scatter([], [], marker=style.GPU_MARKERS[gi % 4], s=28, color="black", label=gpu)
+    if numeric:
+        bar = fig.colorbar(cm.ScalarMappable(norm=scale, cmap=cm.viridis), ax=ax, pad=0.02)
+        bar.set_label("tokens per step")
+        bar.set_ticks([int(x) for x in series], labels=series)
+        bar.minorticks_off()
+    else:
+        for s in series:
+            if s:
+                ax.scatter([], [], marker="s", s=28, color=color[s], label=s)
     if log:
         ax.set_xscale("log")
         ax.set_yscale("log")
     ax.set_xlabel(f"predicted {quantity}")
     ax.set_ylabel(f"measured {quantity}")
     ax.grid(True, alpha=0.3)
-    style.legend_outside(fig, [ax], ncol=2)
+    style.legend_outside(fig, [ax], ncol=3)
     return save_png(fig, path)
+
+
+def fmt_natural(text: str) -> tuple:
+    from harness.report.fmt import natural
+
+    return natural(text)
 
 
 def bandwidth(series: dict[tuple[str, str], list[tuple[int, float]]], ceilings: dict[str, float],

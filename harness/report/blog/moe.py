@@ -7,7 +7,7 @@ from pathlib import Path
 
 from harness.report import bench
 from harness.report import fmt
-from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
+from harness.report.moe import (CROSSOVER_HEADER, predicted_from_other_lengths, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
                                 gpu_memory_gib, moe_gap_md, moe_routing)
 from harness.report.blog import figures
 from harness.report.blog.common import Headline, cell, other_run_note, split_table, stock_caveats
@@ -165,11 +165,13 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
             parts.append(text)
     q = [r for r in rows if r.get("kind") == "moe_query_model"]
     if fig := figures.predicted_vs_measured(
-            [(gpu_short(r.get("device_name")), fmt.number(r.get("predicted_saving_ms")), fmt.number(r.get("measured_saving_ms"))) for r in q],
+            [(gpu_short(r.get("device_name")), pred, fmt.number(r.get("measured_saving_ms")), False,
+              str(r.get("tokens"))) for r, pred in predicted_from_other_lengths(q)],  # colour: the length
             fig_dir / "moe-predicted-vs-measured.png", "routing saving per layer (ms)"):
         parts.append("**Sorted over loop, predicted from the per-query cost.** Each of the loop's E dynamic "
                      "queries costs c = (loop − sorted)/(E − 1) on the routing path; (E − 1)·c predicts the "
-                     "saving per layer at each token count.\n\n"
+                     "saving per layer at each token count, with c taken from the other token counts of the same "
+                     "model and GPU (their median), so no point is predicted from its own measurement.\n\n"
                      + embed(fig, "MoE routing: predicted against measured saving", readme_dir))
     if cross := _crossover_md(rows):
         parts.append(cross)

@@ -56,7 +56,7 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
                          "–" if p["ratio"] is None else f"{p['ratio']:.2f}", _pct(p["double_over_single_pct"]),
                          _pct(p["bound_pct"]), gib(p["buffer_peak_gib"]), gib(p["saved_vs_none_gib"]),
                          _pct(p["double_vs_none_pct"])])
-            pairs.append((gpu, p["predicted"], p["measured"]))
+            pairs.append((gpu, p["predicted"], p["measured"], False, str(p["seq_len"])))  # colour: the length
     parts.append(fmt.table(["GPU", "model", "tokens × rows", "n", "c ms", "g ms", "(n−1)·min(c,g) ms",
                          "measured single − double", "measured / predicted", "double over single",
                          "bound", "2nd buffer GiB", "VRAM saved vs GPU ckpt, GiB", "double's step time over GPU ckpt"], body))

@@ -47,13 +47,14 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
                              "published (L−1)·m", "measured ms", "measured / predicted", "step gain", "noise"], body))
     scatter = figures.predicted_vs_measured(
         [(names.get(p["gpu"], p["gpu"]), p["predicted_ms"], p["measured_ms"],
-          p["noise_pct"] is not None and p["gain_pct"] is not None and abs(p["gain_pct"]) <= p["noise_pct"])
-         for p in pts],
+          p["noise_pct"] is not None and p["gain_pct"] is not None and abs(p["gain_pct"]) <= p["noise_pct"],
+          p["backend"]) for p in pts],
         fig_dir / "packing-predicted-vs-measured.png", "saving per step (ms)")
     if scatter:
         parts.append(embed(scatter, "packing: predicted against measured saving", readme_dir)
                      + f"\n\nEvery model, length, backend (sdpa, flex, varlen) and GPU: {len(pts)} cache pairs. "
-                     "A hollow marker is a pair whose step gain is within its step times' p20–p80 spread.")
+                     "Colour is the backend, marker shape the GPU; a hollow marker is a pair whose step gain is "
+                     "within its step times' p20–p80 spread.")
     rp = role_points(rows)
     if rp:
         parts.append("### Beside stock and the peer\n\n" + peers_table(rp))
