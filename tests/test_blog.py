@@ -764,3 +764,14 @@ def test_the_speedup_figure_draws_every_role_a_point_measured_a_panel_per_model_
     labels = [t.get_text() for t in legend.get_texts()]
     assert labels == ["stock = 1", "stock + torch.compile", "Liger-Kernel", "optim.enable() defaults",
                       "ours, best setting", "from another run than its stock"]
+
+
+def test_predicted_vs_measured_crosses_a_pair_two_runs_measured(tmp_path, monkeypatch):
+    from harness.report.blog import figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "save_png", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    figures.predicted_vs_measured([("H100", 50.0, 40.0, False, "flex", False), ("H100", 30.0, 20.0, False, "flex", True)],
+                                  tmp_path / "s.png", "saving (ms)")
+    offsets = [c.get_offsets().tolist() for c in drawn["fig"].axes[0].collections if len(c.get_offsets())]
+    assert [[30.0, 20.0]] in offsets and sorted(map(tuple, offsets[0])) == [(30.0, 20.0), (50.0, 40.0)]

@@ -69,9 +69,11 @@ SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
 
 
 def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path | None:
-    """(GPU, predicted, measured[, within noise[, series]]) per point, and the y = x line: a marker
-    shape per GPU, a colour per series (the backend, or the length: what the caller names), a
-    point whose measured value is within its step-time spread drawn hollow."""
+    """(GPU, predicted, measured[, within noise[, series[, two runs]]]) per point, and the y = x
+    line: a marker shape per GPU, a colour per series (the backend, or the length: what the caller
+    names), a point whose measured value is within its step-time spread drawn hollow, and a black
+    cross on a point whose two sides two runs measured (the caller's caption says so)."""
+    apart = [(t[1], t[2]) for t in pairs if len(t) > 5 and t[5] and t[1] is not None and t[2] is not None]
     pairs = [(t[0], t[1], t[2], len(t) > 3 and bool(t[3]), str(t[4]) if len(t) > 4 else "")
              for t in pairs if t[1] is not None and t[2] is not None]
     if not pairs:
@@ -100,6 +102,8 @@ def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path
                     xs, ys = zip(*xy)
                     ax.scatter(xs, ys, marker=style.GPU_MARKERS[gi % 4], s=28, alpha=0.85,
                                facecolors="none" if hollow else [color[s]], edgecolors=[color[s]])
+    if apart:
+        ax.scatter(*zip(*apart), marker="x", s=18, color="black", linewidths=0.9, zorder=4)
     for gi, gpu in enumerate(gpus):  # the legend: a marker per GPU, a colour per series
         ax.scatter([], [], marker=style.GPU_MARKERS[gi % 4], s=28, color="black", label=gpu)
     if numeric:

@@ -48,13 +48,14 @@ def section(rows: list[dict], spec: dict, fig_dir: Path, readme_dir: Path) -> tu
     scatter = figures.predicted_vs_measured(
         [(names.get(p["gpu"], p["gpu"]), p["predicted_ms"], p["measured_ms"],
           p["noise_pct"] is not None and p["gain_pct"] is not None and abs(p["gain_pct"]) <= p["noise_pct"],
-          p["backend"]) for p in pts],
+          p["backend"], p["one_run"] is False) for p in pts],
         fig_dir / "packing-predicted-vs-measured.png", "saving per step (ms)")
     if scatter:
         parts.append(embed(scatter, "packing: predicted against measured saving", readme_dir)
                      + f"\n\nEvery model, length, backend (sdpa, flex, varlen) and GPU: {len(pts)} cache pairs. "
                      "Colour is the backend, marker shape the GPU; a hollow marker is a pair whose step gain is "
-                     "within its step times' p20–p80 spread.")
+                     "within its step times' p20–p80 spread, a black cross one whose cache-on and cache-off rows "
+                     "two runs measured.")
     rp = role_points(rows)
     if rp:
         parts.append("### Beside stock and the peer\n\n" + peers_table(rp))
