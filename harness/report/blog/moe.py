@@ -7,7 +7,8 @@ from pathlib import Path
 
 from harness.report import bench
 from harness.report import fmt
-from harness.report.moe import (CROSSOVER_HEADER, predicted_from_other_lengths, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
+from harness.report.moe_query import predicted_from_other_lengths
+from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
                                 gpu_memory_gib, moe_gap_md, moe_routing)
 from harness.report.blog import figures
 from harness.report.blog.common import Headline, cell, other_run_note, split_table, stock_caveats
