@@ -50,6 +50,17 @@ def _train(batches, **switches):
     return steps, skipped, stats
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_chosen():
+    """A shape's first run in a process picks its kernels on first use, and its bf16 gradients can
+    differ from every later run's by a few percent (on an H100, two recompute="all" runs of the
+    same batches differed by up to 3.3 % relative when the first was the process's first, and by
+    0.0 after). Each test compares two runs of one process, so both come after a throwaway run over
+    every shape this file uses; a test run first in its process (a reversed shard) no longer sets
+    its reference apart."""
+    _train(_batches([(2, 2048), (2, 512), (2, 4096)]), recompute="all")
+
+
 def _assert_steps_match(steps, ref):
     for i, ((l0, g0), (l1, g1)) in enumerate(zip(ref, steps)):
         assert torch.allclose(l0, l1, rtol=2e-3, atol=2e-3), (i, l0, l1)
