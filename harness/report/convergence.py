@@ -82,7 +82,9 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
              "per-step loss smoothed over ten steps (a single bf16 step is noisy), the held-out losses, and the "
              f"first step's loss. Checks, stated before the runs: held-out loss at the end below "
              f"{HELD_OUT_OVER_LN_V}·ln V; curve gap at most {CURVE_GAP:.0%}, held-out gap at most "
-             f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}."]
+             f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}. Documents come in the corpus's sorted "
+             "path order, not shuffled: a run of alike modules moves the training loss, and the held-out loss with "
+             "it, so the curves are not monotone and the gaps peak where they move most."]
     by_model: dict[tuple, list[dict]] = {}  # one run's stacks: a model at a length
     for r in found:
         by_model.setdefault((str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0)), []).append(r)
