@@ -12,7 +12,8 @@ A report module (``report``) may define any of these; each returns Markdown, "" 
 
 - ``lead(steps, rows, spec)``: a section that leads the report, before the per-GPU tables;
 - ``sweep_targets(steps, rows, spec)``: end-to-end comparisons read from the sweep's rows;
-- ``bench_tables(rows, spec)``: its side-by-side benchmark tables, from one GPU type's bench rows;
+- ``bench_tables(rows, spec[, out_dir])``: its side-by-side benchmark tables, from one GPU type's bench
+  rows (with ``out_dir``, the report's folder, where it draws figures);
 - ``bench_targets(rows, spec)``: the targets judged on those rows.
 
 ``steps`` are the sweep's step rows, ``rows`` every row of the experiment (or of the GPU type),

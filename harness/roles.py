@@ -53,7 +53,7 @@ def role_of(r: Mapping[str, Any]) -> str:
     if role == "ours-default":  # optim's defaults: the user's path where a user's stack built it
         return "user" if r.get("stack") == "user" else "ours"
     if role == "stock" and r.get("variant") != r.get("baseline_variant") \
-            and (r.get("switches") or {}).get("compile_layers") and r.get("stack") in (None, "", "transformers"):
+            and (r.get("switches") or {}).get("compile_layers") is True and r.get("stack") in (None, "", "transformers"):
         return "stock-compiled"  # recorded before the vocabulary had it: stock with its layers compiled
     return role
 

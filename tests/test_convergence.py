@@ -87,3 +87,31 @@ def test_the_report_states_its_checks_and_says_which_a_stack_misses(tmp_path):
     assert "2.10%" in lines["optim.enable() defaults"] and "4.00%" in lines["optim.enable() defaults"]
     assert (tmp_path / "convergence-gpu-x-m-64.png").is_file() and "convergence-gpu-x-m-64.png" in text
     assert report.bench_tables([r for r in rows if r["mode"] == "x"], {}) == ""
+
+
+def test_a_stack_whose_process_fails_leaves_an_error_row_with_its_reason_and_the_bench_exits_non_zero(tmp_path, capsys):
+    assert conv.main(["--results", str(tmp_path), "--model", "no-such-model", "--stacks", "stock", "--steps", "2",
+                      "--seq-len", "64", "--corpus-mib", "0.2"]) == 1
+    (row,) = map(json.loads, (tmp_path / "convergence" / "cpu.jsonl").read_text().splitlines())
+    assert row["status"] == "error" and "exited with 1" in row["message"] and "no-such-model" in row["message"]
+    assert "stock did not train" in capsys.readouterr().err
+
+
+def test_a_gap_that_is_not_a_number_fails_its_check():
+    from harness.report import convergence as report
+
+    r = _row("user", [5.7, 3.1], [[0, 5.7], [2, 2.6]],
+             {"max_rel_gap_curve": float("nan"), "max_rel_gap_held_out": 0.01, "rel_gap_first_step": 0.0})
+    checks = dict(report._checks(r))
+    assert checks["curve gap ≤ 3%"] is False and checks["held-out gap ≤ 2%"] is True
+    assert dict(report._checks({**r, "max_rel_gap_curve": None}))["curve gap ≤ 3%"] is None  # not judged
+
+
+def test_a_bench_step_whose_rows_are_errors_is_not_done():
+    from harness import reproduce
+    from harness.report.blog import plan
+
+    step = plan.Step("convergence", bench="convergence", experiment="convergence")
+    ok = {"kind": "convergence", "model": "m", "seq_len": 64, "mode": "stock", "status": "ok"}
+    assert reproduce._covered(step, [ok])
+    assert not reproduce._covered(step, [{**ok, "status": "error"}])  # the next call runs it again

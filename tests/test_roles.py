@@ -121,3 +121,10 @@ def test_every_committed_experiment_and_row_reads_as_a_role():
         for line in path.read_text().splitlines():
             seen.add(roles.role_of(json.loads(line)))
     assert seen - {""} <= set(roles.ROLES) and {"stock", "peer", "user", "ours"} <= seen, seen
+
+
+def test_only_a_stock_variant_whose_layers_were_compiled_reads_as_stock_compiled():
+    def row(**sw):
+        return {"variant": "stock-x", "baseline_variant": "stock", "role": "stock", "switches": sw}
+    assert roles.role_of(row(compile_layers=True)) == "stock-compiled"
+    assert roles.role_of(row(compile_layers="auto")) == roles.role_of(row()) == "stock"  # not compiled, or not said

@@ -153,6 +153,7 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, held_out, step_ms = [], [], []
+    trained_tokens = sum(int(b["input_ids"].numel()) for b in rows)
     started = time.perf_counter()
     for i, batch in enumerate(rows):
         if i % eval_every == 0:
@@ -165,10 +166,17 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))  # syncs: the step's time ends here
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if not math.isfinite(losses[-1]):
+            return {**base, "status": "error", "message": f"the loss is {losses[-1]} at step {i}", "losses": losses}
     held_out.append([steps, _held_out_loss(net, held, device)])
     p = percentiles(step_ms[min(10, steps // 2):])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    if enabled is not None:  # what ran, after the steps: the fused loss's and packed attention's calls
+        import optim
+
+        enabled = optim.enabled(net)
     return {**base, "status": "ok", "message": "", "losses": losses, "held_out": held_out,
+            "trained_tokens": trained_tokens, "eval_rows": eval_rows, "smooth_steps": SMOOTH,
             "final_loss": sum(losses[-20:]) / len(losses[-20:]), "final_held_out": held_out[-1][1],
             "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"], "peak_gib": peak,
             "wall_s": round(time.perf_counter() - started, 1), "optim": enabled,
@@ -201,11 +209,13 @@ def run(stacks: list[str], args) -> list[dict]:
                    "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
                    "--lora-rank", str(args.lora_rank), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
                    "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib)]
-            done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
+            sys.stderr.write(done.stderr)
             if done.returncode != 0 or not out.is_file():
+                tail = " | ".join(line for line in done.stderr.strip().splitlines()[-3:])
                 rows.append({"kind": "convergence", "model": args.model, "mode": stack, "seq_len": args.seq_len,
                              "lora_rank": args.lora_rank, "steps": args.steps, "status": "error",
-                             "message": f"the {stack} process exited with {done.returncode}"})
+                             "message": f"the {stack} process exited with {done.returncode}: {tail}"})
                 continue
             rows.append(json.loads(out.read_text()))
     stock = next((r for r in rows if r["mode"] == "stock" and r["status"] == "ok"), None)
@@ -252,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
 
     path = store(args, rows, envmod.collect(), "harness.bench.convergence", argv)
     print(f"stored {len(rows)} rows in {path}")
-    return 0
+    failed = [r["mode"] for r in rows if r["status"] == "error"]
+    if failed:
+        print(f"error: {', '.join(failed)} did not train (see their rows' message)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ from pathlib import Path
 from harness.report import fmt
 
 KEYS = "<!-- figure keys (shown = format experiment/gpu/point@recorded statistic):"
-# a measured figure as prose cites one: a time, a memory, a ratio or a signed change
-# (a setting such as "256 MiB of logits" or "1 GiB of headroom", a whole number of MiB or GiB, is not one)
-FIGURE = re.compile(r"(?<![\w.])(?:\d+\.\d+\s?(?:ms|s|GiB|MiB|GB/s)|\d+\s?ms|\d+(?:\.\d+)?×)(?!\w)"
-                    r"|(?<![\w.])[+−-]\d+(?:\.\d+)?\s?%")
+# A measured figure as prose cites one: a number with a unit of time, memory, bandwidth or share,
+# a ratio ("3.14×", "1.5x") or a signed change ("+2 %", "±3.1 %"). A setting (a chunk of `256 MiB`,
+# a threshold of `5 %`) is written in a code span, which ``loose_figures`` leaves aside.
+FIGURE = re.compile(r"(?<![\w.])(?:\d+(?:\.\d+)?\s?(?:ms|µs|s|min|GiB|MiB|GB/s|%)|\d+(?:\.\d+)?[×x])(?!\w)"
+                    r"|(?<![\w.])[+−±-]\d+(?:\.\d+)?\s?%")
 
 
 class CiteError(ValueError):
@@ -138,7 +139,7 @@ def check_keys(block: str, results_root: Path | str) -> list[str]:
 
 
 def loose_figures(text: str) -> list[str]:
-    """Measured figures in ``text``, code blocks and HTML comments aside."""
+    """Measured figures in ``text``; code blocks, code spans (settings) and HTML comments aside."""
     text = re.sub(r"```.*?```", "", text, flags=re.S)
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
-    return FIGURE.findall(text)
+    return FIGURE.findall(re.sub(r"`[^`\n]*`", "", text))

@@ -14,15 +14,16 @@ from pathlib import Path
 
 from harness.report import fmt
 from harness.report.fmt import DASH
-from harness.report.moe import rows_of_kind
+from harness.report.palette import ROLE_COLOR, ROLE_LABEL
 
 HELD_OUT_OVER_LN_V = 0.7
 CURVE_GAP = 0.03
 HELD_OUT_GAP = 0.02
 FIRST_STEP_GAP = 0.01
 ORDER = ("stock", "liger", "user")
-LABEL = {"stock": "stock transformers + peft", "liger": "Liger-Kernel", "user": "optim.enable() defaults"}
-COLOR = {"stock": "#7f7f7f", "liger": "#9467bd", "user": "#1f77b4"}
+PART = {"stock": "stock", "liger": "peer", "user": "user"}  # each stack's part: its label and colour everywhere
+LABEL = {m: ROLE_LABEL[p] for m, p in PART.items()}
+COLOR = {m: ROLE_COLOR[p] for m, p in PART.items()}
 
 
 def _checks(r: dict) -> list[tuple[str, bool | None]]:
@@ -32,8 +33,9 @@ def _checks(r: dict) -> list[tuple[str, bool | None]]:
     if r.get("mode") != "stock":
         for key, bound, name in (("max_rel_gap_curve", CURVE_GAP, "curve"), ("max_rel_gap_held_out", HELD_OUT_GAP, "held-out"),
                                  ("rel_gap_first_step", FIRST_STEP_GAP, "first step")):
-            v = fmt.number(r.get(key))
-            out.append((f"{name} gap ≤ {bound:.0%}", None if v is None else v <= bound))
+            v = r.get(key)
+            # a gap that is not a number (a NaN from a diverged curve) fails; a missing one is not judged
+            out.append((f"{name} gap ≤ {bound:.0%}", None if v is None else fmt.number(v) is not None and v <= bound))
     return out
 
 
@@ -50,10 +52,10 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
     for r in sorted(ok, key=lambda r: ORDER.index(r["mode"]) if r["mode"] in ORDER else 9):
         c = COLOR.get(r["mode"], "black")
         xs = list(range(1, len(r["losses"]) + 1))
-        k = 10
+        k = int(r.get("smooth_steps") or 10)
         smooth = [sum(r["losses"][max(0, i - k + 1):i + 1]) / len(r["losses"][max(0, i - k + 1):i + 1])
                   for i in range(len(r["losses"]))]
-        ax.plot(xs, smooth, color=c, lw=1.4, label=f"{LABEL.get(r['mode'], r['mode'])}, training (10-step mean)")
+        ax.plot(xs, smooth, color=c, lw=1.4, label=f"{LABEL.get(r['mode'], r['mode'])}, training ({k}-step mean)")
         ax.plot([s for s, _ in r["held_out"]], [v for _, v in r["held_out"]], color=c, ls="--", marker="o", ms=4,
                 label=f"{LABEL.get(r['mode'], r['mode'])}, held-out")
     ln_v = fmt.number(ok[0].get("ln_vocab"))
@@ -71,7 +73,7 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
 def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> str:
     """Per model: each stack's loss at the start and end, held-out loss, gaps from stock's and the
     checks; the loss curves ("" without ``convergence`` rows)."""
-    found = rows_of_kind(rows, "convergence")
+    found = [r for r in rows if r.get("kind") == "convergence"]
     if not found:
         return ""
     parts = ["#### Convergence on real text",
@@ -79,7 +81,8 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
              "(`python -m harness.bench.convergence`), bytes as tokens, documents packed by transformers' "
              "`DataCollatorWithFlattening`, one packed row a step, the same rows in the same order; each stack "
              "in a fresh process. A model that learned nothing scores ln V. Gaps are relative to stock's: the "
-             "per-step loss smoothed over ten steps (a single bf16 step is noisy), the held-out losses, and the "
+             "per-step loss smoothed over the steps the row names (ten; a single bf16 step is noisy), the held-out "
+             "losses, and the "
              f"first step's loss. Checks, stated before the runs: held-out loss at the end below "
              f"{HELD_OUT_OVER_LN_V}·ln V; curve gap at most {CURVE_GAP:.0%}, held-out gap at most "
              f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}. Documents come in the corpus's sorted "
@@ -94,9 +97,14 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
         parts.append(f"**{model}** with the byte vocabulary ({first.get('vocab_size')} ids, ln V = "
                      f"{fmt.num(first.get('ln_vocab'), '.3f')}), LoRA r={first.get('lora_rank')} on every linear "
                      f"layer with the embedding and lm_head trained, AdamW lr {first.get('lr')}, "
-                     f"{first.get('steps')} steps of {first.get('seq_len')} tokens; corpus: {c.get('files')} files, "
-                     f"{c.get('bytes')} bytes of Python {c.get('python')}'s standard library (sha256 "
-                     f"`{c.get('sha256')}`), one file in {c.get('held_out_every')} held out.")
+                     f"{first.get('steps')} steps of one packed row of up to {first.get('seq_len')} tokens, taken "
+                     "from the start of the training files"
+                     + (f" ({first['trained_tokens']} tokens in all)" if first.get("trained_tokens") else "")
+                     + f"; corpus: {c.get('files')} files, {c.get('bytes')} bytes of Python {c.get('python')}'s "
+                     f"standard library (sha256 `{c.get('sha256')}`), one file in {c.get('held_out_every')} held out"
+                     + (f", of which the held-out loss reads the first {first['eval_rows']} packed rows"
+                        if first.get("eval_rows") else ", of which the held-out loss reads the first packed rows")
+                     + ".")
         body = []
         for r in sorted(group, key=lambda r: ORDER.index(r["mode"]) if r.get("mode") in ORDER else 9):
             if r.get("status") != "ok":

@@ -70,23 +70,31 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
 
 
 def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
-    """One sentence over a sweep: the one call against the fastest other at each point that measured both."""
-    pairs = [(p.rows[fastest]["step_ms"]["p50"] / p.rows["user"]["step_ms"]["p50"], p, fastest)
-             for p in points if "user" in p.rows and (fastest := _fastest(p))]
+    """One sentence over a sweep: the one call against the fastest other at each point that measured
+    both in one run; points whose two rows two runs measured are counted apart, and any of them
+    where the other is faster is named."""
+    from harness.report.runs import from_one_run
+
+    pairs = [(p.ms(fastest) / p.ms("user"), p, fastest) for p in points if "user" in p.rows and (fastest := _fastest(p))]
     if not pairs:
         return ""
-    pairs.sort(key=lambda x: x[0])
+    one = sorted((x for x in pairs if from_one_run([x[1].rows[x[2]], x[1].rows["user"]]) is not False), key=lambda x: x[0])
+    apart = sorted((x for x in pairs if from_one_run([x[1].rows[x[2]], x[1].rows["user"]]) is False), key=lambda x: x[0])
 
     def at(x) -> str:
-        s, p, fastest = x
-        return (f"{f.ratio(p.rows[fastest], p.rows['user'])} at {p.model} {p.seq_len} on the {p.gpu_name} "
-                f"(against {ROLE_LABEL[fastest]}{'' if _with_stock(p, fastest) and _with_stock(p, 'user') else ', another run'})")
+        _, p, fastest = x
+        return f"{f.ratio(p.rows[fastest], p.rows['user'])} at {p.model} {p.seq_len} on the {p.gpu_name} (against {ROLE_LABEL[fastest]})"
 
-    text = (f"**{name}** (`experiments/{name}.toml`, {len(pairs)} points): `optim.enable(model)` against the fastest "
-            f"other ran from {at(pairs[0])} to {at(pairs[-1])}.")
-    slower = [x for x in pairs if x[0] < 1.0]
-    if slower:
-        text += f" Slower than the fastest other at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
+    text = f"**{name}** (`experiments/{name}.toml`): "
+    if one:
+        text += (f"over the {len(one)} points one run measured, `optim.enable(model)` against the fastest other ran "
+                 f"from {at(one[0])} to {at(one[-1])}.")
+        if slower := [x for x in one if x[0] < 1.0]:
+            text += f" Slower than it at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
+    if apart:
+        text += (f" At {len(apart)} more points the fastest other was measured by another run than the one call"
+                 + (": slower than it at " + "; ".join(at(x) for x in apart if x[0] < 1.0) + "."
+                    if any(x[0] < 1.0 for x in apart) else ", none of them faster than it."))
     return text
 
 

@@ -99,7 +99,7 @@ def gains_range(pairs: list[dict], what: str) -> str:
         return "not measured" + (f" in one run ({apart} pairs by two runs)" if apart else "")
     gains = [p["gain_pct"] for p in one]
     lengths = sorted({int(p["seq_len"]) for p in one})
-    flat = sum(1 for p in one if p.get("noise_pct") is not None and p["gain_pct"] <= p["noise_pct"])
+    flat = sum(1 for p in one if p.get("noise_pct") is not None and abs(p["gain_pct"]) <= p["noise_pct"])
     span = f"{lengths[0]}–{lengths[-1]}" if len(lengths) > 1 else f"{lengths[0]}"
     text = (f"{gains[0]:+.1f} % to {gains[-1]:+.1f} % {what} (median {statistics.median(gains):+.1f} %) over {len(one)} "
             f"model × length pairs, {span} tokens; {flat} of them within the step's own spread")
