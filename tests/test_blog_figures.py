@@ -109,3 +109,16 @@ def test_the_headline_range_reads_pairs_one_run_measured_and_names_the_others_wh
     assert "At 1 more points the fastest other was measured by another run" in text
     assert "slower than it at 0.75× at m 2048 on the H200 (against stock + torch.compile)" in text
     assert [shown for shown, _ in f.keys] == ["1.40×", "2.00×", "0.75×"]
+
+
+def test_predicted_vs_measured_on_a_third_gpu_type_still_draws(tmp_path, monkeypatch):
+    from harness.report.blog import figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "save_png", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    pairs = [(gpu, 10.0 + i, 9.0 + i, False, backend) for i, (gpu, backend) in
+             enumerate((g, b) for g in ("H100", "H200", "B200") for b in ("sdpa", "flex", "varlen"))]
+    assert figures.predicted_vs_measured(pairs, tmp_path / "s.png", "saving (ms)") == tmp_path / "s.png"
+    labels = [t.get_text() for t in drawn["fig"].legends[0].get_texts()]
+    assert labels == ["y = x (the model holds)", "flex", "sdpa", "varlen"]
+    assert "B200" in drawn["fig"].axes[0].get_title()

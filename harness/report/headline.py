@@ -38,14 +38,7 @@ def _cell(f: cite.Figures, p: data.RolePoint, role: str) -> str:
     r = p.rows.get(role)
     if r is None:
         return p.failed.get(role, "not run")
-    return f.ms(r) + ("" if role == "stock" or _with_stock(p, role) else " †")
-
-
-def _with_stock(p: data.RolePoint, role: str) -> bool:
-    from harness.report.runs import from_one_run
-
-    stock = p.rows.get("stock")
-    return stock is None or from_one_run([stock, p.rows[role]]) is not False
+    return f.ms(r) + (" †" if p.apart_from_stock(role) else "")
 
 
 def _fastest(p: data.RolePoint) -> str | None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from harness.report import fmt
 from harness.report.blog.data import RolePoint
-from harness.report.runs import from_one_run
 from harness.report.blog.style import ROLE_LABEL, ROLES
 
 
@@ -31,7 +30,7 @@ def cell(p: RolePoint, role: str) -> str:
     if r is None:
         return p.failed.get(role, "not run").upper() if role in p.failed else "not run"
     s = p.speedup(role) if role != "stock" else None
-    apart = _apart(p, role)
+    apart = p.apart_from_stock(role)
     # the cell keeps (ms, speed-up over stock, whether another run than the stock's measured it)
     return fmt.Cell(fmt.ms(p.ms(role)) + (f" ({fmt.times(s)})" if s else "") + (OTHER_RUN if apart else ""),
                     (p.ms(role), s, apart))
@@ -39,11 +38,6 @@ def cell(p: RolePoint, role: str) -> str:
 
 # marks a role measured by another run than the stock row beside it: its ratio compares two runs
 OTHER_RUN = " †"
-
-
-def _apart(p: RolePoint, role: str) -> bool:
-    stock, r = p.rows.get("stock"), p.rows.get(role)
-    return role != "stock" and stock is not None and r is not None and from_one_run([stock, r]) is False
 
 
 def other_run_note(table: str) -> str:

@@ -35,6 +35,12 @@ class RolePoint:
         s, x = self.ms("stock"), self.ms(role)
         return s / x if s and x else None
 
+    def apart_from_stock(self, role: str) -> bool:
+        """Whether ``role``'s row came from another run than the stock row beside it (False where
+        either is missing or the rows cannot tell): its ratio over stock compares two runs."""
+        stock, r = self.rows.get("stock"), self.rows.get(role)
+        return role != "stock" and stock is not None and r is not None and from_one_run([stock, r]) is False
+
     def one_run(self) -> bool | None:
         return from_one_run(list(self.rows.values()))
 

@@ -30,7 +30,7 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
     for ax, (model, gpu) in zip(axes, panels):
         ax.axhline(1.0, color=style.ROLE_COLOR["stock"], lw=1.2, label="stock = 1")
         for role in roles:
-            pts = sorted((p.seq_len, s, common_run(p, role)) for p in points
+            pts = sorted((p.seq_len, s, not p.apart_from_stock(role)) for p in points
                          if p.model == model and p.gpu_name == gpu and (s := p.speedup(role)))
             if not pts:
                 continue
@@ -39,7 +39,7 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
             color = style.ROLE_COLOR[role]
             ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], color=color, marker=style.ROLE_MARKER[role],
                     label=style.ROLE_LABEL[role], **wide)
-            hollow = [(x, y) for x, y, one in pts if one is False]
+            hollow = [(x, y) for x, y, one in pts if not one]
             if hollow:
                 apart = True
                 ax.scatter(*zip(*hollow), s=70, facecolors="white", edgecolors=color, linewidths=1.5, zorder=3)
@@ -55,14 +55,6 @@ def speedup_vs_length(points: list[RolePoint], path: Path, what: str) -> Path | 
     axes[0].set_ylabel(f"speed-up over stock ({what})")
     style.legend_outside(fig, axes)
     return save_png(fig, path)
-
-
-def common_run(p: RolePoint, role: str) -> bool | None:
-    """Whether ``role`` at ``p`` was measured by the run that measured its stock (None: unknown)."""
-    from harness.report.runs import from_one_run
-
-    stock, r = p.rows.get("stock"), p.rows.get(role)
-    return None if stock is None or r is None else from_one_run([stock, r])
 
 
 SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
@@ -104,8 +96,13 @@ def predicted_vs_measured(pairs: list[tuple], path: Path, quantity: str) -> Path
                                facecolors="none" if hollow else [color[s]], edgecolors=[color[s]])
     if apart:
         ax.scatter(*zip(*apart), marker="x", s=18, color="black", linewidths=0.9, zorder=4)
-    for gi, gpu in enumerate(gpus):  # the legend: a marker per GPU, a colour per series
-        ax.scatter([], [], marker=style.GPU_MARKERS[gi % 4], s=28, color="black", label=gpu)
+    named = [s for s in series if s] if not numeric else []
+    if 1 + len(gpus) + len(named) <= style.MAX_LINES + 1:  # the legend: a marker per GPU, a colour per series
+        for gi, gpu in enumerate(gpus):
+            ax.scatter([], [], marker=style.GPU_MARKERS[gi % 4], s=28, color="black", label=gpu)
+    else:  # past the legend's budget the markers are named in the title, the colours keep the legend
+        ax.set_title("markers: " + ", ".join(f"{'o s ^ D'.split()[gi % 4]} {gpu}" for gi, gpu in enumerate(gpus)),
+                     fontsize=8)
     if numeric:
         bar = fig.colorbar(cm.ScalarMappable(norm=scale, cmap=cm.viridis), ax=ax, pad=0.02)
         bar.set_label("tokens per step")
