@@ -115,3 +115,15 @@ def test_a_bench_step_whose_rows_are_errors_is_not_done():
     ok = {"kind": "convergence", "model": "m", "seq_len": 64, "mode": "stock", "status": "ok"}
     assert reproduce._covered(step, [ok])
     assert not reproduce._covered(step, [{**ok, "status": "error"}])  # the next call runs it again
+
+
+def test_the_checks_are_targets_in_the_blog_met_or_not():
+    from harness.report import convergence as report
+
+    rows = [_row("stock", [5.7, 3.0, 2.0], [[0, 5.7], [3, 2.5]]),
+            _row("user", [5.7, 3.1, 2.1], [[0, 5.7], [3, 2.6]],
+                 {"max_rel_gap_curve": 0.055, "max_rel_gap_held_out": 0.01, "rel_gap_first_step": 0.0})]
+    lines = [line for line in report.targets_md(rows).splitlines() if line.startswith("| optim.enable")]
+    assert lines[1] == "| optim.enable() defaults: curve gap ≤ 3% (m, gpu-x) | 5.50% | no |"
+    assert lines[2] == "| optim.enable() defaults: held-out gap ≤ 2% (m, gpu-x) | 1.00% | yes |"
+    assert report.targets_md([{**rows[0], "status": "error"}]) == ""

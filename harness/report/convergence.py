@@ -39,6 +39,26 @@ def _checks(r: dict) -> list[tuple[str, bool | None]]:
     return out
 
 
+def _measured(r: dict, check: str) -> str:
+    """The value a check judged, as the targets table shows it."""
+    if check.startswith("held-out <"):
+        return f"{fmt.num(r.get('final_held_out'), '.3f')} (0.7·ln V = {fmt.num(HELD_OUT_OVER_LN_V * (fmt.number(r.get('ln_vocab')) or 0), '.3f')})"
+    key = {"curve": "max_rel_gap_curve", "held-out": "max_rel_gap_held_out", "first step": "rel_gap_first_step"}[check.split(" gap")[0]]
+    v = fmt.number(r.get(key))
+    return DASH if v is None else f"{v:.2%}"
+
+
+def targets_md(rows: list[dict]) -> str:
+    """The checks as targets, met or not, for the blog's targets ("" without ok convergence rows)."""
+    body = []
+    for r in sorted((r for r in rows if r.get("kind") == "convergence" and r.get("status") == "ok"),
+                    key=lambda r: (str(r.get("gpu_slug")), str(r.get("model")), ORDER.index(r["mode"]) if r.get("mode") in ORDER else 9)):
+        gpu = str(r.get("device_name") or r.get("gpu_slug") or "?").replace("NVIDIA ", "").split()[0]
+        for check, ok in _checks(r):
+            body.append([f"{LABEL.get(r['mode'], r['mode'])}: {check} ({r.get('model')}, {gpu})", _measured(r, check), fmt.met(ok)])
+    return "#### Convergence on real text\n\n" + fmt.table(["target", "measured", "met?"], body) if body else ""
+
+
 def _plot(rows: list[dict], path: Path) -> Path | None:
     from matplotlib.figure import Figure
 
