@@ -127,3 +127,17 @@ def test_the_checks_are_targets_in_the_blog_met_or_not():
     assert lines[1] == "| optim.enable() defaults: curve gap ≤ 3% (m, gpu-x) | 5.50% | no |"
     assert lines[2] == "| optim.enable() defaults: held-out gap ≤ 2% (m, gpu-x) | 1.00% | yes |"
     assert report.targets_md([{**rows[0], "status": "error"}]) == ""
+
+
+def test_a_shuffle_seed_reorders_the_training_documents_alike_every_time_and_the_report_says_so(tmp_path):
+    from harness.report import convergence as report
+
+    root = _stdlib(tmp_path)
+    plain, held, info = conv.corpus(10**9, root)
+    a, held_a, info_a = conv.corpus(10**9, root, shuffle_seed=3)
+    assert sorted(map(tuple, a)) == sorted(map(tuple, plain)) and a != plain and held_a == held  # held-out untouched
+    assert conv.corpus(10**9, root, shuffle_seed=3)[0] == a and info_a["shuffle_seed"] == 3 and info["shuffle_seed"] is None
+    rows = [_row("stock", [5.7, 3.0], [[0, 5.7], [2, 2.5]])]
+    assert "sorted path order, not shuffled" in report.bench_tables(rows, {})
+    rows[0]["corpus"] = {**rows[0]["corpus"], "shuffle_seed": 3}
+    assert "shuffled with seed 3" in report.bench_tables(rows, {})

@@ -46,9 +46,12 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
                   if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
 
 
-def corpus(max_bytes: int, root: Path | None = None) -> tuple[list[list[int]], list[list[int]], dict]:
+def corpus(max_bytes: int, root: Path | None = None, shuffle_seed: int | None = None
+           ) -> tuple[list[list[int]], list[list[int]], dict]:
     """(training documents, held-out documents, what the corpus is): each document a file's bytes
-    and EOS; every ``HELD_OUT_EVERY``-th file held out; files in sorted order until ``max_bytes``."""
+    and EOS; every ``HELD_OUT_EVERY``-th file held out; files in sorted order until ``max_bytes``.
+    With ``shuffle_seed`` the training documents are shuffled by it (else they keep path order,
+    where a run of alike modules moves the loss)."""
     train, held, digest, n, size = [], [], hashlib.sha256(), 0, 0
     root = Path(root or sysconfig.get_paths()["stdlib"])
     for path in stdlib_files(root):
@@ -63,7 +66,11 @@ def corpus(max_bytes: int, root: Path | None = None) -> tuple[list[list[int]], l
     if not train or not held:
         raise RuntimeError(f"the standard library under {root} gave {len(train)} training and {len(held)} "
                            "held-out files: too few to train on")
-    info = {"source": "python stdlib .py files", "python": sys.version.split()[0], "files": n, "bytes": size,
+    if shuffle_seed is not None:
+        import random
+
+        random.Random(shuffle_seed).shuffle(train)
+    info = {"source": "python stdlib .py files", "shuffle_seed": shuffle_seed, "python": sys.version.split()[0], "files": n, "bytes": size,
             "held_out_files": len(held), "held_out_every": HELD_OUT_EVERY, "sha256": digest.hexdigest()[:16]}
     return train, held, info
 
@@ -128,7 +135,7 @@ def _held_out_loss(model, rows: list[dict], device) -> float:
 
 
 def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, lr: float, eval_every: int,
-          eval_rows: int, corpus_mib: float, seed: int = 0) -> dict:
+          eval_rows: int, corpus_mib: float, seed: int = 0, shuffle_seed: int | None = None) -> dict:
     """One stack, in this process: its ``convergence`` row (without env or command)."""
     import torch
 
@@ -140,7 +147,7 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base.update(device_type=device.type, dtype=str(dtype).removeprefix("torch."))
-    train_docs, held_docs, info = corpus(int(corpus_mib * 2**20))
+    train_docs, held_docs, info = corpus(int(corpus_mib * 2**20), shuffle_seed=shuffle_seed)
     base["corpus"] = info
     try:
         net, spec, enabled = _build(model, stack, device, dtype, lora_rank, seed)
@@ -208,7 +215,8 @@ def run(stacks: list[str], args) -> list[dict]:
             cmd = [sys.executable, "-m", "harness.bench.convergence", "--one", stack, "--row-out", str(out),
                    "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
                    "--lora-rank", str(args.lora_rank), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
-                   "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib)]
+                   "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib),
+                   *(["--shuffle-seed", str(args.shuffle_seed)] if args.shuffle_seed is not None else [])]
             done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
             sys.stderr.write(done.stderr)
             if done.returncode != 0 or not out.is_file():
@@ -239,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-rows", type=int, default=8, help="held-out rows of --seq-len tokens")
     ap.add_argument("--corpus-mib", type=float, default=8.0)
+    ap.add_argument("--shuffle-seed", type=int, default=None,
+                    help="shuffle the training documents with this seed (default: the corpus's path order)")
     ap.add_argument("--one", choices=STACKS, help=argparse.SUPPRESS)  # one stack, in this process
     ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -246,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps and --eval-every must be at least 1, --seq-len at least 2")
     if args.one:
         row = train(args.one, model=args.model, steps=args.steps, seq_len=args.seq_len, lora_rank=args.lora_rank,
-                    lr=args.lr, eval_every=args.eval_every, eval_rows=args.eval_rows, corpus_mib=args.corpus_mib)
+                    lr=args.lr, eval_every=args.eval_every, eval_rows=args.eval_rows, corpus_mib=args.corpus_mib,
+                    shuffle_seed=args.shuffle_seed)
         args.row_out.write_text(json.dumps(row))
         return 0
     rows = run(args.stacks, args)

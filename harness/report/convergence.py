@@ -105,9 +105,7 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
              "losses, and the "
              f"first step's loss. Checks, stated before the runs: held-out loss at the end below "
              f"{HELD_OUT_OVER_LN_V}·ln V; curve gap at most {CURVE_GAP:.0%}, held-out gap at most "
-             f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}. Documents come in the corpus's sorted "
-             "path order, not shuffled: a run of alike modules moves the training loss, and the held-out loss with "
-             "it, so the curves are not monotone and the gaps peak where they move most."]
+             f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}."]
     by_model: dict[tuple, list[dict]] = {}  # one run's stacks: a model at a length
     for r in found:
         by_model.setdefault((str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0)), []).append(r)
@@ -118,13 +116,16 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
                      f"{fmt.num(first.get('ln_vocab'), '.3f')}), LoRA r={first.get('lora_rank')} on every linear "
                      f"layer with the embedding and lm_head trained, AdamW lr {first.get('lr')}, "
                      f"{first.get('steps')} steps of one packed row of up to {first.get('seq_len')} tokens, taken "
-                     "from the start of the training files"
+                     "from the training files in their order"
                      + (f" ({first['trained_tokens']} tokens in all)" if first.get("trained_tokens") else "")
                      + f"; corpus: {c.get('files')} files, {c.get('bytes')} bytes of Python {c.get('python')}'s "
                      f"standard library (sha256 `{c.get('sha256')}`), one file in {c.get('held_out_every')} held out"
                      + (f", of which the held-out loss reads the first {first['eval_rows']} packed rows"
                         if first.get("eval_rows") else ", of which the held-out loss reads the first packed rows")
-                     + ".")
+                     + ". " + ("Documents come in the corpus's sorted path order, not shuffled: a run of alike modules "
+                              "moves the training loss, and the held-out loss with it, so the curves are not monotone "
+                              "and the gaps peak where they move most." if c.get("shuffle_seed") is None else
+                              f"The training documents are shuffled with seed {c.get('shuffle_seed')}."))
         body = []
         for r in sorted(group, key=lambda r: ORDER.index(r["mode"]) if r.get("mode") in ORDER else 9):
             if r.get("status") != "ok":
