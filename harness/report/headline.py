@@ -41,14 +41,10 @@ def _cell(f: cite.Figures, p: data.RolePoint, role: str) -> str:
     return f.ms(r) + (" †" if p.apart_from_stock(role) else "")
 
 
-def _fastest(p: data.RolePoint) -> str | None:
-    return min((r for r in PEERS if p.ms(r)), key=p.ms, default=None)
-
-
 def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
     body = []
     for p in points:
-        fastest = _fastest(p)
+        _, fastest = p.over_fastest_peer()
         user = p.rows.get("user")
         vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]})" if fastest and user else "–"
         others = [p.rows[r] for r in PEERS if r in p.rows and p.rows[r].get("peak_allocated_gib") is not None]
@@ -68,7 +64,7 @@ def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
     where the other is faster is named."""
     from harness.report.runs import from_one_run
 
-    pairs = [(p.ms(fastest) / p.ms("user"), p, fastest) for p in points if "user" in p.rows and (fastest := _fastest(p))]
+    pairs = [(ratio, p, fastest) for p in points for ratio, fastest in [p.over_fastest_peer()] if ratio]
     if not pairs:
         return ""
     one = sorted((x for x in pairs if from_one_run([x[1].rows[x[2]], x[1].rows["user"]]) is not False), key=lambda x: x[0])
