@@ -82,3 +82,38 @@ def test_collect_records_the_host_cpu_on_every_device():
 
     got = env.collect()
     assert got["cpu_model"] == env.cpu_model() and got["host_probe_ms"] > 0
+
+
+class _FakeNvml:
+    """Stands in for pynvml: records which lookup asked for which GPU."""
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("index", i)
+
+    def nvmlDeviceGetHandleByUUID(self, u):
+        return ("uuid", u)
+
+
+@pytest.mark.parametrize(
+    "visible, index, handle",
+    [
+        (None, 0, ("index", 0)),
+        ("2,3", 0, ("index", 2)),
+        ("2,3", 1, ("index", 3)),
+        ("GPU-8f0e-aa", 0, ("uuid", "GPU-8f0e-aa")),
+        ("MIG-11-22", 0, ("uuid", "MIG-11-22")),
+        (" 1 ", 0, ("index", 1)),
+    ],
+)
+def test_nvml_reads_the_gpu_cuda_visible_devices_names(monkeypatch, visible, index, handle):
+    # NVML numbers every GPU on the host: a point pinned to GPU 2 must not read GPU 0's memory
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    from harness.measure import env
+
+    assert env.nvml_handle(_FakeNvml(), index) == handle

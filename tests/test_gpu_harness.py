@@ -1,6 +1,8 @@
 """The harness on a real GPU: event-timed points, NVML memory, MFU, a real OOM as a row, and the
 H2D benchmark against the PCIe ceiling. Marked gpu: run on a GPU machine."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from _sweep import small_gpu_experiment
@@ -46,3 +48,43 @@ def test_bandwidth_pinned_beats_pageable_and_stays_under_pcie():
     assert big_pinned > big_pageable
     ceiling = rows[0]["pcie_ceiling_gbps"]
     assert ceiling is None or big_pinned < ceiling * 1.05
+
+
+def test_nvml_reads_the_gpu_this_process_runs_on():
+    # NVML numbers the host's GPUs, CUDA the visible ones: under CUDA_VISIBLE_DEVICES=2 the two
+    # disagree, and a point's memory readings must come from its own GPU
+    import os
+    import subprocess
+    import sys
+
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        host_gpus = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    probe = (
+        "import torch, pynvml\n"
+        "from harness.measure import env\n"
+        "x = torch.empty(2 * 2**30, dtype=torch.uint8, device='cuda')\n"
+        "pynvml.nvmlInit()\n"
+        "u = pynvml.nvmlDeviceGetUUID(env.nvml_handle(pynvml, 0))\n"
+        "pynvml.nvmlShutdown()\n"
+        "used, mine = env.nvml_memory_gib(0)\n"
+        "print(u == 'GPU-' + str(torch.cuda.get_device_properties(0).uuid), mine)\n"
+    )
+    pins = [os.environ.get("CUDA_VISIBLE_DEVICES")]
+    if pins[0] is None and host_gpus > 1:
+        pins.append(str(host_gpus - 1))  # the last GPU: CUDA's device 0, NVML's last
+    for pin in pins:
+        child = dict(os.environ)
+        if pin is not None:
+            child["CUDA_VISIBLE_DEVICES"] = pin
+        out = subprocess.run([sys.executable, "-c", probe], env=child, capture_output=True, text=True,
+                             timeout=300, cwd=Path(__file__).resolve().parents[1])
+        assert out.returncode == 0, out.stderr[-2000:]
+        same, mine = out.stdout.split()
+        assert same == "True", f"CUDA_VISIBLE_DEVICES={pin}: NVML read another GPU"
+        # the process's own 2 GiB (plus its context) show on the GPU NVML read
+        assert mine != "None" and float(mine) >= 2.0, f"CUDA_VISIBLE_DEVICES={pin}: {mine}"

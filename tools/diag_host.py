@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.measure.env import nvml_handle  # noqa: E402
 from harness.measure.timing import percentiles  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def _gpu_cores() -> list[int]:
         import pynvml
 
         pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        h = nvml_handle(pynvml, 0)
         words = pynvml.nvmlDeviceGetCpuAffinity(h, (os.cpu_count() + 63) // 64)
         pynvml.nvmlShutdown()
         return [w * 64 + b for w, word in enumerate(words) for b in range(64) if word >> b & 1]

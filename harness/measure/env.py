@@ -6,6 +6,7 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +37,35 @@ def _dist_version(dist: str) -> str | None:
         return None
 
 
+def nvml_handle(pynvml, index: int = 0):
+    """NVML's handle for the CUDA device this process calls ``index``.
+
+    NVML numbers every GPU on the host and ignores ``CUDA_VISIBLE_DEVICES``; CUDA numbers the
+    visible ones. A point pinned to the host's third GPU is CUDA device 0, and NVML's device 0 is
+    someone else's GPU. Matched by UUID when this process has a CUDA context, else through
+    ``CUDA_VISIBLE_DEVICES`` (an index or a UUID per entry), so that naming the device before a
+    sweep creates no context."""
+    uuid = None
+    torch = sys.modules.get("torch")  # not imported: no context, and none made here
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # noqa: BLE001 - no torch or no CUDA: fall back to the environment
+        pass
+    if uuid is None:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if index < len(visible):
+            entry = visible[index]
+            if entry.isdigit():
+                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+            uuid = entry
+    if uuid is not None:
+        if not uuid.startswith(("GPU-", "MIG-")):
+            uuid = "GPU-" + uuid
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
 def nvml_info(index: int = 0) -> dict:
     """PCIe link, clocks and power limit read from NVML; empty when there is no NVIDIA driver."""
     try:
@@ -48,7 +78,7 @@ def nvml_info(index: int = 0) -> dict:
         return {}
     info: dict = {}
     try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        h = nvml_handle(pynvml, index)
         info["driver"] = pynvml.nvmlSystemGetDriverVersion()
         reads = {
             "pcie_gen": lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
@@ -89,7 +119,7 @@ def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
     except Exception:  # noqa: BLE001
         return None, None
     try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        h = nvml_handle(pynvml, index)
         used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
         mine = None
         try:

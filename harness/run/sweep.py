@@ -23,6 +23,7 @@ from pathlib import Path
 
 from harness import results as res
 from harness import row as rowmod
+from harness.measure import env as envmod
 from harness.measure.env import REPO_ROOT
 from harness.run.experiment import Experiment
 from harness.run.launchers import for_point
@@ -48,7 +49,7 @@ def detect_device_name(requested: str) -> str:
         pynvml.nvmlInit()
         try:
             if pynvml.nvmlDeviceGetCount() > 0:
-                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+                name = pynvml.nvmlDeviceGetName(envmod.nvml_handle(pynvml, 0))
                 return name.decode() if isinstance(name, bytes) else name
         finally:
             pynvml.nvmlShutdown()
