@@ -5,11 +5,27 @@ for the revisions gate, ``harness.gate.side``, which runs the command line's swe
 import sys
 
 
+def _unsloth_first(spec_path: str) -> None:
+    """A point of the Unsloth stack imports it before torch, transformers and peft: it patches them."""
+    import json
+
+    try:
+        with open(spec_path) as f:
+            stack = json.load(f).get("stack")
+    except (OSError, ValueError):
+        return  # the point's own reading of its spec says what is wrong
+    if stack == "unsloth":
+        from harness.run import unsloth_stack
+
+        unsloth_stack.import_first()
+
+
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["_point"]:
         from harness.run.stack_dumps import stacks_on_request
 
         stacks_on_request()  # before torch's import: a point stopped in it says so too
+        _unsloth_first(argv[1])
         from harness.run import point
 
         return point.main(*argv[1:3])

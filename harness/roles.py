@@ -9,6 +9,8 @@ Roles (an experiment file's ``role``; a row's ``role``):
   (``stack = "compiled"``: every decoder layer compiled).
 - ``peer``: another tool a user would pick instead: one a stack builds (``stack = "liger"``:
   Liger-Kernel), or one the harness sets by a switch (PyTorch's ``save_on_cpu``).
+- ``unsloth``: Unsloth, the system the project's design comes from, built as its documentation
+  builds a model (``stack = "unsloth"``: its loader, LoRA and checkpointing).
 - ``user``: ``optim.enable(model)`` with its defaults, as a user calls it (``stack = "user"``,
   which this role implies).
 - ``ours``: a setting of optim beyond its defaults.
@@ -16,12 +18,13 @@ Roles (an experiment file's ``role``; a row's ``role``):
 - ``ablation``: a step between them, kept to show what each part buys.
 
 A variant built by a stack has the stack's role unless the file says otherwise: ``stack = "liger"``
-is the ``peer`` and plays nothing else, ``stack = "compiled"`` is ``stock-compiled``; ``stack = "user"`` is the ``user`` where it sets no optim
+is the ``peer`` and plays nothing else, ``stack = "compiled"`` is ``stock-compiled``, ``stack = "unsloth"``
+is ``unsloth``; ``stack = "user"`` is the ``user`` where it sets no optim
 switch, and ``ours`` or an ``ablation`` where it does (``optim.enable(model, **switches)``).
 
 The parts a reader follows from table to table and plot to plot (``PARTS``) are read from the
-roles: the stock baseline, stock compiled, the peer, the user's path, and ours at its best (the
-fastest of the ``user`` and ``ours`` variants). The first three (``PEERS``) are what a user would
+roles: the stock baseline, stock compiled, the peer, Unsloth, the user's path, and ours at its best
+(the fastest of the ``user`` and ``ours`` variants). The first four (``PEERS``) are what a user would
 run instead; a headline ratio is against the fastest of them measured at the point. Rows (and kept experiment files) from before the vocabulary was
 one say ``ours-default`` for optim's defaults; ``role_of`` reads that as ``user`` where the user's
 stack built the variant, else as ``ours``. Those from before ``stock-compiled`` say ``stock`` for a
@@ -35,14 +38,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-ROLES = ("stock", "stock-compiled", "peer", "user", "ours", "reference", "ablation")
-STACK_ROLE = {"user": "user", "liger": "peer", "compiled": "stock-compiled"}  # a stack's role where none is named
+ROLES = ("stock", "stock-compiled", "peer", "unsloth", "user", "ours", "reference", "ablation")
+STACK_ROLE = {"user": "user", "liger": "peer", "compiled": "stock-compiled",  # a stack's role where none is named
+              "unsloth": "unsloth"}
 STACK_ROLES = {"user": ("user", "ours", "ablation"), "liger": ("peer",),  # the roles a stack's variant may play
-               "compiled": ("stock-compiled",)}
+               "compiled": ("stock-compiled",), "unsloth": ("unsloth",)}
 LEGACY = ("ours-default",)  # a role name of rows recorded before the vocabulary was one (see role_of)
 
-PARTS = ("stock", "stock-compiled", "peer", "user", "best")
-PEERS = ("stock", "stock-compiled", "peer")  # what a user would run instead: a ratio's denominator is the fastest
+PARTS = ("stock", "stock-compiled", "peer", "unsloth", "user", "best")
+PEERS = ("stock", "stock-compiled", "peer", "unsloth")  # what a user would run instead: a ratio's denominator is the fastest
 OURS = ("user", "ours")  # the roles "best" picks from
 SIDE_BY_SIDE = ("stock", "peer", "user")  # what a reader compares: from one run where one has all three
 
@@ -74,7 +78,7 @@ def parts(r: Mapping[str, Any]) -> set[str]:
     out = set()
     if is_baseline(r):
         out.add("stock")
-    if role in ("peer", "stock-compiled"):
+    if role in ("peer", "stock-compiled", "unsloth"):
         out.add(role)
     if role == "user":
         out.add("user")

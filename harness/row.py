@@ -18,8 +18,9 @@ from typing import Any
 # What builds the model around the variant's switches (harness.run.peers): "" the harness's own
 # stock build with just the optim modules the variant configures; "user" optim.enable(model) with
 # its defaults, as a user calls it; "liger" Liger-Kernel's patches on the stock model; "compiled"
-# the stock model with every decoder layer torch.compile'd.
-STACKS = ("user", "liger", "compiled")
+# the stock model with every decoder layer torch.compile'd; "unsloth" Unsloth's loader, LoRA and
+# checkpointing (harness.run.unsloth_stack).
+STACKS = ("user", "liger", "compiled", "unsloth")
 # How a point spreads over its GPUs (``gpus``): "" one process, "fsdp2" one process per GPU with
 # the model sharded (harness.run.distributed).
 PARALLEL = ("", "fsdp2")
@@ -83,7 +84,7 @@ class Point:
     cuda_graph: bool = _field(False, doc="the measured steps were CUDA-graph replays (optim.graphs)",
                               identity="always")
     stack: str = _field("", doc="what builds the model: \"\" the harness, \"user\" optim.enable(model), "
-                                "\"liger\" Liger-Kernel, \"compiled\" stock with compiled layers (STACKS)",
+                                "\"liger\" Liger-Kernel, \"compiled\" stock with compiled layers, \"unsloth\" Unsloth (STACKS)",
                         identity="when set")
     parallel: str = _field("", doc="\"\" one process, \"fsdp2\" one per GPU, the model sharded (PARALLEL)",
                            identity="when set")

@@ -550,7 +550,7 @@ def test_a_cell_from_another_run_than_its_stock_carries_a_dagger_and_the_table_s
         peers_table([p])
     (shown,) = tables[0].rows()
     cells = [shown[k] for k in tables[0].header if k.endswith(" ms")]
-    assert cells == [(800.0, None, False), "not run", (1200.0, pytest.approx(800 / 1200), True), (400.0, 2.0, False),
+    assert cells == [(800.0, None, False), "not run", (1200.0, pytest.approx(800 / 1200), True), "not run", (400.0, 2.0, False),
                      (300.0, pytest.approx(800 / 300), True)], cells
     assert peers_table([p]).endswith("† measured by another run than the stock beside it: its ratio compares two runs.")
     p.rows["peer"] = row("liger", 1200.0, "10:01")
@@ -577,9 +577,9 @@ def test_a_role_the_plan_skips_on_a_smaller_gpu_says_so_where_one_merely_missing
     short = moe._too_small(rows, {"big": 100.0})
     assert short == {"big": {"H100": "skipped (GPU < 100 GiB)"}}
     lines = moe._seeds_table(data.role_points(rows), "big", {}, short["big"]).splitlines()
-    h100, h200 = lines[4].split(" | ")[4:9], lines[4].split(" | ")[9:14]
-    assert h100 == ["skipped (GPU < 100 GiB)"] * 4 + ["600.0"], lines  # the setting that fit is kept
-    assert h200[0] == "900.0" and h200[1:4] == ["not run"] * 3, lines  # the big GPU's gap is just not run
+    h100, h200 = lines[4].split(" | ")[4:10], lines[4].split(" | ")[10:16]
+    assert h100 == ["skipped (GPU < 100 GiB)"] * 5 + ["600.0"], lines  # the setting that fit is kept
+    assert h200[0] == "900.0" and h200[1:5] == ["not run"] * 4, lines  # the big GPU's gap is just not run
     small = moe._seeds_table(data.role_points(rows), "small", {}, short.get("small")).splitlines()
     assert "skipped" not in "\n".join(small) and "not run" in small[4], small
 

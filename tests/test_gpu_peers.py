@@ -36,3 +36,25 @@ def test_stock_liger_and_user_train_alike(tmp_path):
     assert rows["liger"]["peak_allocated_gib"] < rows["stock"]["peak_allocated_gib"]
     for v, r in rows.items():
         print(f"{v}: {r['step_ms']['p50']:.1f} ms, peak {r['peak_allocated_gib']:.2f} GiB, loss {r['loss'][:3]}")
+
+
+def test_unsloth_runs_its_packed_path_or_its_row_says_why(tmp_path):
+    # Where the unsloth extra is installed the point trains (finite losses near stock's at random
+    # init, its adapters only); where it is not, a skipped row names the extra to install.
+    import importlib.util
+
+    variants = {"stock": {"attn_implementation": "flex_attention"}, "unsloth": {"stack": "unsloth"}}
+    exp = small_gpu_experiment("gpu-unsloth", variants, seq_lens=[2048])
+    summary = sweep.run(exp, tmp_path, progress=False)
+    rows = {r["variant"]: r for r in res.read_rows(summary.results_path)}
+    assert rows["stock"]["status"] == "ok", rows["stock"].get("message")
+    u = rows["unsloth"]
+    assert (u["role"], u["stack"]) == ("unsloth", "unsloth")
+    if importlib.util.find_spec("unsloth") is None:
+        assert u["status"] == "skipped" and "pip install '.[unsloth]'" in u["message"], u.get("message")
+        return
+    assert u["status"] == "ok", u.get("message")
+    assert u["optim"] == {} and all(torch.isfinite(torch.tensor(u["loss"])))
+    assert u["trainable_params"] == rows["stock"]["trainable_params"]  # LoRA on the same projections, same rank
+    # random weights of one initializer, not the same draw: the first loss agrees to within a few %
+    assert abs(u["loss"][0] - rows["stock"]["loss"][0]) <= 0.05 * rows["stock"]["loss"][0]

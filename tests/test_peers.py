@@ -39,7 +39,7 @@ def test_stack_keeps_earlier_point_ids_and_is_in_the_new_ones(write_toml):
 
 
 @pytest.mark.parametrize("edit, key, fragment", [
-    (('stack = "user"', 'stack = "unsloth"'), "variants.b.stack", "'unsloth' is not a valid choice"),
+    (('stack = "user"', 'stack = "deepspeed"'), "variants.b.stack", "'deepspeed' is not a valid choice"),
     (('stack = "user"', 'stack = "liger"\npacking_backend = "flex"'), "variants.b.stack",
      "'liger' runs without optim; drop the optim switch(es) ['packing_backend']"),
     (('stack = "user"', 'stack = "user"\nloss = "chunked"'), "variants.b.loss", "drop loss = 'chunked'"),
@@ -127,3 +127,32 @@ def test_compiled_stack_compiles_every_decoder_layer_and_computes_what_stock_doe
         torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
     with pytest.raises(peers.PeerUnavailable, match="no transformers decoder layers"):
         peers.compile_layers(torch.nn.Linear(2, 2))
+
+
+def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, write_toml, monkeypatch):
+    # Unsloth patches transformers and peft at import: the point's process must import it first.
+    # A stand-in package records what was already imported when the point's process imported it.
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the unsloth point runs; tests/test_gpu_peers.py covers it")
+    fake = tmp_path / "site" / "unsloth"
+    fake.mkdir(parents=True)
+    seen = tmp_path / "seen.txt"
+    (fake / "__init__.py").write_text(
+        "import os, sys\n"
+        f"open({str(seen)!r}, 'w').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
+        " + '|' + os.environ.get('HF_HUB_OFFLINE', ''))\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    rows = _run(tmp_path, write_toml, BASE + '[variants.u]\nstack = "unsloth"\n')
+    assert seen.read_text() == "|1", "unsloth was imported after " + seen.read_text()
+    assert (rows["u"]["role"], rows["u"]["stack"]) == ("unsloth", "unsloth")
+    assert rows["u"]["status"] == "skipped" and "Unsloth needs a CUDA GPU" in rows["u"]["message"]
+
+
+def test_an_unsloth_point_where_it_cannot_import_says_why_and_how_to_install(monkeypatch):
+    from harness.run import peers, unsloth_stack
+
+    monkeypatch.setattr(unsloth_stack, "IMPORT_ERROR", "ModuleNotFoundError: No module named 'unsloth'")
+    monkeypatch.delitem(__import__("sys").modules, "unsloth", raising=False)
+    with pytest.raises(peers.PeerUnavailable, match=r"No module named 'unsloth'.*pip install '\.\[unsloth\]'"):
+        unsloth_stack.build(None, device=torch.device("cuda"), dtype=torch.bfloat16, lora_rank=16,
+                            max_seq_length=64, gradient_checkpointing=True, seed=0)

@@ -32,7 +32,7 @@ def test_points_compute_the_ratios_a_reader_asks_for():
     pts = {p["model"]: p for p in user_points(ROWS, SPEC)}
     q = pts["qwen3-8b"]
     assert round(q["over_liger"], 3) == round(1251.5 / 988.1, 3) and round(q["over_stock"], 3) == round(1564.9 / 988.1, 3)
-    assert q["peak"] == {"stock": 32.1, "compiled": None, "liger": 20.55, "user": 20.87}
+    assert q["peak"] == {"stock": 32.1, "compiled": None, "liger": 20.55, "unsloth": None, "user": 20.87}
     assert list(q["others"]) == ["user-varlen"]
     # the headline: against the fastest peer measured here (Liger), not against eager stock
     assert (q["fastest_peer"], q["over_fastest"]) == ("liger", q["over_liger"])
@@ -85,7 +85,7 @@ def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_non
     rows = [{**r, "baseline_variant": "stock", "role": roles[r["variant"]][0], "stack": roles[r["variant"]][1]}
             for r in ROWS]
     targets = {"targets": SPEC["targets"]}
-    assert variant_names(rows, targets) == {"stock": "stock", "compiled": None, "liger": "liger", "user": "user"}
+    assert variant_names(rows, targets) == {"stock": "stock", "compiled": None, "liger": "liger", "unsloth": None, "user": "user"}
     def seen(pts):
         return [(p["model"], p["ms"], p["over_stock"], p["over_liger"], list(p["others"])) for p in pts]
     assert seen(user_points(rows, targets)) == seen(user_points(ROWS, SPEC))
@@ -100,7 +100,7 @@ def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_non
     assert "optim.enable (`–`) ms" in tables[0].header
 
 
-def test_every_committed_user_experiment_finds_its_three_columns_by_role():
+def test_every_committed_user_experiment_finds_its_columns_by_role():
     from pathlib import Path
 
     from harness.run import experiment
@@ -111,7 +111,12 @@ def test_every_committed_user_experiment_finds_its_three_columns_by_role():
     for path in files:
         exp = experiment.load(path)
         fields = [vars(p) for p in exp.points()]
-        assert all(variant_names(fields, exp.report["user"]).values()), path.name
+        names = variant_names(fields, exp.report["user"])
+        # Unsloth where the file builds it; the other columns in every file
+        want = [c for c in names if c != "unsloth" or any(f.get("stack") == "unsloth" for f in fields)]
+        assert all(names[c] for c in want), path.name
+        if path.name == "user.toml":
+            assert names["unsloth"] == "unsloth"
 
 
 def test_a_compiled_stock_faster_than_the_other_peers_is_the_headline_denominator():
@@ -140,7 +145,7 @@ def test_the_columns_come_from_the_latest_run_that_measured_the_user_beside_a_pe
     new = [at(_row("gpt-oss-20b", 2048, v, ms, pk), "2026-11-26T06:40:00+00:00", "b")
            for v, ms, pk in (("stock", 648.4, 52.6), ("liger", 613.8, 52.57), ("user", 156.0, 56.78))]
     (p,) = user_points(old + new, SPEC)
-    assert p["ms"] == {"stock": 648.4, "compiled": None, "liger": 613.8, "user": 156.0}
+    assert p["ms"] == {"stock": 648.4, "compiled": None, "liger": 613.8, "unsloth": None, "user": 156.0}
     assert p["over_liger"] == pytest.approx(613.8 / 156.0)
     assert fmt.stat(p["others"]["ours-graph"], "step_ms") == 216.5 and not p["others_same_run"]["ours-graph"]
     with fmt.recording() as tables:

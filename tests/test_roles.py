@@ -54,7 +54,9 @@ packing_backend = "flex"
     ('role = "ours-default"\nstack = "liger"', "[variants.x.role] 'ours-default' cannot be built by stack 'liger'"),
     ('role = "peer"\nstack = "user"', "[variants.x.role] 'peer' cannot be built by stack 'user'"),
     ('role = "default"', "[variants.x.role] 'default' is not a valid choice (valid: stock, stock-compiled, peer, "
-                         "user, ours, reference, ablation)"),
+                         "unsloth, user, ours, reference, ablation)"),
+    ('role = "user"\nstack = "unsloth"', "[variants.x.role] 'user' cannot be built by stack 'unsloth', whose variants "
+                                          "play unsloth"),
     ('role = "user"\npacking_backend = "flex"', "[variants.x.role] 'user' is optim.enable(model) with its defaults; "
                                                 "a variant that sets ['packing_backend'] is 'ours'"),
     ('role = "user"\ncuda_graph = true', "[variants.x.role] role 'user' runs as a user's stack: a user or peer stack "

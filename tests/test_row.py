@@ -60,5 +60,5 @@ def test_row_and_point_agree_on_the_id(write_toml):
 
 def test_role_must_be_known(write_toml):
     with pytest.raises(experiment.ExperimentError,
-                       match=r"variants.a.role.*valid: stock, stock-compiled, peer, user, ours, reference, ablation\)"):
+                       match=r"variants.a.role.*valid: stock, stock-compiled, peer, unsloth, user, ours, reference, ablation\)"):
         experiment.load(write_toml(EXP.replace('role = "stock"', 'role = "mine"')))

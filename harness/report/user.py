@@ -1,13 +1,15 @@
 """The user's path beside the peers: per point, stock transformers + peft (eager and with compiled
-layers), Liger-Kernel and ``optim.enable(model)`` as a user calls it, measured in one sweep, then every other variant of the
+layers), Liger-Kernel, Unsloth and ``optim.enable(model)`` as a user calls it, measured in one sweep, then every other variant of the
 file; and the targets of ``[report.user]``.
 
 The columns' variants are read from the roles the rows record (``harness.roles``): stock is the
 experiment's baseline, stock + compile the variant of role ``stock-compiled``, Liger-Kernel the peer
-its stack built, the user's path the variant of role ``user``; the headline ratio is the user's path
-against the fastest of the three peers measured at the point. ``[report.user]`` may name any of them
-instead (``stock``, ``compiled``, ``liger``, ``user``: an older file's names, or a choice among
-several), and may list ``targets``, each ``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_liger``,
+its stack built, Unsloth the variant of role ``unsloth``, the user's path the variant of role ``user``;
+the headline ratio is the user's path against the fastest of the four peers measured at the point.
+``[report.user]`` may name any of them instead (``stock``, ``compiled``, ``liger``, ``unsloth``,
+``user``: an older file's names, or a choice among several), and may list ``targets``, each
+``{model, seq_len}`` with any of ``max_user_ms``, ``min_speedup_over_fastest`` (the fastest peer measured),
+``max_peak_over_lowest`` (the lowest peak of the peers measured), ``min_speedup_over_liger``,
 ``max_peak_over_liger``, ``min_hfu`` and ``max_graphed_trainer_ms`` (the ``graphed`` row of
 ``python -m harness.bench.trainer`` stored with the experiment's rows).
 """
@@ -19,12 +21,13 @@ from harness.report import fmt
 from harness.report.runs import run_note, split_runs, steps_by_gpu
 from harness.roles import role_of
 
-ROLES = ("stock", "compiled", "liger", "user")
-PEERS = ("stock", "compiled", "liger")  # what a user would run instead: the headline ratio is against the fastest
-PEER_LABEL = {"stock": "stock", "compiled": "stock + compile", "liger": "Liger-Kernel"}
+ROLES = ("stock", "compiled", "liger", "unsloth", "user")
+PEERS = ("stock", "compiled", "liger", "unsloth")  # what a user would run instead: the headline ratio is against the fastest
+PEER_LABEL = {"stock": "stock", "compiled": "stock + compile", "liger": "Liger-Kernel", "unsloth": "Unsloth"}
 _PLAYS = {"stock": lambda r: r.get("variant") == r.get("baseline_variant"),
           "compiled": lambda r: role_of(r) == "stock-compiled",
           "liger": lambda r: role_of(r) == "peer" and r.get("stack") == "liger",
+          "unsloth": lambda r: role_of(r) == "unsloth",
           "user": lambda r: role_of(r) == "user"}
 
 
@@ -129,12 +132,13 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
                      fmt.fmt_pct(p["hfu"]) if p["hfu"] is not None else DASH])
     header = [*(["GPU"] if many else []), "model", "tokens", f"stock (`{names['stock']}`) ms",
               f"stock + compile (`{names['compiled']}`) ms", f"Liger-Kernel (`{names['liger']}`) ms",
-              f"optim.enable (`{names['user']}`) ms", "peak GiB stock / compile / liger / user",
+              f"Unsloth (`{names['unsloth']}`) ms",
+              f"optim.enable (`{names['user']}`) ms", "peak GiB stock / compile / liger / unsloth / user",
               "user vs the fastest peer", "user vs stock", "user vs liger", "user HFU"]
     text = ["## The user's path beside the peers",
             "Step time p50 [p20–p80] of forward + backward + AdamW, one fresh process per point, in one sweep: "
             "stock transformers + peft, the same with its decoder layers compiled, the same with Liger-Kernel's "
-            "patches, and `optim.enable(model)` with its defaults (the variant's `stack`; – where the file has no "
+            "patches, Unsloth as its documentation builds a model, and `optim.enable(model)` with its defaults (the variant's `stack`; – where the file has no "
             "such variant). The headline ratio is against the fastest of the peers measured at that point. Peak "
             "is `torch.cuda.max_memory_allocated` over the measured steps.",
             fmt.table(header, body)]
@@ -179,6 +183,20 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                 checks.append((f"GraphedTrainer ≤ {t['max_graphed_trainer_ms']:g} ms per step",
                                fmt.Cell(f"{fmt.ms(v)} ms (`harness.bench.trainer`)", v) if v else "not measured",
                                v <= t["max_graphed_trainer_ms"] if v else None))
+            if "min_speedup_over_fastest" in t:
+                v = p and p["over_fastest"]
+                who = PEER_LABEL[p["fastest_peer"]] if v else ""
+                checks.append((f"user ≥ {t['min_speedup_over_fastest']:g}× faster than the fastest peer",
+                               fmt.Cell(f"{v:.3f}× (vs {who})", v) if v else "not measured",
+                               v >= t["min_speedup_over_fastest"] if v else None))
+            if "max_peak_over_lowest" in t:
+                u = p and p["peak"]["user"]
+                low = min(((p["peak"][c], c) for c in PEERS if p["peak"][c]), default=(None, None)) if p else (None, None)
+                v = u / low[0] if u and low[0] else None
+                checks.append((f"user peak ≤ {t['max_peak_over_lowest']:g}× the lowest peer's",
+                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {PEER_LABEL[low[1]]}'s {_gib(low[0])} GiB)", (v, u, low[0]))
+                               if v else "not measured",
+                               v <= t["max_peak_over_lowest"] if v else None))
             if "min_speedup_over_liger" in t:
                 v = p and p["over_liger"]
                 # three decimals: a ratio a hair under its target must not print as the target

@@ -330,7 +330,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                 raise ExperimentError(path, f"variants.{vname}.role",
                                       f"{declared or role!r} cannot be built by stack {stack!r}, whose variants play "
                                       f"{', '.join(STACK_ROLES[stack])}")
-            if stack in ("liger", "compiled") and ours:
+            if stack in ("liger", "compiled", "unsloth") and ours:
                 raise ExperimentError(path, f"variants.{vname}.stack",
                                       f"{stack!r} runs without optim; drop the optim switch(es) {ours}")
             # where the role implied the stack, the error names the role, the key the file has

@@ -11,13 +11,17 @@
 - ``"compiled"``: stock, with every decoder layer compiled in place (``layer.compile()``, the
   regional compilation PyTorch recommends for transformer blocks), after peft, as a user who compiles
   their model does; no optim. Its role is ``stock-compiled``.
+- ``"unsloth"``: Unsloth's own loader, LoRA and checkpointing (``harness.run.unsloth_stack``); no
+  optim. Its role is ``unsloth``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # no torch at import: the Unsloth stack imports this module before torch
+    import torch
 
 
 class PeerUnavailable(RuntimeError):
@@ -67,6 +71,8 @@ def enable(model, stack: str, settings: dict[str, dict]) -> dict:
         optim.enable(model, **flat)
     elif stack == "liger":
         return {}  # applied to the bare model in the build, before peft
+    elif stack == "unsloth":
+        return {}  # built by Unsloth (harness.run.unsloth_stack), no optim
     elif stack == "compiled":
         compile_layers(model)
         return {}

@@ -21,6 +21,7 @@ from harness.measure import env as envmod
 from harness.measure.timing import PhaseTimer, percentiles
 from harness.run import distributed, peers, record
 from harness.run.experiment import SweepPoint
+from harness.run import unsloth_stack
 from harness.run.stack_dumps import stacks_on_request
 from harness.workload import models as model_registry
 from harness.workload.data import make_batch
@@ -228,20 +229,12 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
 
     before_lora = peers.liger_patch(device) if point.stack == "liger" else None
     on_phase("building the model")
-    model = model_registry.build(
-        spec,
-        device=device,
-        dtype=dtype,
-        attn_implementation=sw["attn_implementation"],
-        experts_implementation=sw.get("experts_implementation"),
-        lora_rank=point.lora_rank,
-        gradient_checkpointing=sw["gradient_checkpointing"],
-        seed=point.data.seed,
-        lora_dtype=point.lora_dtype,
-        # a captured step cannot read the RNG state; check_capturable refuses any dropout it would need
-        checkpoint_preserve_rng=not point.cuda_graph,
-        before_lora=before_lora,
-    )
+    if point.stack == "unsloth":
+        model = unsloth_stack.build(spec, device=device, dtype=dtype, lora_rank=point.lora_rank,
+                                    max_seq_length=point.seq_len,
+                                    gradient_checkpointing=sw["gradient_checkpointing"], seed=point.data.seed)
+    else:
+        model = _build(point, spec, device, dtype, before_lora)
     if after_build is not None:
         after_build(model)
     on_phase("enabling optim")
@@ -260,9 +253,28 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
     ]
     # What a packing collator hands the model besides the tensors: the document lengths it
     # already knows on the host, so no layer has to rediscover them from position_ids.
-    extra = [_packing_kwargs(b, optim_applied) for b in batches]
+    extra = [unsloth_stack.packed_kwargs(b) if point.stack == "unsloth" else _packing_kwargs(b, optim_applied) for b in batches]
     on_phase("first step")
     return Prepared(device, dtype, model, optimizer, trainable, batches, extra, optim_applied, pinned_core, world)
+
+
+def _build(point: SweepPoint, spec, device, dtype, before_lora):
+    """The harness's own build: transformers + peft, Liger-Kernel's patches first where given."""
+    sw = point.switches
+    return model_registry.build(
+        spec,
+        device=device,
+        dtype=dtype,
+        attn_implementation=sw["attn_implementation"],
+        experts_implementation=sw.get("experts_implementation"),
+        lora_rank=point.lora_rank,
+        gradient_checkpointing=sw["gradient_checkpointing"],
+        seed=point.data.seed,
+        lora_dtype=point.lora_dtype,
+        # a captured step cannot read the RNG state; check_capturable refuses any dropout it would need
+        checkpoint_preserve_rng=not point.cuda_graph,
+        before_lora=before_lora,
+    )
 
 
 _PHASE_KEYS = {"building the model": "build", "enabling optim": "enable", "sharding": "shard",

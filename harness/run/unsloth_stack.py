@@ -1,0 +1,106 @@
+"""The Unsloth peer (``stack = "unsloth"``): the model built the way Unsloth's own documentation
+builds it, so the point measures what an Unsloth user gets.
+
+- ``import unsloth`` comes first in the point's process, before torch, transformers and peft,
+  which it patches (``import_first``, called by the point's process entry, ``harness._point``).
+  The Hub is set offline for that process: Unsloth otherwise probes the network at import.
+- The model comes from ``FastLanguageModel.from_pretrained`` on a local directory that holds the
+  registry shape's ``config.json``, a small tokenizer and one tensor; transformers initializes
+  every missing weight at load, so the weights are random, as every harness point's are.
+- ``FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")``: its LoRA on
+  the same projections and rank as the harness's peft build, its own checkpointing (which
+  offloads the checkpoints to host memory), then ``FastLanguageModel.for_training``.
+- Packed rows go in as its packing collator hands them over: ``position_ids`` restarting per
+  document and ``packed_seq_lengths`` (host int32), which send its attention per document.
+
+Unsloth is an optional extra (``pip install '.[unsloth]'``). Where it is not installed, or cannot
+import or build the model here, the point's row is ``skipped`` and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.run.peers import PeerUnavailable
+
+# why ``import unsloth`` failed in this process (None: it imported, or was never tried)
+IMPORT_ERROR: str | None = None
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+INSTALL = "pip install '.[unsloth]'"
+
+
+def import_first() -> None:
+    """Import Unsloth before anything it patches; keep a failure for the build to report."""
+    global IMPORT_ERROR
+    for var in OFFLINE:
+        os.environ.setdefault(var, "1")
+    try:
+        import unsloth  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed, no GPU, an incompatible stack: a skipped row
+        IMPORT_ERROR = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
+def _target_modules(spec) -> list[str]:
+    """The projections the harness's peft build adapts (``models.lora_config``), as Unsloth names them."""
+    attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return attn + (["gate_up_proj", "down_proj"] if spec.is_moe else ["gate_proj", "up_proj", "down_proj"])
+
+
+def _model_dir(spec, root: Path) -> Path:
+    """A local model directory: the shape's config, a four-word tokenizer, one weight."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    config = spec.config()
+    config.save_pretrained(root)
+    words = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(root)
+    save_file({"model.norm.weight": torch.ones(config.hidden_size)}, str(root / "model.safetensors"))
+    return root
+
+
+def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gradient_checkpointing: bool,
+          seed: int):
+    """The point's model, built by Unsloth; PeerUnavailable where it cannot be here."""
+    if device.type != "cuda":
+        raise PeerUnavailable(f"Unsloth needs a CUDA GPU; this point runs on {device.type}")
+    if "unsloth" not in sys.modules:
+        why = IMPORT_ERROR or "it was not imported first in the point's process"
+        raise PeerUnavailable(f"Unsloth cannot run here ({why}); install the extra: {INSTALL}")
+    if not lora_rank:
+        raise PeerUnavailable("the Unsloth stack trains LoRA adapters; this point sets no lora_rank")
+    import torch
+    from unsloth import FastLanguageModel
+
+    with tempfile.TemporaryDirectory(prefix="packbench-unsloth-") as tmp:
+        torch.manual_seed(seed)
+        try:
+            model, _ = FastLanguageModel.from_pretrained(
+                str(_model_dir(spec, Path(tmp))), max_seq_length=max_seq_length, dtype=dtype,
+                load_in_4bit=False, load_in_16bit=True, local_files_only=True)
+        except (NotImplementedError, ValueError, KeyError) as e:  # a model type it does not support
+            raise PeerUnavailable(f"Unsloth cannot load {spec.name}: {type(e).__name__}: {e}"[:400]) from None
+    model = FastLanguageModel.get_peft_model(
+        model, r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0, bias="none",
+        target_modules=_target_modules(spec),
+        use_gradient_checkpointing="unsloth" if gradient_checkpointing else False, random_state=seed)
+    FastLanguageModel.for_training(model)
+    return model
+
+
+def packed_kwargs(batch) -> dict:
+    """What Unsloth's packing collator hands the model besides position_ids: the row's document
+    lengths, a host int32 tensor."""
+    import torch
+
+    if batch.input_ids.shape[0] != 1:
+        return {}  # its per-document attention reads one packed row; several rows go as they are
+    return {"packed_seq_lengths": torch.tensor(batch.lengths[0], dtype=torch.int32)}
