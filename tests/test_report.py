@@ -568,9 +568,9 @@ def test_the_role_plots_name_which_variant_played_each_role_and_keep_the_roles_o
     best = picks[picks["series"] == "best"].sort_values("seq_len")
     assert list(zip(best["variant"], best["seq_len"])) == [("ours-01", 1024), ("ours-02", 4096)]
     (legend,) = seen[-1].legends
-    assert [t.get_text() for t in legend.get_texts()] == [ROLE_LABEL[r] for r in ROLES if r != "stock-compiled"]
+    assert [t.get_text() for t in legend.get_texts()] == [ROLE_LABEL[r] for r in ROLES if r not in ("stock-compiled", "unsloth")]
     colours = {c.get_label(): to_hex(c.lines[0].get_color()) for c in seen[-1].axes[0].containers}
-    assert colours == {ROLE_LABEL[r]: ROLE_COLOR[r] for r in ROLES if r != "stock-compiled"}  # the rows hold no compiled stock
+    assert colours == {ROLE_LABEL[r]: ROLE_COLOR[r] for r in ROLES if r not in ("stock-compiled", "unsloth")}  # the rows hold neither
     sections.section_speedup(df, None, rows, tmp_path)
     bars = [c.get_label() for c in seen[-1].axes[0].containers if c.get_label() and not c.get_label().startswith("_")]
     assert bars == [ROLE_LABEL[r] for r in ("peer", "user", "best")]
