@@ -11,7 +11,8 @@ not predicted), one row a step, the same rows in the same order for every stack.
 Each stack runs in a fresh process (``--stack``: Liger-Kernel patches classes), from the same seed:
 the model (a registry shape with the byte vocabulary, random weights), LoRA on every linear layer,
 AdamW, gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
-patches before peft; ``user`` is ``optim.enable(model)`` with its defaults. Each gives one
+patches before peft; ``user`` is ``optim.enable(model)`` with its defaults; ``stock-reseeded`` is
+the floor (``FLOOR``): stock with its adapters drawn from another seed. Each gives one
 ``convergence`` row: the loss at every step, the held-out loss every ``--eval-every`` steps and at
 the end, the step time and the peak memory, and the largest gap of its curves from stock's.
 
@@ -33,7 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-STACKS = ("stock", "liger", "user")
+STACKS = ("stock", "stock-reseeded", "liger", "user")
+# the floor: stock again, its LoRA adapters drawn from another seed (the base weights, data and
+# order are stock's). Two equally valid runs part by its gaps; a stack's gap within them is not a
+# difference the curves can show.
+FLOOR = "stock-reseeded"
 EOS = 256
 VOCAB = 320  # 256 bytes, the end of a document, and room to a multiple of 64
 HELD_OUT_EVERY = 20
@@ -103,6 +108,9 @@ def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int
 
     spec = dataclasses.replace(models.get(model_name), vocab_size=VOCAB, name=f"{model_name}-bytes")
     before = peers.liger_patch(device) if stack == "liger" else None
+    if stack == FLOOR:  # called on the bare model, just before peft draws the adapters
+        def before(_model, seed=seed + 1):
+            torch.manual_seed(seed)
     model = models.build(spec, device=device, dtype=dtype, attn_implementation="sdpa", lora_rank=lora_rank,
                          seed=seed, before_lora=before)
     # the byte vocabulary is new to the model: its embedding and lm_head train in full (small at
