@@ -85,15 +85,21 @@ def test_collect_records_the_host_cpu_on_every_device():
 
 
 class _FakeNvml:
-    """Stands in for pynvml: records which lookup asked for which GPU."""
+    """Stands in for pynvml: records which lookup asked for which GPU; it knows two UUIDs."""
+
+    KNOWN = ("GPU-8f0e-aa", "MIG-11-22")
 
     class NVMLError(Exception):
         pass
 
     def nvmlDeviceGetHandleByIndex(self, i):
+        if i > 7:
+            raise self.NVMLError("Not Found")
         return ("index", i)
 
     def nvmlDeviceGetHandleByUUID(self, u):
+        if u not in self.KNOWN:
+            raise self.NVMLError("Not Found")
         return ("uuid", u)
 
 
@@ -106,14 +112,35 @@ class _FakeNvml:
         ("GPU-8f0e-aa", 0, ("uuid", "GPU-8f0e-aa")),
         ("MIG-11-22", 0, ("uuid", "MIG-11-22")),
         (" 1 ", 0, ("index", 1)),
+        ("GPU-8f", 0, ("index", 0)),  # abbreviated: CUDA takes it, NVML does not; NVML's own index, as before
+        ("9", 0, ("index", 0)),  # an index NVML does not have
     ],
 )
 def test_nvml_reads_the_gpu_cuda_visible_devices_names(monkeypatch, visible, index, handle):
     # NVML numbers every GPU on the host: a point pinned to GPU 2 must not read GPU 0's memory
+    import sys
+
+    from harness.measure import env
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # no CUDA context in this process
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert env.nvml_handle(_FakeNvml(), index) == handle
+
+
+@pytest.mark.parametrize("cuda_uuid, handle", [("8f0e-aa", ("uuid", "GPU-8f0e-aa")), ("11-22", ("uuid", "MIG-11-22")),
+                                               ("ffff", ("index", 0))])
+def test_nvml_reads_the_gpu_of_this_process_cuda_context_by_its_uuid(monkeypatch, cuda_uuid, handle):
+    # torch gives the UUID without NVML's prefix; a MIG slice's is NVML's MIG- one
+    import sys
+    import types
+
     from harness.measure import env
 
-    assert env.nvml_handle(_FakeNvml(), index) == handle
+    props = types.SimpleNamespace(uuid=cuda_uuid)
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, get_device_properties=lambda i: props)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the context's UUID wins over the variable
+    assert env.nvml_handle(_FakeNvml(), 0) == handle

@@ -44,25 +44,32 @@ def nvml_handle(pynvml, index: int = 0):
     visible ones. A point pinned to the host's third GPU is CUDA device 0, and NVML's device 0 is
     someone else's GPU. Matched by UUID when this process has a CUDA context, else through
     ``CUDA_VISIBLE_DEVICES`` (an index or a UUID per entry), so that naming the device before a
-    sweep creates no context."""
+    sweep creates no context. Where NVML knows no such UUID (an abbreviated one, a MIG slice's
+    older form) it falls back to NVML's own index, as before."""
     uuid = None
     torch = sys.modules.get("torch")  # not imported: no context, and none made here
     try:
         if torch is not None and torch.cuda.is_initialized():
             uuid = str(torch.cuda.get_device_properties(index).uuid)
-    except Exception:  # noqa: BLE001 - no torch or no CUDA: fall back to the environment
+    except Exception:  # noqa: BLE001 - no CUDA: fall back to the environment
         pass
     if uuid is None:
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         if index < len(visible):
             entry = visible[index]
             if entry.isdigit():
-                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+                try:
+                    return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+                except pynvml.NVMLError:
+                    return pynvml.nvmlDeviceGetHandleByIndex(index)
             uuid = entry
     if uuid is not None:
-        if not uuid.startswith(("GPU-", "MIG-")):
-            uuid = "GPU-" + uuid
-        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        bare = uuid.split("-", 1)[1] if uuid.startswith(("GPU-", "MIG-")) else uuid
+        for name in dict.fromkeys((uuid, f"GPU-{bare}", f"MIG-{bare}")):  # CUDA's string has no prefix
+            try:
+                return pynvml.nvmlDeviceGetHandleByUUID(name)
+            except pynvml.NVMLError:
+                continue
     return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
@@ -78,7 +85,10 @@ def nvml_info(index: int = 0) -> dict:
         return {}
     info: dict = {}
     try:
-        h = nvml_handle(pynvml, index)
+        try:
+            h = nvml_handle(pynvml, index)
+        except pynvml.NVMLError:
+            return {}  # a GPU NVML cannot name: no readings, and the row still stands
         info["driver"] = pynvml.nvmlSystemGetDriverVersion()
         reads = {
             "pcie_gen": lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
@@ -119,7 +129,10 @@ def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
     except Exception:  # noqa: BLE001
         return None, None
     try:
-        h = nvml_handle(pynvml, index)
+        try:
+            h = nvml_handle(pynvml, index)
+        except pynvml.NVMLError:
+            return None, None
         used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
         mine = None
         try:
@@ -251,6 +264,11 @@ def collect() -> dict:
         "liger_kernel": _dist_version("liger-kernel"),
         "trl": _dist_version("trl"),
         "cut_cross_entropy": _dist_version("cut-cross-entropy"),
+        # the Unsloth stack's, and the attention kernels it picks where they are installed
+        "unsloth": _dist_version("unsloth"),
+        "unsloth_zoo": _dist_version("unsloth-zoo"),
+        "flash_attn": _dist_version("flash-attn"),
+        "xformers": _dist_version("xformers"),
         "cuda": torch.version.cuda,
         **git_state(),
         "code_sha": (sha := code_sha()),
