@@ -54,7 +54,7 @@ REGISTRY: dict[str, Measured] = {m.name: m for m in (
     Measured("packing", ("stock", "stock_compiled"), ("speedup", "seeds_cache_gain_pct", "seeds_m"),
              ("packing_m", "packing_counts"), "harness.report.packing", "harness.report.blog.packing"),
     Measured("loss", (), (), ("loss_kernel",), "harness.report.loss"),
-    Measured("user", ("stock", "compiled", "liger", "user"), ("targets",), ("trainer",), "harness.report.user"),
+    Measured("user", ("stock", "compiled", "liger", "unsloth", "user"), ("targets",), ("trainer",), "harness.report.user"),
     Measured("scaling", ("stock", "ours"), ("targets",), (), "harness.report.scaling"),
     Measured("convergence", (), ("max_held_out_over_ln_vocab", "max_rel_gap_curve", "max_rel_gap_held_out"),
              ("convergence",), "harness.report.convergence"),

@@ -149,10 +149,44 @@ def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tm
 
 
 def test_an_unsloth_point_where_it_cannot_import_says_why_and_how_to_install(monkeypatch):
+    import sys
+
     from harness.run import peers, unsloth_stack
 
-    monkeypatch.setattr(unsloth_stack, "IMPORT_ERROR", "ModuleNotFoundError: No module named 'unsloth'")
-    monkeypatch.delitem(__import__("sys").modules, "unsloth", raising=False)
-    with pytest.raises(peers.PeerUnavailable, match=r"No module named 'unsloth'.*pip install '\.\[unsloth\]'"):
+    monkeypatch.setitem(sys.modules, "unsloth", None)  # `import unsloth` raises ModuleNotFoundError
+    monkeypatch.setattr(unsloth_stack, "IMPORT_ERROR", None)
+    unsloth_stack.import_first()
+    with pytest.raises(peers.PeerUnavailable, match=r"not installed.*pip install '\.\[unsloth\]'"):
         unsloth_stack.build(None, device=torch.device("cuda"), dtype=torch.bfloat16, lora_rank=16,
                             max_seq_length=64, gradient_checkpointing=True, seed=0)
+
+
+@pytest.mark.parametrize("model, batch_size, why", [
+    ("gpt-oss-20b", 1, "not built for MoE models yet"),
+    ("qwen3-0.6b", 4, "reads one packed row a step"),
+])
+def test_an_unsloth_point_it_would_not_compute_alike_is_a_skipped_row_that_says_why(monkeypatch, model, batch_size, why):
+    # an Unsloth that imported: the stack still refuses what it would build unlike the stacks beside it
+    import sys
+    import types
+
+    from harness.run import peers, unsloth_stack
+    from harness.workload import models
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.ModuleType("unsloth"))
+    with pytest.raises(peers.PeerUnavailable, match=why):
+        unsloth_stack.build(models.get(model), device=torch.device("cuda"), dtype=torch.bfloat16, lora_rank=16,
+                            max_seq_length=64, gradient_checkpointing=True, seed=0, batch_size=batch_size)
+
+
+def test_the_unsloth_role_is_its_stack_runs_in_a_fresh_interpreter_and_on_one_gpu(write_toml):
+    import dataclasses
+
+    exp = experiment.load(write_toml(BASE + '[variants.u]\nrole = "unsloth"\n'))
+    assert exp.variant_stack["u"] == "unsloth"  # the role alone builds with Unsloth, never the harness
+    preloaded = dataclasses.replace(exp, launcher="preloaded")
+    launchers = {p.variant: p.launcher for p in preloaded.points()}
+    assert launchers == {"a": "preloaded", "b": "preloaded", "u": "process"}
+    with pytest.raises(ExperimentError, match=r"variants\.u\.stack.*one GPU"):
+        experiment.load(write_toml(BASE.replace('bandwidth = false', 'bandwidth = false\nparallel = "fsdp2"\ngpus = [2]')
+                                   + '[variants.u]\nstack = "unsloth"\n'))

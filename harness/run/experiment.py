@@ -158,7 +158,10 @@ class Experiment:
                                 dtype=self.dtype,
                                 device=self.device,
                                 data=self.data,
-                                launcher=MULTI_GPU_LAUNCHERS[0] if self.parallel else self.launcher,
+                                                # an Unsloth point imports Unsloth first in a fresh interpreter; the
+                                # preloaded launcher's fork server has torch imported already
+                                launcher=MULTI_GPU_LAUNCHERS[0] if self.parallel else
+                                "process" if self.variant_stack.get(vname) == "unsloth" else self.launcher,
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
@@ -316,6 +319,8 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                                           f"{ours} is 'ours' (or an 'ablation')")
                 if "stack" not in settings:
                     settings["stack"] = implied = "user"
+            if role == "unsloth" and "stack" not in settings:  # only Unsloth's own build plays Unsloth
+                settings["stack"] = implied = "unsloth"
         if "loss" in settings:  # a variant may compute the loss its own way; not a model switch
             variant_loss[vname] = choice(path, f"variants.{vname}.loss", settings.pop("loss"), LOSSES)
         if "lora_dtype" in settings:  # likewise: how the harness builds the adapters
@@ -334,7 +339,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                 raise ExperimentError(path, f"variants.{vname}.stack",
                                       f"{stack!r} runs without optim; drop the optim switch(es) {ours}")
             # where the role implied the stack, the error names the role, the key the file has
-            where, why = ((f"variants.{vname}.role", "role 'user' runs as a user's stack: ") if implied
+            where, why = ((f"variants.{vname}.role", f"role {roles[vname]!r} runs as its stack: ") if implied
                           else (f"variants.{vname}.stack", ""))
             if variant_loss.get(vname) == "chunked":
                 raise ExperimentError(path, f"variants.{vname}.loss",
@@ -370,6 +375,11 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         variants[vname] = dict(settings)
 
     if parallel:
+        for vname, stack in variant_stack.items():
+            if stack == "unsloth":
+                raise ExperimentError(path, f"variants.{vname}.stack",
+                                      "Unsloth's stack runs on one GPU here (its import opens a CUDA context before "
+                                      "the ranks are set up); compare it in a file with parallel = \"none\"")
         for vname, graphed in variant_cuda_graph.items():
             if graphed:
                 raise ExperimentError(path, f"variants.{vname}.cuda_graph",

@@ -232,7 +232,8 @@ def prepare(point: SweepPoint, spec, n_batches: int, on_phase=lambda phase: None
     if point.stack == "unsloth":
         model = unsloth_stack.build(spec, device=device, dtype=dtype, lora_rank=point.lora_rank,
                                     max_seq_length=point.seq_len,
-                                    gradient_checkpointing=sw["gradient_checkpointing"], seed=point.data.seed)
+                                    gradient_checkpointing=sw["gradient_checkpointing"], seed=point.data.seed,
+                                    batch_size=point.batch_size)
     else:
         model = _build(point, spec, device, dtype, before_lora)
     if after_build is not None:

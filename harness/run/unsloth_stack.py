@@ -13,8 +13,10 @@ builds it, so the point measures what an Unsloth user gets.
 - Packed rows go in as its packing collator hands them over: ``position_ids`` restarting per
   document and ``packed_seq_lengths`` (host int32), which send its attention per document.
 
-Unsloth is an optional extra (``pip install '.[unsloth]'``). Where it is not installed, or cannot
-import or build the model here, the point's row is ``skipped`` and says why.
+Unsloth is an optional extra (``pip install '.[unsloth]'``). Where it is not installed, cannot import
+here, or is not built for the point (an MoE model, several rows a step), the point's row is
+``skipped`` and says why. Its points always run in a fresh interpreter (the process launcher), and
+on one GPU.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def import_first() -> None:
         os.environ.setdefault(var, "1")
     try:
         import unsloth  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - not installed, no GPU, an incompatible stack: a skipped row
-        IMPORT_ERROR = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    except ModuleNotFoundError as e:
+        IMPORT_ERROR = f"it is not installed ({e}); install the extra: {INSTALL}"
+    except Exception as e:  # noqa: BLE001 - no GPU, an incompatible torch or transformers: a skipped row
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        IMPORT_ERROR = f"importing it failed: {type(e).__name__}: {first}"
 
 
 def _target_modules(spec) -> list[str]:
@@ -68,15 +73,23 @@ def _model_dir(spec, root: Path) -> Path:
 
 
 def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gradient_checkpointing: bool,
-          seed: int):
+          seed: int, batch_size: int = 1):
     """The point's model, built by Unsloth; PeerUnavailable where it cannot be here."""
     if device.type != "cuda":
         raise PeerUnavailable(f"Unsloth needs a CUDA GPU; this point runs on {device.type}")
-    if "unsloth" not in sys.modules:
-        why = IMPORT_ERROR or "it was not imported first in the point's process"
-        raise PeerUnavailable(f"Unsloth cannot run here ({why}); install the extra: {INSTALL}")
+    if sys.modules.get("unsloth") is None:
+        why = IMPORT_ERROR or "it was not imported first in the point's process (harness _point does that)"
+        raise PeerUnavailable(f"Unsloth cannot run here: {why}")
     if not lora_rank:
         raise PeerUnavailable("the Unsloth stack trains LoRA adapters; this point sets no lora_rank")
+    if spec.is_moe:
+        # the harness adapts the fused experts through peft's target_parameters; Unsloth's MoE
+        # LoRA is wired differently and would adapt other weights than the stacks beside it
+        raise PeerUnavailable(f"the Unsloth stack is not built for MoE models yet ({spec.name}): its expert "
+                              "LoRA would not be the one the other stacks train")
+    if batch_size != 1:
+        raise PeerUnavailable(f"Unsloth's per-document attention reads one packed row a step (packed_seq_lengths); "
+                              f"this point has {batch_size} rows")
     import torch
     from unsloth import FastLanguageModel
 
@@ -86,7 +99,7 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
             model, _ = FastLanguageModel.from_pretrained(
                 str(_model_dir(spec, Path(tmp))), max_seq_length=max_seq_length, dtype=dtype,
                 load_in_4bit=False, load_in_16bit=True, local_files_only=True)
-        except (NotImplementedError, ValueError, KeyError) as e:  # a model type it does not support
+        except NotImplementedError as e:  # a model type it does not support
             raise PeerUnavailable(f"Unsloth cannot load {spec.name}: {type(e).__name__}: {e}"[:400]) from None
     model = FastLanguageModel.get_peft_model(
         model, r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0, bias="none",
@@ -101,6 +114,4 @@ def packed_kwargs(batch) -> dict:
     lengths, a host int32 tensor."""
     import torch
 
-    if batch.input_ids.shape[0] != 1:
-        return {}  # its per-document attention reads one packed row; several rows go as they are
     return {"packed_seq_lengths": torch.tensor(batch.lengths[0], dtype=torch.int32)}
