@@ -42,7 +42,8 @@ SCHEMA_VERSION = 1
 FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",
-             "from_position_ids", "window", "sinks", "with_metadata", "device_type")
+             "from_position_ids", "window", "sinks", "with_metadata", "device_type",
+             "corpus")  # convergence: another corpus or document order is another measurement
 
 
 def now() -> str:

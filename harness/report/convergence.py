@@ -56,10 +56,13 @@ def _order(r: dict) -> int:
 
 
 def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """(GPU, model, length, order) -> one run's stacks: each stack's newest row of that configuration."""
+    """(GPU, model, length, order, the rest of the run's settings) -> one configuration's stacks:
+    each stack's newest row of it."""
     out: dict[tuple, dict[str, dict]] = {}
     for r in sorted(rows, key=lambda r: str(r.get("recorded_at") or "")):
-        key = (str(r.get("gpu_slug")), str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0), _order(r))
+        rest = tuple(str(r.get(k)) for k in ("steps", "lr", "lora_rank", "eval_every")) \
+            + (str((r.get("corpus") or {}).get("sha256")),)
+        key = (str(r.get("gpu_slug")), str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0), _order(r), rest)
         out.setdefault(key, {})[str(r.get("mode"))] = r
     return {k: list(v.values()) for k, v in out.items()}
 
@@ -72,7 +75,7 @@ def targets_md(rows: list[dict]) -> str:
     """The checks as targets, met or not, for the blog's targets ("" without ok convergence rows)."""
     body = []
     newest = [r for g in runs([r for r in rows if r.get("kind") == "convergence"]).values() for r in g]
-    for r in sorted((r for r in newest if r.get("status") == "ok"),
+    for r in sorted((r for r in newest if r.get("status") == "ok" and r.get("mode") != FLOOR),
                     key=lambda r: (str(r.get("gpu_slug")), str(r.get("model")), _order(r),
                                    ORDER.index(r["mode"]) if r.get("mode") in ORDER else 9)):
         gpu = str(r.get("device_name") or r.get("gpu_slug") or "?").replace("NVIDIA ", "").split()[0]
@@ -129,7 +132,7 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
              f"first step's loss. Checks, stated before the runs: held-out loss at the end below "
              f"{HELD_OUT_OVER_LN_V}·ln V; curve gap at most {CURVE_GAP:.0%}, held-out gap at most "
              f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}."]
-    for (_, model, _, order), group in sorted(runs(found).items()):
+    for (_, model, _, order, _), group in sorted(runs(found).items()):
         first = next((r for r in group if r.get("status") == "ok"), group[0])
         c = first.get("corpus") or {}
         parts.append(f"**{model}** with the byte vocabulary ({first.get('vocab_size')} ids, ln V = "

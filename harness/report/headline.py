@@ -96,7 +96,7 @@ def render(results_root: Path | str) -> str:
     parts = ["What `optim.enable(model)` gives with its defaults in a plain training loop, beside what a user "
              "would run instead, each row's roles from one sweep on the GPU named (`python -m harness sweep "
              "experiments/user.toml`, and `user-moe.toml`): the median step, and the one call's speed-up over the "
-             "fastest of stock, stock + torch.compile and Liger-Kernel measured at that point. † marks a role "
+             "fastest of stock, stock + torch.compile, Liger-Kernel and Unsloth measured at that point. † marks a role "
              "measured by another run than the stock beside it.",
              _table(f, user)]
     for name in SWEEPS:

@@ -58,8 +58,8 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
     peers["keys"] = figs
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "
-             "peft (eager, and with every decoder layer compiled where the sweep ran it) and Liger-Kernel's "
-             "patches, in one sweep per GPU; \"best\" is the fastest setting of ours the sweep ran (CUDA graphs, "
+             "peft (eager, and with every decoder layer compiled where the sweep ran it), Liger-Kernel's "
+             "patches and Unsloth (where the sweep ran it), in one sweep per GPU; \"best\" is the fastest setting of ours the sweep ran (CUDA graphs, "
              "for one), what the one call does not yet reach by itself.",
              common.peers_table(pts)]
     if caveat := common.stock_caveats(pts):
