@@ -59,7 +59,7 @@ packing_backend = "flex"
                                           "play unsloth"),
     ('role = "user"\npacking_backend = "flex"', "[variants.x.role] 'user' is optim.enable(model) with its defaults; "
                                                 "a variant that sets ['packing_backend'] is 'ours'"),
-    ('role = "user"\ncuda_graph = true', "[variants.x.role] role 'user' runs as a user's stack: a user or peer stack "
+    ('role = "user"\ncuda_graph = true', "[variants.x.role] role 'user' runs as its stack: a user or peer stack "
                                          "runs the step eagerly"),  # the key the file has, not the implied stack
 ])
 def test_a_role_the_variant_cannot_play_is_one_error(write_toml, body, message):
