@@ -43,7 +43,7 @@ FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type",
-             "corpus")  # convergence: another corpus or document order is another measurement
+             "corpus", "adapter_seed")  # convergence: another corpus, order or seed is another measurement
 
 
 def now() -> str:

@@ -167,3 +167,22 @@ def test_runs_in_another_document_order_are_tables_of_their_own_and_the_floor_is
     targets = report.targets_md(rows)
     assert "(m, gpu-x, shuffled, seed 0)" in targets and "(m, gpu-x, path order)" in targets
     assert "adapters from another seed (the floor): curve gap" not in targets
+
+
+def test_over_several_adapter_seeds_each_stack_runs_per_seed_and_is_judged_on_its_mean(tmp_path, capsys):
+    from harness.report import convergence as report
+
+    assert conv.main(["--results", str(tmp_path), "--model", "qwen3-0.6b-tiny", "--steps", "6", "--seq-len", "128",
+                      "--eval-every", "3", "--eval-rows", "1", "--corpus-mib", "0.3", "--stacks", "stock", "user",
+                      "--adapter-seeds", "1", "2"]) == 0
+    rows = list(map(json.loads, (tmp_path / "convergence" / "cpu.jsonl").read_text().splitlines()))
+    assert sorted((r["mode"], r["adapter_seed"]) for r in rows) == [("stock", 1), ("stock", 2), ("user", 1), ("user", 2)]
+    stock = {r["adapter_seed"]: r for r in rows if r["mode"] == "stock"}
+    assert stock[1]["losses"][0] == stock[2]["losses"][0]  # lora_B starts at zero: the seeds part after step 1
+    assert stock[1]["losses"] != stock[2]["losses"]  # the seed reached the adapters
+    assert all("max_rel_gap_curve" in r for r in rows if r["mode"] == "user")  # each against stock of its seed
+    (group,) = report.runs(rows).values()
+    checks = {m: (held, gap, ok) for m, held, gap, ok in report.seed_checks(group)}
+    assert checks["stock"][1] is None and checks["user"][2] is True  # fp32 on the CPU: the same model
+    assert "over 2 adapter seeds within 1% of stock's" in report.targets_md(rows)
+    assert "stored 4 rows" in capsys.readouterr().out

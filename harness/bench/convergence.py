@@ -100,7 +100,7 @@ def pack(docs: list[list[int]], seq_len: int, rows: int) -> list[dict]:
     return out
 
 
-def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int):
+def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int, adapter_seed: int | None = None):
     import torch
 
     from harness.run import peers
@@ -108,9 +108,14 @@ def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int
 
     spec = dataclasses.replace(models.get(model_name), vocab_size=VOCAB, name=f"{model_name}-bytes")
     before = peers.liger_patch(device) if stack == "liger" else None
-    if stack == FLOOR:  # called on the bare model, just before peft draws the adapters
-        def before(_model, seed=seed + 1):
-            torch.manual_seed(seed)
+    if stack == FLOOR or adapter_seed is not None:  # called on the bare model, just before peft draws the adapters
+        draw = adapter_seed if adapter_seed is not None else seed + 1
+        liger = before
+
+        def before(model, draw=draw):
+            if liger is not None:
+                liger(model)
+            torch.manual_seed(draw)
     model = models.build(spec, device=device, dtype=dtype, attn_implementation="sdpa", lora_rank=lora_rank,
                          seed=seed, before_lora=before)
     # the byte vocabulary is new to the model: its embedding and lm_head train in full (small at
@@ -143,7 +148,8 @@ def _held_out_loss(model, rows: list[dict], device) -> float:
 
 
 def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, lr: float, eval_every: int,
-          eval_rows: int, corpus_mib: float, seed: int = 0, shuffle_seed: int | None = None) -> dict:
+          eval_rows: int, corpus_mib: float, seed: int = 0, shuffle_seed: int | None = None,
+          adapter_seed: int | None = None) -> dict:
     """One stack, in this process: its ``convergence`` row (without env or command)."""
     import torch
 
@@ -151,14 +157,15 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
     from harness.run import peers
 
     base = {"kind": "convergence", "model": model, "mode": stack, "seq_len": seq_len, "lora_rank": lora_rank,
-            "lr": lr, "steps": steps, "eval_every": eval_every, "vocab_size": VOCAB, "ln_vocab": math.log(VOCAB)}
+            "lr": lr, "steps": steps, "eval_every": eval_every, "vocab_size": VOCAB, "ln_vocab": math.log(VOCAB),
+            "adapter_seed": adapter_seed}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base.update(device_type=device.type, dtype=str(dtype).removeprefix("torch."))
     train_docs, held_docs, info = corpus(int(corpus_mib * 2**20), shuffle_seed=shuffle_seed)
     base["corpus"] = info
     try:
-        net, spec, enabled = _build(model, stack, device, dtype, lora_rank, seed)
+        net, spec, enabled = _build(model, stack, device, dtype, lora_rank, seed, adapter_seed)
     except peers.PeerUnavailable as e:
         return {**base, "status": "skipped", "message": str(e)}
     rows = pack(train_docs, seq_len, steps)
@@ -215,30 +222,39 @@ SMOOTH = 10
 
 
 def run(stacks: list[str], args) -> list[dict]:
-    """Each stack in a fresh process, then the gaps from stock's curves."""
+    """Each stack in a fresh process (once per adapter seed, where given), then the gaps from
+    stock's curves of the same seed."""
     rows = []
-    for stack in stacks:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "row.json"
-            cmd = [sys.executable, "-m", "harness.bench.convergence", "--one", stack, "--row-out", str(out),
-                   "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-                   "--lora-rank", str(args.lora_rank), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
-                   "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib),
-                   *(["--shuffle-seed", str(args.shuffle_seed)] if args.shuffle_seed is not None else [])]
-            done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
-            sys.stderr.write(done.stderr)
-            if done.returncode != 0 or not out.is_file():
-                tail = " | ".join(line for line in done.stderr.strip().splitlines()[-3:])
-                rows.append({"kind": "convergence", "model": args.model, "mode": stack, "seq_len": args.seq_len,
-                             "lora_rank": args.lora_rank, "steps": args.steps, "status": "error",
-                             "message": f"the {stack} process exited with {done.returncode}: {tail}"})
-                continue
-            rows.append(json.loads(out.read_text()))
-    stock = next((r for r in rows if r["mode"] == "stock" and r["status"] == "ok"), None)
-    for r in rows:
-        if stock is not None and r["status"] == "ok" and r is not stock:
-            r.update(gaps(r, stock))
+    seeds = getattr(args, "adapter_seeds", None) or [None]
+    for adapter_seed in seeds:
+        for stack in stacks:
+            rows.append(_one(stack, args, adapter_seed))
+    for adapter_seed in seeds:
+        mine = [r for r in rows if r.get("adapter_seed") == adapter_seed]
+        stock = next((r for r in mine if r["mode"] == "stock" and r["status"] == "ok"), None)
+        for r in mine:
+            if stock is not None and r["status"] == "ok" and r is not stock:
+                r.update(gaps(r, stock))
     return rows
+
+
+def _one(stack: str, args, adapter_seed: int | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, "-m", "harness.bench.convergence", "--one", stack, "--row-out", str(out),
+               "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+               "--lora-rank", str(args.lora_rank), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
+               "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib),
+               *(["--shuffle-seed", str(args.shuffle_seed)] if args.shuffle_seed is not None else []),
+               *(["--adapter-seeds", str(adapter_seed)] if adapter_seed is not None else [])]
+        done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(done.stderr)
+        if done.returncode != 0 or not out.is_file():
+            tail = " | ".join(line for line in done.stderr.strip().splitlines()[-3:])
+            return {"kind": "convergence", "model": args.model, "mode": stack, "seq_len": args.seq_len,
+                    "lora_rank": args.lora_rank, "steps": args.steps, "adapter_seed": adapter_seed, "status": "error",
+                    "message": f"the {stack} process exited with {done.returncode}: {tail}"}
+        return json.loads(out.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus-mib", type=float, default=8.0)
     ap.add_argument("--shuffle-seed", type=int, default=None,
                     help="shuffle the training documents with this seed (default: the corpus's path order)")
+    ap.add_argument("--adapter-seeds", type=int, nargs="+", default=None,
+                    help="train every stack once per seed, its LoRA adapters drawn from that seed (the base "
+                         "weights stay seed 0's); the seeds are the floor, so the floor stack is not run")
     ap.add_argument("--one", choices=STACKS, help=argparse.SUPPRESS)  # one stack, in this process
     ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -265,15 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         row = train(args.one, model=args.model, steps=args.steps, seq_len=args.seq_len, lora_rank=args.lora_rank,
                     lr=args.lr, eval_every=args.eval_every, eval_rows=args.eval_rows, corpus_mib=args.corpus_mib,
-                    shuffle_seed=args.shuffle_seed)
+                    shuffle_seed=args.shuffle_seed, adapter_seed=(args.adapter_seeds or [None])[0])
         args.row_out.write_text(json.dumps(row))
         return 0
-    rows = run(args.stacks, args)
+    stacks = args.stacks
+    if args.adapter_seeds:
+        if FLOOR in stacks and "--stacks" in (argv if argv is not None else sys.argv):
+            ap.error(f"--adapter-seeds: the seeds are the floor; drop {FLOOR} from --stacks")
+        stacks = [s for s in stacks if s != FLOOR]
+    rows = run(stacks, args)
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['mode']:6s} {r['status']}: {r['message']}")
             continue
-        print(f"{r['mode']:6s} loss {r['losses'][0]:.3f} -> {r['final_loss']:.3f}, held-out "
+        print(f"{r['mode']:6s}" + (f" seed {r['adapter_seed']}" if r.get("adapter_seed") is not None else "")
+              + f" loss {r['losses'][0]:.3f} -> {r['final_loss']:.3f}, held-out "
               f"{r['held_out'][0][1]:.3f} -> {r['final_held_out']:.3f} (ln V {r['ln_vocab']:.3f}), "
               f"{r['ms']:.1f} ms/step" + (f", curve gap vs stock {r['max_rel_gap_curve']:.4f}, held-out "
                                          f"{r['max_rel_gap_held_out']:.4f}" if "max_rel_gap_curve" in r else ""))
