@@ -186,3 +186,10 @@ def test_over_several_adapter_seeds_each_stack_runs_per_seed_and_is_judged_on_it
     assert checks["stock"][1] is None and checks["user"][2] is True  # fp32 on the CPU: the same model
     assert "over 2 adapter seeds within 1% of stock's" in report.targets_md(rows)
     assert "stored 4 rows" in capsys.readouterr().out
+
+
+def test_the_floor_stack_beside_adapter_seeds_is_one_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        conv.main(["--results", str(tmp_path), "--stacks", "stock", "stock-reseeded", "--adapter-seeds", "1", "2"])
+    assert e.value.code == 2 and "the seeds are the floor" in capsys.readouterr().err
+    assert not (tmp_path / "convergence").exists()  # nothing trained, nothing stored

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.bench.convergence", description=__doc__.split("\n\n")[0])
     add_store_arguments(ap, "convergence")
     ap.add_argument("--model", default="qwen3-0.6b-4l", help="a registry shape, given the byte vocabulary")
-    ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=STACKS)
+    ap.add_argument("--stacks", nargs="+", default=None, choices=STACKS, help=f"default: {' '.join(STACKS)}")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens (bytes) per step: one packed row")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -287,11 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                     shuffle_seed=args.shuffle_seed, adapter_seed=(args.adapter_seeds or [None])[0])
         args.row_out.write_text(json.dumps(row))
         return 0
-    stacks = args.stacks
-    if args.adapter_seeds:
-        if FLOOR in stacks and "--stacks" in (argv if argv is not None else sys.argv):
-            ap.error(f"--adapter-seeds: the seeds are the floor; drop {FLOOR} from --stacks")
-        stacks = [s for s in stacks if s != FLOOR]
+    if args.adapter_seeds and FLOOR in (args.stacks or ()):
+        ap.error(f"--adapter-seeds: the seeds are the floor; drop {FLOOR} from --stacks")
+    stacks = args.stacks or [s for s in STACKS if not (args.adapter_seeds and s == FLOOR)]
     rows = run(stacks, args)
     for r in rows:
         if r["status"] != "ok":
