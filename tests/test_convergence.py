@@ -52,8 +52,9 @@ def test_each_stack_trains_in_its_own_process_and_the_one_call_follows_stocks_cu
     assert conv.main(["--results", str(tmp_path), "--model", "qwen3-0.6b-tiny", "--steps", "12", "--seq-len", "128",
                       "--eval-every", "6", "--eval-rows", "1", "--corpus-mib", "0.5"]) == 0
     rows = {r["mode"]: r for r in map(json.loads, (tmp_path / "convergence" / "cpu.jsonl").read_text().splitlines())}
-    assert set(rows) == {"stock", "stock-reseeded", "liger", "user"}
+    assert set(rows) == {"stock", "stock-reseeded", "liger", "unsloth", "user"}
     assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["message"]
+    assert rows["unsloth"]["status"] == "skipped" and "Unsloth needs a CUDA GPU" in rows["unsloth"]["message"]
     stock, user = rows["stock"], rows["user"]
     assert stock["status"] == user["status"] == "ok" and len(stock["losses"]) == 12
     assert [s for s, _ in stock["held_out"]] == [0, 6, 12]
@@ -65,7 +66,40 @@ def test_each_stack_trains_in_its_own_process_and_the_one_call_follows_stocks_cu
     # step is stock's to the bit, and the curves part only after the adapters have trained
     floor = rows["stock-reseeded"]
     assert floor["rel_gap_first_step"] == 0.0 and floor["max_rel_gap_curve"] > 1e-6
-    assert "stored 4 rows" in capsys.readouterr().out
+    assert "stored 5 rows" in capsys.readouterr().out
+
+
+def test_a_rows_document_lengths_are_read_from_its_position_ids():
+    import torch
+
+    rows = conv.pack([[10, 11, 12, conv.EOS], [20, 21, conv.EOS], [5, 6, 7, 8, 9, conv.EOS]], seq_len=9, rows=2)
+    assert conv.segment_lengths(rows[0]["position_ids"]) == [4, 3]
+    assert conv.segment_lengths(torch.tensor([[0, 1, 2, 0, 0, 1]])) == [3, 1, 2]  # a one-token document too
+    with pytest.raises(ValueError, match="must start at 0"):
+        conv.segment_lengths(torch.tensor([[1, 2, 0, 1]]))
+    inputs = conv._inputs("unsloth", rows[0], "cpu")
+    assert inputs["packed_seq_lengths"].dtype == torch.int32 and inputs["packed_seq_lengths"].tolist() == [4, 3]
+    assert "packed_seq_lengths" not in conv._inputs("stock", rows[0], "cpu")
+
+
+def test_unsloth_loads_the_very_weights_stock_trains_from(tmp_path):
+    """Its model directory holds the bare model's config and weights (tied ones once), so Unsloth's
+    loader reads stock's base model, not a fresh draw."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.run import unsloth_stack
+    from harness.workload import models
+
+    spec = dataclasses.replace(models.get("qwen3-0.6b-tiny"), vocab_size=conv.VOCAB, name="tiny-bytes")
+    base = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=None, gradient_checkpointing=False, seed=0)
+    loaded = AutoModelForCausalLM.from_pretrained(unsloth_stack._model_dir(spec, tmp_path, base))
+    theirs = loaded.state_dict()
+    assert base.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(v, theirs[k]) for k, v in base.state_dict().items())
+    assert (tmp_path / "tokenizer.json").is_file()
 
 
 def _row(mode, losses, held, gaps=None):

@@ -11,8 +11,10 @@ not predicted), one row a step, the same rows in the same order for every stack.
 Each stack runs in a fresh process (``--stack``: Liger-Kernel patches classes), from the same seed:
 the model (a registry shape with the byte vocabulary, random weights), LoRA on every linear layer,
 AdamW, gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
-patches before peft; ``user`` is ``optim.enable(model)`` with its defaults; ``stock-reseeded`` is
-the floor (``FLOOR``): stock with its adapters drawn from another seed. Each gives one
+patches before peft; ``unsloth`` loads stock's base weights through Unsloth's ``FastLanguageModel``
+with its own LoRA, checkpointing and per-document attention (where it is installed and a GPU is
+here; else its row is skipped and says why); ``user`` is ``optim.enable(model)`` with its defaults;
+``stock-reseeded`` is the floor (``FLOOR``): stock with its adapters drawn from another seed. Each gives one
 ``convergence`` row: the loss at every step, the held-out loss every ``--eval-every`` steps and at
 the end, the step time and the peak memory, and the largest gap of its curves from stock's.
 
@@ -34,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-STACKS = ("stock", "stock-reseeded", "liger", "user")
+STACKS = ("stock", "stock-reseeded", "liger", "unsloth", "user")
 # the floor: stock again, its LoRA adapters drawn from another seed (the base weights, data and
 # order are stock's). Two equally valid runs part by its gaps; a stack's gap within them is not a
 # difference the curves can show.
@@ -107,6 +109,8 @@ def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int
     from harness.workload import models
 
     spec = dataclasses.replace(models.get(model_name), vocab_size=VOCAB, name=f"{model_name}-bytes")
+    if stack == "unsloth":
+        return _build_unsloth(spec, device, dtype, lora_rank, seed, adapter_seed), spec, None
     before = peers.liger_patch(device) if stack == "liger" else None
     if stack == FLOOR or adapter_seed is not None:  # called on the bare model, just before peft draws the adapters
         draw = adapter_seed if adapter_seed is not None else seed + 1
@@ -118,10 +122,7 @@ def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int
             torch.manual_seed(draw)
     model = models.build(spec, device=device, dtype=dtype, attn_implementation="sdpa", lora_rank=lora_rank,
                          seed=seed, before_lora=before)
-    # the byte vocabulary is new to the model: its embedding and lm_head train in full (small at
-    # VOCAB rows), as when a vocabulary is added in fine-tuning; LoRA adapts every linear layer
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        module.weight.requires_grad_(True)
+    _train_vocab(model)
     enabled = None
     if stack == "user":
         import optim
@@ -132,14 +133,67 @@ def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int
     return model, spec, enabled
 
 
-def _held_out_loss(model, rows: list[dict], device) -> float:
+def _train_vocab(model) -> None:
+    """The byte vocabulary is new to the model: its embedding and lm_head train in full (small at
+    VOCAB rows), as when a vocabulary is added in fine-tuning; LoRA adapts every linear layer."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        module.weight.requires_grad_(True)
+
+
+def _build_unsloth(spec, device, dtype, lora_rank: int, seed: int, adapter_seed: int | None):
+    """Unsloth's model from stock's base weights (the same seed, drawn on the same device), its
+    adapters from its own ``random_state`` (the adapter seed, else ``seed``): its LoRA draws them
+    in another order than peft's, so they differ from stock's as the floor's do."""
+    import torch
+
+    from harness.run import unsloth_stack
+    from harness.workload import models
+
+    unsloth_stack.check(spec, device=device, lora_rank=lora_rank)
+    base = models.build(spec, device=device, dtype=dtype, attn_implementation="sdpa", lora_rank=None,
+                        gradient_checkpointing=False, seed=seed)
+    try:
+        model = unsloth_stack.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, max_seq_length=1 << 16,
+                                    gradient_checkpointing=True, seed=seed if adapter_seed is None else adapter_seed,
+                                    base=base)
+    finally:
+        del base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _train_vocab(model)
+    torch.manual_seed(seed)
+    return model
+
+
+def segment_lengths(position_ids) -> list[int]:
+    """A packed row's document lengths, read from its position ids (each document restarts at 0)."""
+    pos = position_ids.reshape(-1).tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] or [0]
+    if starts[0] != 0:
+        raise ValueError("a packed row's position ids must start at 0")
+    return [b - a for a, b in zip(starts, starts[1:] + [len(pos)])]
+
+
+def _inputs(stack: str, batch: dict, device) -> dict:
+    """The model's keyword arguments for one collated row: Unsloth also takes the row's document
+    lengths (``packed_seq_lengths``, host int32), as its packing collator hands them over."""
+    import torch
+
+    out = {k: v.to(device) for k, v in batch.items()}
+    if stack == "unsloth":
+        out["packed_seq_lengths"] = torch.tensor(segment_lengths(batch["position_ids"]), dtype=torch.int32)
+        out["use_cache"] = False
+    return out
+
+
+def _held_out_loss(model, rows: list[dict], device, stack: str = "stock") -> float:
     import torch
 
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for b in rows:
-            b = {k: v.to(device) for k, v in b.items()}
+            b = _inputs(stack, b, device)
             n = int((b["labels"][:, 1:] != -100).sum())
             total += float(model(**b).loss) * n
             count += n
@@ -179,8 +233,8 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
     started = time.perf_counter()
     for i, batch in enumerate(rows):
         if i % eval_every == 0:
-            held_out.append([i, _held_out_loss(net, held, device)])
-        batch = {k: v.to(device) for k, v in batch.items()}
+            held_out.append([i, _held_out_loss(net, held, device, stack)])
+        batch = _inputs(stack, batch, device)
         t0 = time.perf_counter()
         loss = net(**batch).loss
         loss.backward()
@@ -190,7 +244,7 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if not math.isfinite(losses[-1]):
             return {**base, "status": "error", "message": f"the loss is {losses[-1]} at step {i}", "losses": losses}
-    held_out.append([steps, _held_out_loss(net, held, device)])
+    held_out.append([steps, _held_out_loss(net, held, device, stack)])
     p = percentiles(step_ms[min(10, steps // 2):])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     if enabled is not None:  # what ran, after the steps: the fused loss's and packed attention's calls
@@ -282,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.seq_len < 2 or args.eval_every < 1:
         ap.error("--steps and --eval-every must be at least 1, --seq-len at least 2")
     if args.one:
+        if args.one == "unsloth":  # before anything imports torch, which it patches
+            from harness.run import unsloth_stack
+
+            unsloth_stack.import_first()
         row = train(args.one, model=args.model, steps=args.steps, seq_len=args.seq_len, lora_rank=args.lora_rank,
                     lr=args.lr, eval_every=args.eval_every, eval_rows=args.eval_rows, corpus_mib=args.corpus_mib,
                     shuffle_seed=args.shuffle_seed, adapter_seed=(args.adapter_seeds or [None])[0])

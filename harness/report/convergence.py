@@ -26,8 +26,8 @@ FIRST_STEP_GAP = 0.01
 # the same code and seed run twice, parted by more than their bounds.
 SEED_MEAN_GAP = 0.01
 FLOOR = "stock-reseeded"  # harness.bench.convergence.FLOOR: stock, its adapters from another seed
-ORDER = ("stock", FLOOR, "liger", "user")
-PART = {"stock": "stock", "liger": "peer", "user": "user"}  # each stack's part: its label and colour everywhere
+ORDER = ("stock", FLOOR, "liger", "unsloth", "user")
+PART = {"stock": "stock", "liger": "peer", "unsloth": "unsloth", "user": "user"}  # each stack's part: its label and colour everywhere
 LABEL = {**{m: ROLE_LABEL[p] for m, p in PART.items()}, FLOOR: "stock, adapters from another seed (the floor)"}
 COLOR = {**{m: ROLE_COLOR[p] for m, p in PART.items()}, FLOOR: "#c7c7c7"}
 

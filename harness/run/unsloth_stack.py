@@ -54,27 +54,30 @@ def _target_modules(spec) -> list[str]:
     return attn + (["gate_up_proj", "down_proj"] if spec.is_moe else ["gate_proj", "up_proj", "down_proj"])
 
 
-def _model_dir(spec, root: Path) -> Path:
-    """A local model directory: the shape's config, a four-word tokenizer, one weight."""
+def _model_dir(spec, root: Path, base=None) -> Path:
+    """A local model directory: the shape's config, a four-word tokenizer, and one weight (the rest
+    drawn at load), or ``base``'s weights where a bare transformers model is given."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    config = spec.config()
-    config.save_pretrained(root)
+    if base is not None:
+        base.save_pretrained(root)  # its config and every weight (tied ones once)
+    else:
+        config = spec.config()
+        config.save_pretrained(root)
+        save_file({"model.norm.weight": torch.ones(config.hidden_size)}, str(root / "model.safetensors"))
     words = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(root)
-    save_file({"model.norm.weight": torch.ones(config.hidden_size)}, str(root / "model.safetensors"))
     return root
 
 
-def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gradient_checkpointing: bool,
-          seed: int, batch_size: int = 1):
-    """The point's model, built by Unsloth; PeerUnavailable where it cannot be here."""
+def check(spec, *, device, lora_rank: int | None, batch_size: int = 1) -> None:
+    """PeerUnavailable, saying why, where Unsloth cannot build ``spec`` here."""
     if device.type != "cuda":
         raise PeerUnavailable(f"Unsloth needs a CUDA GPU; this point runs on {device.type}")
     if sys.modules.get("unsloth") is None:
@@ -90,6 +93,14 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
     if batch_size != 1:
         raise PeerUnavailable(f"Unsloth's per-document attention reads one packed row a step (packed_seq_lengths); "
                               f"this point has {batch_size} rows")
+
+
+def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gradient_checkpointing: bool,
+          seed: int, batch_size: int = 1, base=None):
+    """The point's model, built by Unsloth; PeerUnavailable where it cannot be here. ``base``: a
+    bare transformers model of ``spec`` whose weights Unsloth loads (else they are random), so
+    another stack's model can be trained from the same weights."""
+    check(spec, device=device, lora_rank=lora_rank, batch_size=batch_size)
     import torch
     from unsloth import FastLanguageModel
 
@@ -97,7 +108,7 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
         torch.manual_seed(seed)
         try:
             model, _ = FastLanguageModel.from_pretrained(
-                str(_model_dir(spec, Path(tmp))), max_seq_length=max_seq_length, dtype=dtype,
+                str(_model_dir(spec, Path(tmp), base)), max_seq_length=max_seq_length, dtype=dtype,
                 load_in_4bit=False, load_in_16bit=True, local_files_only=True)
         except NotImplementedError as e:  # a model type it does not support
             raise PeerUnavailable(f"Unsloth cannot load {spec.name}: {type(e).__name__}: {e}"[:400]) from None
