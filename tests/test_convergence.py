@@ -227,3 +227,32 @@ def test_the_floor_stack_beside_adapter_seeds_is_one_clear_error(tmp_path, capsy
         conv.main(["--results", str(tmp_path), "--stacks", "stock", "stock-reseeded", "--adapter-seeds", "1", "2"])
     assert e.value.code == 2 and "the seeds are the floor" in capsys.readouterr().err
     assert not (tmp_path / "convergence").exists()  # nothing trained, nothing stored
+
+
+def test_the_learning_rate_warms_up_then_decays_to_zero_as_trainers_default_does():
+    f = conv.lr_factor("linear", warmup=3, steps=10)
+    assert [round(f(i), 4) for i in range(10)] == [0.3333, 0.6667, 1.0, 1.0, 0.8571, 0.7143, 0.5714, 0.4286,
+                                                   0.2857, 0.1429]
+    assert conv.lr_factor("constant", 0, 10)(7) == 1.0
+    assert conv.warmup_steps("linear", 0.1, 300) == 30 and conv.warmup_steps("constant", 0.1, 300) == 0
+
+
+def test_a_run_records_its_schedule_and_clipped_norms_and_never_shares_a_table_or_plot_with_another(tmp_path):
+    from harness.report import convergence as report
+
+    assert conv.main(["--results", str(tmp_path), "--model", "qwen3-0.6b-tiny", "--steps", "5", "--seq-len", "96",
+                      "--eval-every", "5", "--eval-rows", "1", "--corpus-mib", "0.2", "--stacks", "stock",
+                      "--max-grad-norm", "0.5"]) == 0
+    (row,) = map(json.loads, (tmp_path / "convergence" / "cpu.jsonl").read_text().splitlines())
+    assert (row["schedule"], row["warmup_steps"], row["max_grad_norm"]) == ("linear", 0, 0.5)  # round(0.5) steps
+    assert len(row["grad_norms"]) == 5 and all(g > 0 for g in row["grad_norms"])  # the norm before clipping
+    old = {k: v for k, v in row.items() if k not in ("schedule", "warmup_steps", "max_grad_norm", "grad_norms")}
+    groups = report.runs([row, old])
+    assert len(groups) == 2  # a run at a constant rate (rows before schedules) is another run
+    out = tmp_path / "rep"
+    out.mkdir()
+    md = report.bench_tables([row, old], {}, out)
+    assert "(linear decay after 0 warm-up steps, gradients clipped to norm 0.5)" in md and "(constant, no clipping)" in md
+    assert len(list(out.glob("*.png"))) == 2  # one plot each, neither drawn over the other
+    with pytest.raises(SystemExit):
+        conv.main(["--results", str(tmp_path), "--warmup-frac", "1.5"])

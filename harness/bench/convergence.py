@@ -10,7 +10,8 @@ not predicted), one row a step, the same rows in the same order for every stack.
 
 Each stack runs in a fresh process (``--stack``: Liger-Kernel patches classes), from the same seed:
 the model (a registry shape with the byte vocabulary, random weights), LoRA on every linear layer,
-AdamW, gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
+AdamW with Trainer's defaults (a linear warm-up and decay, gradients clipped to norm 1.0; at a
+constant rate the curves spiked midway and the stacks parted by the spikes), gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
 patches before peft; ``unsloth`` loads stock's base weights through Unsloth's ``FastLanguageModel``
 with its own LoRA, checkpointing and per-document attention (where it is installed and a GPU is
 here; else its row is skipped and says why); ``user`` is ``optim.enable(model)`` with its defaults;
@@ -203,7 +204,8 @@ def _held_out_loss(model, rows: list[dict], device, stack: str = "stock") -> flo
 
 def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, lr: float, eval_every: int,
           eval_rows: int, corpus_mib: float, seed: int = 0, shuffle_seed: int | None = None,
-          adapter_seed: int | None = None) -> dict:
+          adapter_seed: int | None = None, schedule: str = "linear", warmup_frac: float = 0.1,
+          max_grad_norm: float = 1.0) -> dict:
     """One stack, in this process: its ``convergence`` row (without env or command)."""
     import torch
 
@@ -212,7 +214,8 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
 
     base = {"kind": "convergence", "model": model, "mode": stack, "seq_len": seq_len, "lora_rank": lora_rank,
             "lr": lr, "steps": steps, "eval_every": eval_every, "vocab_size": VOCAB, "ln_vocab": math.log(VOCAB),
-            "adapter_seed": adapter_seed}
+            "adapter_seed": adapter_seed, "schedule": schedule, "max_grad_norm": max_grad_norm or None,
+            "warmup_steps": warmup_steps(schedule, warmup_frac, steps)}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base.update(device_type=device.type, dtype=str(dtype).removeprefix("torch."))
@@ -226,9 +229,10 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
     held = pack(held_docs, seq_len, eval_rows)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(schedule, base["warmup_steps"], steps))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, held_out, step_ms = [], [], []
+    losses, held_out, step_ms, grad_norms = [], [], [], []
     trained_tokens = sum(int(b["input_ids"].numel()) for b in rows)
     started = time.perf_counter()
     for i, batch in enumerate(rows):
@@ -238,7 +242,10 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
         t0 = time.perf_counter()
         loss = net(**batch).loss
         loss.backward()
+        if max_grad_norm:
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))  # syncs: the step's time ends here
         step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -252,11 +259,27 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
 
         enabled = optim.enabled(net)
     return {**base, "status": "ok", "message": "", "losses": losses, "held_out": held_out,
+            "grad_norms": [round(float(g), 4) for g in grad_norms] or None,
             "trained_tokens": trained_tokens, "eval_rows": eval_rows, "smooth_steps": SMOOTH,
             "final_loss": sum(losses[-20:]) / len(losses[-20:]), "final_held_out": held_out[-1][1],
             "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"], "peak_gib": peak,
             "wall_s": round(time.perf_counter() - started, 1), "optim": enabled,
             "model_shape": {"hidden_size": spec.hidden_size, "layers": spec.num_hidden_layers}}
+
+
+SCHEDULES = ("linear", "constant")
+
+
+def warmup_steps(schedule: str, warmup_frac: float, steps: int) -> int:
+    return 0 if schedule == "constant" else int(round(warmup_frac * steps))
+
+
+def lr_factor(schedule: str, warmup: int, steps: int):
+    """The learning rate's factor at each step: ``linear`` is Trainer's default schedule (a linear
+    warm-up over ``warmup`` steps, then a linear decay to zero at ``steps``); ``constant`` keeps it."""
+    if schedule == "constant":
+        return lambda i: 1.0
+    return lambda i: (i + 1) / warmup if i < warmup else max(0.0, (steps - i) / max(1, steps - warmup))
 
 
 def gaps(row: dict, stock: dict) -> dict:
@@ -299,6 +322,8 @@ def _one(stack: str, args, adapter_seed: int | None) -> dict:
                "--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
                "--lora-rank", str(args.lora_rank), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
                "--eval-rows", str(args.eval_rows), "--corpus-mib", str(args.corpus_mib),
+               "--schedule", args.schedule, "--warmup-frac", str(args.warmup_frac),
+               "--max-grad-norm", str(args.max_grad_norm),
                *(["--shuffle-seed", str(args.shuffle_seed)] if args.shuffle_seed is not None else []),
                *(["--adapter-seeds", str(adapter_seed)] if adapter_seed is not None else [])]
         done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True)
@@ -321,7 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens (bytes) per step: one packed row")
     ap.add_argument("--lora-rank", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
+    ap.add_argument("--schedule", choices=SCHEDULES, default="linear",
+                    help="linear: Trainer's default (warm-up, then linear decay to zero); constant: lr at every step")
+    ap.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up steps, as a fraction of --steps (linear)")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="clip the gradients' total norm to this, as Trainer does by default (0: no clipping)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-rows", type=int, default=8, help="held-out rows of --seq-len tokens")
     ap.add_argument("--corpus-mib", type=float, default=8.0)
@@ -335,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.seq_len < 2 or args.eval_every < 1:
         ap.error("--steps and --eval-every must be at least 1, --seq-len at least 2")
+    if not 0 <= args.warmup_frac < 1 or args.max_grad_norm < 0:
+        ap.error("--warmup-frac must lie in [0, 1) and --max-grad-norm be at least 0")
     if args.one:
         if args.one == "unsloth":  # before anything imports torch, which it patches
             from harness.run import unsloth_stack
@@ -342,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             unsloth_stack.import_first()
         row = train(args.one, model=args.model, steps=args.steps, seq_len=args.seq_len, lora_rank=args.lora_rank,
                     lr=args.lr, eval_every=args.eval_every, eval_rows=args.eval_rows, corpus_mib=args.corpus_mib,
-                    shuffle_seed=args.shuffle_seed, adapter_seed=(args.adapter_seeds or [None])[0])
+                    shuffle_seed=args.shuffle_seed, adapter_seed=(args.adapter_seeds or [None])[0],
+                    schedule=args.schedule, warmup_frac=args.warmup_frac, max_grad_norm=args.max_grad_norm)
         args.row_out.write_text(json.dumps(row))
         return 0
     if args.adapter_seeds and FLOOR in (args.stacks or ()):

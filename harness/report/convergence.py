@@ -10,6 +10,7 @@ has not yet compounded any difference).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from harness.report import fmt
@@ -65,11 +66,23 @@ def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
     each stack's newest row of it."""
     out: dict[tuple, dict[str, dict]] = {}
     for r in sorted(rows, key=lambda r: str(r.get("recorded_at") or "")):
-        rest = tuple(str(r.get(k)) for k in ("steps", "lr", "lora_rank", "eval_every")) \
+        rest = tuple(str(r.get(k)) for k in ("steps", "lr", "lora_rank", "eval_every")) + _schedule(r) \
             + (str((r.get("corpus") or {}).get("sha256")), r.get("adapter_seed") is not None)
         key = (str(r.get("gpu_slug")), str(r.get("model")), int(fmt.number(r.get("seq_len")) or 0), _order(r), rest)
         out.setdefault(key, {})[f"{r.get('mode')}@{r.get('adapter_seed')}"] = r
     return {k: list(v.values()) for k, v in out.items()}
+
+
+def _schedule(r: dict) -> tuple:
+    """The run's learning-rate schedule, warm-up steps and clipping (rows before these were
+    recorded ran at a constant rate, unclipped)."""
+    return (str(r.get("schedule") or "constant"), str(r.get("warmup_steps") or 0), str(r.get("max_grad_norm")))
+
+
+def _schedule_text(r: dict) -> str:
+    sched, warm, clip = _schedule(r)
+    text = "constant" if sched == "constant" else f"{sched} decay after {warm} warm-up steps"
+    return f"{text}, " + ("no clipping" if clip == "None" else f"gradients clipped to norm {clip}")
 
 
 def _label(r: dict) -> str:
@@ -102,7 +115,9 @@ def seed_checks(group: list[dict]) -> list[tuple[str, list[float], float | None,
 
 
 def _order_name(r: dict) -> str:
-    return "path order" if _order(r) < 0 else f"shuffled, seed {_order(r)}"
+    """The run's document order, and its schedule where the rate was not constant."""
+    name = "path order" if _order(r) < 0 else f"shuffled, seed {_order(r)}"
+    return name if _schedule(r)[0] == "constant" else f"{name}, {_schedule(r)[0]} lr"
 
 
 def targets_md(rows: list[dict]) -> str:
@@ -110,7 +125,7 @@ def targets_md(rows: list[dict]) -> str:
     body = []
     newest = [r for g in runs([r for r in rows if r.get("kind") == "convergence"]).values() for r in g]
     for r in sorted((r for r in newest if r.get("status") == "ok" and r.get("mode") != FLOOR),
-                    key=lambda r: (str(r.get("gpu_slug")), str(r.get("model")), _order(r),
+                    key=lambda r: (str(r.get("gpu_slug")), str(r.get("model")), _order(r), _schedule(r),
                                    ORDER.index(r["mode"]) if r.get("mode") in ORDER else 9)):
         gpu = str(r.get("device_name") or r.get("gpu_slug") or "?").replace("NVIDIA ", "").split()[0]
         for check, ok in _checks(r):
@@ -174,12 +189,18 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
              f"first step's loss. Checks, stated before the runs: held-out loss at the end below "
              f"{HELD_OUT_OVER_LN_V}·ln V; curve gap at most {CURVE_GAP:.0%}, held-out gap at most "
              f"{HELD_OUT_GAP:.0%}, first step at most {FIRST_STEP_GAP:.0%}."]
-    for (_, model, _, order, _), group in sorted(runs(found).items()):
+    groups = sorted(runs(found).items())
+    shared = {}  # (gpu, model, length, order) -> how many runs: their plots need names of their own
+    for key, _ in groups:
+        shared[key[:4]] = shared.get(key[:4], 0) + 1
+    for key, group in groups:
+        (_, model, _, order, rest) = key
         first = next((r for r in group if r.get("status") == "ok"), group[0])
         c = first.get("corpus") or {}
         parts.append(f"**{model}** with the byte vocabulary ({first.get('vocab_size')} ids, ln V = "
                      f"{fmt.num(first.get('ln_vocab'), '.3f')}), LoRA r={first.get('lora_rank')} on every linear "
-                     f"layer with the embedding and lm_head trained, AdamW lr {first.get('lr')}, "
+                     f"layer with the embedding and lm_head trained, AdamW lr {first.get('lr')} "
+                     f"({_schedule_text(first)}), "
                      f"{first.get('steps')} steps of one packed row of up to {first.get('seq_len')} tokens, taken "
                      "from the training files in " + ("their order" if order < 0 else "a shuffled order")
                      + (f" ({first['trained_tokens']} tokens in all)" if first.get("trained_tokens") else "")
@@ -223,6 +244,8 @@ def bench_tables(rows: list[dict], spec: dict, out_dir: Path | None = None) -> s
                          "held-out. A stack's gap within the floor's is not a difference these curves can show; "
                          "the checks above are judged against the bounds stated before the runs, not against it.")
         tag = "" if order < 0 else f"-shuffled{order}"
+        if shared[key[:4]] > 1:
+            tag += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:6]
         if out_dir is not None and (fig := _plot(group, Path(out_dir) / f"convergence-{first.get('gpu_slug') or 'cpu'}-{model}-{first.get('seq_len')}{tag}.png")):
             parts.append(f"![{model}: loss curves on the standard library's source]({fig.name})")
     return "\n\n".join(parts)
