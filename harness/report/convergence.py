@@ -152,15 +152,24 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
         return None
     fig = Figure(figsize=(7.0, 4.2))
     ax = fig.subplots()
+    seeds: dict[str, int] = {}
+    for r in ok:
+        seeds[r["mode"]] = seeds.get(r["mode"], 0) + 1
+    drawn: set[str] = set()
     for r in sorted(ok, key=_sort):
         c = COLOR.get(r["mode"], "black")
         xs = list(range(1, len(r["losses"]) + 1))
         k = int(r.get("smooth_steps") or 10)
         smooth = [sum(r["losses"][max(0, i - k + 1):i + 1]) / len(r["losses"][max(0, i - k + 1):i + 1])
                   for i in range(len(r["losses"]))]
-        ax.plot(xs, smooth, color=c, lw=1.4, label=f"{_label(r)}, training ({k}-step mean)")
-        ax.plot([s for s, _ in r["held_out"]], [v for _, v in r["held_out"]], color=c, ls="--", marker="o", ms=4,
-                label=f"{_label(r)}, held-out")
+        # one legend entry a stack: its seeds share its colour
+        name = LABEL.get(r["mode"], str(r["mode"])) + (f" ({seeds[r['mode']]} adapter seeds)" if seeds[r["mode"]] > 1 else "")
+        first = r["mode"] not in drawn
+        drawn.add(r["mode"])
+        ax.plot(xs, smooth, color=c, lw=1.2, alpha=0.85, label=name if first else None)
+        ax.plot([s for s, _ in r["held_out"]], [v for _, v in r["held_out"]], color=c, ls="--", marker="o", ms=3, alpha=0.85)
+    ax.plot([], [], color="black", lw=1.2, label=f"training loss ({k}-step mean)")
+    ax.plot([], [], color="black", ls="--", marker="o", ms=3, label="held-out loss")
     ln_v = fmt.number(ok[0].get("ln_vocab"))
     if ln_v:
         ax.axhline(ln_v, color="black", lw=1, ls=":", label="ln V (learned nothing)")
