@@ -83,8 +83,9 @@ def test_a_rows_document_lengths_are_read_from_its_position_ids():
 
 
 def test_unsloth_loads_the_very_weights_stock_trains_from(tmp_path):
-    """Its model directory holds the bare model's config and weights (tied ones once), so Unsloth's
-    loader reads stock's base model, not a fresh draw."""
+    """Its model directory holds the bare model's config and weights (tied ones once): the directory
+    Unsloth's loader reads holds stock's base model, not a fresh draw (on a GPU, the first step's
+    loss shows the load)."""
     import dataclasses
 
     import torch
@@ -229,12 +230,59 @@ def test_the_floor_stack_beside_adapter_seeds_is_one_clear_error(tmp_path, capsy
     assert not (tmp_path / "convergence").exists()  # nothing trained, nothing stored
 
 
-def test_the_learning_rate_warms_up_then_decays_to_zero_as_trainers_default_does():
-    f = conv.lr_factor("linear", warmup=3, steps=10)
-    assert [round(f(i), 4) for i in range(10)] == [0.3333, 0.6667, 1.0, 1.0, 0.8571, 0.7143, 0.5714, 0.4286,
-                                                   0.2857, 0.1429]
-    assert conv.lr_factor("constant", 0, 10)(7) == 1.0
-    assert conv.warmup_steps("linear", 0.1, 300) == 30 and conv.warmup_steps("constant", 0.1, 300) == 0
+def test_the_learning_rate_follows_trainers_linear_schedule():
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    def lrs(make):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched, out = make(opt), []
+        for _ in range(10):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    assert lrs(lambda o: conv.scheduler(o, "linear", 3, 10)) == lrs(lambda o: get_linear_schedule_with_warmup(o, 3, 10))
+    assert lrs(lambda o: conv.scheduler(o, "linear", 3, 10))[:4] == [0.0, 1 / 3, 2 / 3, 1.0]
+    assert lrs(lambda o: conv.scheduler(o, "constant", 0, 10)) == [1.0] * 10
+    assert conv.warmup_steps("linear", 0.1, 300) == 30 and conv.warmup_steps("linear", 0.1, 25) == 3  # rounded up
+    assert conv.warmup_steps("constant", 0.1, 300) == 0
+
+
+def test_importing_the_bench_leaves_torch_unimported_so_unsloth_can_come_first():
+    import subprocess
+    import sys
+
+    code = ("import sys, harness.bench, harness.bench.convergence, harness.run.unsloth_stack; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_unsloth_is_refused_past_the_models_positions_where_it_would_rescale_rope():
+    import torch
+
+    from harness.run import peers, unsloth_stack
+    from harness.workload import models
+
+    spec = models.get("qwen3-0.6b")
+    cfg = spec.config()
+    assert unsloth_stack.rope(cfg) == {"rope_type": "default", "factor": None, "rope_theta": cfg.rope_parameters["rope_theta"]}
+    cfg.rope_parameters = {**cfg.rope_parameters, "rope_type": "linear", "factor": 1.6}  # what Unsloth's load set
+    assert unsloth_stack.rope(cfg) != unsloth_stack.rope(spec.config())
+    unsloth_stack.import_first()
+    if "unsloth" in __import__("sys").modules:  # pragma: no cover - the refusal below is checked where it is not
+        pytest.skip("unsloth is importable here: the GPU test covers its load")
+    with pytest.raises(peers.PeerUnavailable, match="needs a CUDA GPU"):
+        unsloth_stack.check(spec, device=torch.device("cpu"), lora_rank=16, max_seq_length=65536)
+    __import__("sys").modules["unsloth"] = object()  # as if imported first on a GPU machine
+    try:
+        with pytest.raises(peers.PeerUnavailable, match="past qwen3-0.6b's 40960 positions"):
+            unsloth_stack.check(spec, device=torch.device("cuda"), lora_rank=16, max_seq_length=65536)
+        unsloth_stack.check(spec, device=torch.device("cuda"), lora_rank=16, max_seq_length=40960)  # within: fine
+    finally:
+        del __import__("sys").modules["unsloth"]
 
 
 def test_a_run_records_its_schedule_and_clipped_norms_and_never_shares_a_table_or_plot_with_another(tmp_path):
@@ -244,15 +292,17 @@ def test_a_run_records_its_schedule_and_clipped_norms_and_never_shares_a_table_o
                       "--eval-every", "5", "--eval-rows", "1", "--corpus-mib", "0.2", "--stacks", "stock",
                       "--max-grad-norm", "0.5"]) == 0
     (row,) = map(json.loads, (tmp_path / "convergence" / "cpu.jsonl").read_text().splitlines())
-    assert (row["schedule"], row["warmup_steps"], row["max_grad_norm"]) == ("linear", 0, 0.5)  # round(0.5) steps
+    assert (row["schedule"], row["warmup_steps"], row["max_grad_norm"], row["weight_decay"]) == ("linear", 1, 0.5, 0.0)
     assert len(row["grad_norms"]) == 5 and all(g > 0 for g in row["grad_norms"])  # the norm before clipping
-    old = {k: v for k, v in row.items() if k not in ("schedule", "warmup_steps", "max_grad_norm", "grad_norms")}
+    assert row["lrs"] == pytest.approx([0.0, 1e-3, 0.75e-3, 0.5e-3, 0.25e-3])  # the rate each step ran at
+    old = {k: v for k, v in row.items() if k not in ("schedule", "warmup_steps", "max_grad_norm", "grad_norms", "weight_decay")}
     groups = report.runs([row, old])
     assert len(groups) == 2  # a run at a constant rate (rows before schedules) is another run
     out = tmp_path / "rep"
     out.mkdir()
     md = report.bench_tables([row, old], {}, out)
-    assert "(linear decay after 0 warm-up steps, gradients clipped to norm 0.5)" in md and "(constant, no clipping)" in md
+    assert "(linear decay after 1 warm-up steps, gradients clipped to norm 0.5, weight decay 0.0)" in md
+    assert "(constant, no clipping, weight decay 0.01)" in md
     assert len(list(out.glob("*.png"))) == 2  # one plot each, neither drawn over the other
     with pytest.raises(SystemExit):
         conv.main(["--results", str(tmp_path), "--warmup-frac", "1.5"])

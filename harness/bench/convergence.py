@@ -10,8 +10,9 @@ not predicted), one row a step, the same rows in the same order for every stack.
 
 Each stack runs in a fresh process (``--stack``: Liger-Kernel patches classes), from the same seed:
 the model (a registry shape with the byte vocabulary, random weights), LoRA on every linear layer,
-AdamW with Trainer's defaults (a linear warm-up and decay, gradients clipped to norm 1.0; at a
-constant rate the curves spiked midway and the stacks parted by the spikes), gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
+AdamW as Trainer sets it up by default (no weight decay, its linear schedule, gradients clipped to
+norm 1.0) with a warm-up of 10 % of the steps (at a constant rate, unclipped, the curves spiked
+midway and the stacks parted by the spikes), gradient checkpointing. ``stock`` is transformers + peft; ``liger`` applies Liger-Kernel's
 patches before peft; ``unsloth`` loads stock's base weights through Unsloth's ``FastLanguageModel``
 with its own LoRA, checkpointing and per-document attention (where it is installed and a GPU is
 here; else its row is skipped and says why); ``user`` is ``optim.enable(model)`` with its defaults;
@@ -103,7 +104,8 @@ def pack(docs: list[list[int]], seq_len: int, rows: int) -> list[dict]:
     return out
 
 
-def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int, adapter_seed: int | None = None):
+def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int, adapter_seed: int | None = None,
+           seq_len: int = 4096):
     import torch
 
     from harness.run import peers
@@ -111,7 +113,7 @@ def _build(model_name: str, stack: str, device, dtype, lora_rank: int, seed: int
 
     spec = dataclasses.replace(models.get(model_name), vocab_size=VOCAB, name=f"{model_name}-bytes")
     if stack == "unsloth":
-        return _build_unsloth(spec, device, dtype, lora_rank, seed, adapter_seed), spec, None
+        return _build_unsloth(spec, device, dtype, lora_rank, seed, adapter_seed, seq_len), spec, None
     before = peers.liger_patch(device) if stack == "liger" else None
     if stack == FLOOR or adapter_seed is not None:  # called on the bare model, just before peft draws the adapters
         draw = adapter_seed if adapter_seed is not None else seed + 1
@@ -141,7 +143,7 @@ def _train_vocab(model) -> None:
         module.weight.requires_grad_(True)
 
 
-def _build_unsloth(spec, device, dtype, lora_rank: int, seed: int, adapter_seed: int | None):
+def _build_unsloth(spec, device, dtype, lora_rank: int, seed: int, adapter_seed: int | None, seq_len: int):
     """Unsloth's model from stock's base weights (the same seed, drawn on the same device), its
     adapters from its own ``random_state`` (the adapter seed, else ``seed``): its LoRA draws them
     in another order than peft's, so they differ from stock's as the floor's do."""
@@ -150,11 +152,11 @@ def _build_unsloth(spec, device, dtype, lora_rank: int, seed: int, adapter_seed:
     from harness.run import unsloth_stack
     from harness.workload import models
 
-    unsloth_stack.check(spec, device=device, lora_rank=lora_rank)
+    unsloth_stack.check(spec, device=device, lora_rank=lora_rank, max_seq_length=seq_len)
     base = models.build(spec, device=device, dtype=dtype, attn_implementation="sdpa", lora_rank=None,
                         gradient_checkpointing=False, seed=seed)
     try:
-        model = unsloth_stack.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, max_seq_length=1 << 16,
+        model = unsloth_stack.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, max_seq_length=seq_len,
                                     gradient_checkpointing=True, seed=seed if adapter_seed is None else adapter_seed,
                                     base=base)
     finally:
@@ -215,24 +217,24 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
     base = {"kind": "convergence", "model": model, "mode": stack, "seq_len": seq_len, "lora_rank": lora_rank,
             "lr": lr, "steps": steps, "eval_every": eval_every, "vocab_size": VOCAB, "ln_vocab": math.log(VOCAB),
             "adapter_seed": adapter_seed, "schedule": schedule, "max_grad_norm": max_grad_norm or None,
-            "warmup_steps": warmup_steps(schedule, warmup_frac, steps)}
+            "warmup_steps": warmup_steps(schedule, warmup_frac, steps), "weight_decay": WEIGHT_DECAY}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base.update(device_type=device.type, dtype=str(dtype).removeprefix("torch."))
     train_docs, held_docs, info = corpus(int(corpus_mib * 2**20), shuffle_seed=shuffle_seed)
     base["corpus"] = info
     try:
-        net, spec, enabled = _build(model, stack, device, dtype, lora_rank, seed, adapter_seed)
+        net, spec, enabled = _build(model, stack, device, dtype, lora_rank, seed, adapter_seed, seq_len)
     except peers.PeerUnavailable as e:
         return {**base, "status": "skipped", "message": str(e)}
     rows = pack(train_docs, seq_len, steps)
     held = pack(held_docs, seq_len, eval_rows)
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(schedule, base["warmup_steps"], steps))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
+    sched = scheduler(opt, schedule, base["warmup_steps"], steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, held_out, step_ms, grad_norms = [], [], [], []
+    losses, held_out, step_ms, grad_norms, lrs = [], [], [], [], []
     trained_tokens = sum(int(b["input_ids"].numel()) for b in rows)
     started = time.perf_counter()
     for i, batch in enumerate(rows):
@@ -244,6 +246,7 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
         loss.backward()
         if max_grad_norm:
             grad_norms.append(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -259,7 +262,7 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
 
         enabled = optim.enabled(net)
     return {**base, "status": "ok", "message": "", "losses": losses, "held_out": held_out,
-            "grad_norms": [round(float(g), 4) for g in grad_norms] or None,
+            "grad_norms": [round(float(g), 4) for g in grad_norms] or None, "lrs": lrs,
             "trained_tokens": trained_tokens, "eval_rows": eval_rows, "smooth_steps": SMOOTH,
             "final_loss": sum(losses[-20:]) / len(losses[-20:]), "final_held_out": held_out[-1][1],
             "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"], "peak_gib": peak,
@@ -270,16 +273,23 @@ def train(stack: str, *, model: str, steps: int, seq_len: int, lora_rank: int, l
 SCHEDULES = ("linear", "constant")
 
 
+WEIGHT_DECAY = 0.0  # Trainer's default (torch's AdamW would decay by 0.01)
+
+
 def warmup_steps(schedule: str, warmup_frac: float, steps: int) -> int:
-    return 0 if schedule == "constant" else int(round(warmup_frac * steps))
+    """Warm-up steps as Trainer counts a ratio of the steps (rounded up)."""
+    return 0 if schedule == "constant" else math.ceil(warmup_frac * steps)
 
 
-def lr_factor(schedule: str, warmup: int, steps: int):
-    """The learning rate's factor at each step: ``linear`` is Trainer's default schedule (a linear
-    warm-up over ``warmup`` steps, then a linear decay to zero at ``steps``); ``constant`` keeps it."""
+def scheduler(opt, schedule: str, warmup: int, steps: int):
+    """``linear``: transformers' ``get_linear_schedule_with_warmup``, Trainer's default; ``constant``
+    keeps the rate at every step."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
     if schedule == "constant":
-        return lambda i: 1.0
-    return lambda i: (i + 1) / warmup if i < warmup else max(0.0, (steps - i) / max(1, steps - warmup))
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    return get_linear_schedule_with_warmup(opt, warmup, steps)
 
 
 def gaps(row: dict, stock: dict) -> dict:
@@ -315,6 +325,15 @@ def run(stacks: list[str], args) -> list[dict]:
     return rows
 
 
+def settings(args) -> dict:
+    """The run's settings as its rows record them, for a row whose process left none."""
+    return {"kind": "convergence", "model": args.model, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
+            "lr": args.lr, "steps": args.steps, "eval_every": args.eval_every, "vocab_size": VOCAB,
+            "schedule": args.schedule, "max_grad_norm": args.max_grad_norm or None,
+            "warmup_steps": warmup_steps(args.schedule, args.warmup_frac, args.steps), "weight_decay": WEIGHT_DECAY,
+            "corpus": corpus(int(args.corpus_mib * 2**20), shuffle_seed=args.shuffle_seed)[2]}
+
+
 def _one(stack: str, args, adapter_seed: int | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
@@ -330,8 +349,7 @@ def _one(stack: str, args, adapter_seed: int | None) -> dict:
         sys.stderr.write(done.stderr)
         if done.returncode != 0 or not out.is_file():
             tail = " | ".join(line for line in done.stderr.strip().splitlines()[-3:])
-            return {"kind": "convergence", "model": args.model, "mode": stack, "seq_len": args.seq_len,
-                    "lora_rank": args.lora_rank, "steps": args.steps, "adapter_seed": adapter_seed, "status": "error",
+            return {**settings(args), "mode": stack, "adapter_seed": adapter_seed, "status": "error",
                     "message": f"the {stack} process exited with {done.returncode}: {tail}"}
         return json.loads(out.read_text())
 

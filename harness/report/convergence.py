@@ -74,15 +74,18 @@ def runs(rows: list[dict]) -> dict[tuple, list[dict]]:
 
 
 def _schedule(r: dict) -> tuple:
-    """The run's learning-rate schedule, warm-up steps and clipping (rows before these were
-    recorded ran at a constant rate, unclipped)."""
-    return (str(r.get("schedule") or "constant"), str(r.get("warmup_steps") or 0), str(r.get("max_grad_norm")))
+    """The run's learning-rate schedule, warm-up steps, clipping and weight decay (rows before these
+    were recorded ran at a constant rate, unclipped, with torch AdamW's decay of 0.01)."""
+    decay = r.get("weight_decay")
+    return (str(r.get("schedule") or "constant"), str(r.get("warmup_steps") or 0), str(r.get("max_grad_norm")),
+            str(0.01 if decay is None else decay))
 
 
 def _schedule_text(r: dict) -> str:
-    sched, warm, clip = _schedule(r)
+    sched, warm, clip, decay = _schedule(r)
     text = "constant" if sched == "constant" else f"{sched} decay after {warm} warm-up steps"
-    return f"{text}, " + ("no clipping" if clip == "None" else f"gradients clipped to norm {clip}")
+    return f"{text}, " + ("no clipping" if clip == "None" else f"gradients clipped to norm {clip}") \
+        + f", weight decay {decay}"
 
 
 def _label(r: dict) -> str:
@@ -117,7 +120,7 @@ def seed_checks(group: list[dict]) -> list[tuple[str, list[float], float | None,
 def _order_name(r: dict) -> str:
     """The run's document order, and its schedule where the rate was not constant."""
     name = "path order" if _order(r) < 0 else f"shuffled, seed {_order(r)}"
-    return name if _schedule(r)[0] == "constant" else f"{name}, {_schedule(r)[0]} lr"
+    return name if _schedule(r)[:3] == ("constant", "0", "None") else f"{name}; {_schedule_text(r)}"
 
 
 def targets_md(rows: list[dict]) -> str:

@@ -6,7 +6,11 @@ builds it, so the point measures what an Unsloth user gets.
   The Hub is set offline for that process: Unsloth otherwise probes the network at import.
 - The model comes from ``FastLanguageModel.from_pretrained`` on a local directory that holds the
   registry shape's ``config.json``, a small tokenizer and one tensor; transformers initializes
-  every missing weight at load, so the weights are random, as every harness point's are.
+  every missing weight at load, so the weights are random, as every harness point's are (or, with
+  ``base``, another stack's bare model saved there, so both train from the very same weights).
+- ``max_seq_length`` is the point's length. Past the model's ``max_position_embeddings`` Unsloth
+  rescales RoPE (a different model from the other stacks'), so such a point is refused, and a load
+  whose RoPE differs from the shape's config is an error.
 - ``FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")``: its LoRA on
   the same projections and rank as the harness's peft build, its own checkpointing (which
   offloads the checkpoints to host memory), then ``FastLanguageModel.for_training``.
@@ -76,7 +80,7 @@ def _model_dir(spec, root: Path, base=None) -> Path:
     return root
 
 
-def check(spec, *, device, lora_rank: int | None, batch_size: int = 1) -> None:
+def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_length: int | None = None) -> None:
     """PeerUnavailable, saying why, where Unsloth cannot build ``spec`` here."""
     if device.type != "cuda":
         raise PeerUnavailable(f"Unsloth needs a CUDA GPU; this point runs on {device.type}")
@@ -90,6 +94,10 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1) -> None:
         # LoRA is wired differently and would adapt other weights than the stacks beside it
         raise PeerUnavailable(f"the Unsloth stack is not built for MoE models yet ({spec.name}): its expert "
                               "LoRA would not be the one the other stacks train")
+    window = getattr(spec.config(), "max_position_embeddings", None)
+    if max_seq_length and window and max_seq_length > window:
+        raise PeerUnavailable(f"{max_seq_length} tokens is past {spec.name}'s {window} positions: Unsloth would rescale "
+                              "its RoPE, and train another model than the stacks beside it")
     if batch_size != 1:
         raise PeerUnavailable(f"Unsloth's per-document attention reads one packed row a step (packed_seq_lengths); "
                               f"this point has {batch_size} rows")
@@ -100,7 +108,7 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
     """The point's model, built by Unsloth; PeerUnavailable where it cannot be here. ``base``: a
     bare transformers model of ``spec`` whose weights Unsloth loads (else they are random), so
     another stack's model can be trained from the same weights."""
-    check(spec, device=device, lora_rank=lora_rank, batch_size=batch_size)
+    check(spec, device=device, lora_rank=lora_rank, batch_size=batch_size, max_seq_length=max_seq_length)
     import torch
     from unsloth import FastLanguageModel
 
@@ -112,12 +120,29 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
                 load_in_4bit=False, load_in_16bit=True, local_files_only=True)
         except NotImplementedError as e:  # a model type it does not support
             raise PeerUnavailable(f"Unsloth cannot load {spec.name}: {type(e).__name__}: {e}"[:400]) from None
+    if rope(model.config) != rope(spec.config()):
+        raise RuntimeError(f"Unsloth loaded {spec.name} with RoPE {rope(model.config)}, the shape's is "
+                           f"{rope(spec.config())}: another model than the stacks beside it")
     model = FastLanguageModel.get_peft_model(
         model, r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0, bias="none",
         target_modules=_target_modules(spec),
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False, random_state=seed)
     FastLanguageModel.for_training(model)
     return model
+
+
+def rope(config) -> dict:
+    """A config's RoPE: its type, scaling factor and base (transformers 5 keeps them in
+    ``rope_parameters``, older ones in ``rope_scaling`` and ``rope_theta``)."""
+    out = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if value:
+            out.update(value if isinstance(value, dict) else vars(value))
+    out.setdefault("rope_theta", getattr(config, "rope_theta", None))
+    kind = out.get("rope_type") or out.get("type") or "default"
+    return {"rope_type": kind, "factor": out.get("factor") if kind != "default" else None,
+            "rope_theta": out.get("rope_theta")}
 
 
 def packed_kwargs(batch) -> dict:
