@@ -151,3 +151,24 @@ def test_the_columns_come_from_the_latest_run_that_measured_the_user_beside_a_pe
     with fmt.recording() as tables:
         user_md(old + new, SPEC)
     assert tables.find("vs user").row(variant="ours-graph")["vs user"] == "other run"
+
+
+def test_a_target_that_names_a_variant_judges_that_variants_row_against_the_same_peers():
+    rows = [{**_row("qwen3-8b", 8192, v, ms, peak), "baseline_variant": "stock", "role": role, "stack": stack}
+            for v, ms, peak, role, stack in (("stock", 1570.3, 32.10, "stock", ""),
+                                              ("stock-compiled", 984.8, 32.10, "stock-compiled", "compiled"),
+                                              ("unsloth", 1104.7, 17.38, "unsloth", "unsloth"),
+                                              ("user", 701.7, 70.83, "user", "user"),
+                                              ("user-lowmem", 973.8, 19.02, "ablation", "user"))]
+    spec = {"targets": [
+        {"model": "qwen3-8b", "seq_len": 8192, "max_peak_over_lowest": 1.0, "min_speedup_over_fastest": 1.25},
+        {"model": "qwen3-8b", "seq_len": 8192, "variant": "user-lowmem", "max_peak_over_lowest": 1.0,
+         "min_speedup_over_fastest": 1.0},
+        {"model": "qwen3-8b", "seq_len": 8192, "variant": "not-run", "max_peak_over_lowest": 1.0}]}
+    goals = _goals(rows, spec)
+    at = ", qwen3-8b at 8192 tokens (h100)"
+    assert goals["user ≥ 1.25× faster than the fastest peer" + at] == (pytest.approx(984.8 / 701.7), True)
+    assert goals["user peak ≤ 1× the lowest peer's" + at][1] is False
+    assert goals["`user-lowmem` ≥ 1× faster than the fastest peer" + at] == (pytest.approx(984.8 / 973.8), True)
+    assert goals["`user-lowmem` peak ≤ 1× the lowest peer's" + at] == ((pytest.approx(19.02 / 17.38), 19.02, 17.38), False)
+    assert goals["`not-run` peak ≤ 1× the lowest peer's" + at] == ("not measured", None)
