@@ -75,7 +75,7 @@ def test_a_rows_document_lengths_are_read_from_its_position_ids():
     rows = conv.pack([[10, 11, 12, conv.EOS], [20, 21, conv.EOS], [5, 6, 7, 8, 9, conv.EOS]], seq_len=9, rows=2)
     assert conv.segment_lengths(rows[0]["position_ids"]) == [4, 3]
     assert conv.segment_lengths(torch.tensor([[0, 1, 2, 0, 0, 1]])) == [3, 1, 2]  # a one-token document too
-    with pytest.raises(ValueError, match="must start at 0"):
+    with pytest.raises(ValueError, match="must restart at 0"):
         conv.segment_lengths(torch.tensor([[1, 2, 0, 1]]))
     inputs = conv._inputs("unsloth", rows[0], "cpu")
     assert inputs["packed_seq_lengths"].dtype == torch.int32 and inputs["packed_seq_lengths"].tolist() == [4, 3]

@@ -169,23 +169,21 @@ def _build_unsloth(spec, device, dtype, lora_rank: int, seed: int, adapter_seed:
 
 
 def segment_lengths(position_ids) -> list[int]:
-    """A packed row's document lengths, read from its position ids (each document restarts at 0)."""
-    pos = position_ids.reshape(-1).tolist()
-    starts = [i for i, p in enumerate(pos) if p == 0] or [0]
-    if starts[0] != 0:
-        raise ValueError("a packed row's position ids must start at 0")
-    return [b - a for a, b in zip(starts, starts[1:] + [len(pos)])]
+    """A packed row's document lengths, read from its position ids (each document restarts at 0)
+    as optim.packing reads them."""
+    from optim.packing import PackedMetadata
+
+    return list(PackedMetadata.from_position_ids(position_ids).lengths[0])
 
 
 def _inputs(stack: str, batch: dict, device) -> dict:
     """The model's keyword arguments for one collated row: Unsloth also takes the row's document
     lengths (``packed_seq_lengths``, host int32), as its packing collator hands them over."""
-    import torch
-
     out = {k: v.to(device) for k, v in batch.items()}
     if stack == "unsloth":
-        out["packed_seq_lengths"] = torch.tensor(segment_lengths(batch["position_ids"]), dtype=torch.int32)
-        out["use_cache"] = False
+        from harness.run import unsloth_stack
+
+        out.update(unsloth_stack.lengths_kwargs(segment_lengths(batch["position_ids"])), use_cache=False)
     return out
 
 

@@ -148,6 +148,11 @@ def rope(config) -> dict:
 def packed_kwargs(batch) -> dict:
     """What Unsloth's packing collator hands the model besides position_ids: the row's document
     lengths, a host int32 tensor."""
+    return lengths_kwargs(batch.lengths[0])
+
+
+def lengths_kwargs(lengths) -> dict:
+    """One packed row's document lengths as Unsloth's forward takes them (``packed_seq_lengths``)."""
     import torch
 
-    return {"packed_seq_lengths": torch.tensor(batch.lengths[0], dtype=torch.int32)}
+    return {"packed_seq_lengths": torch.tensor(list(lengths), dtype=torch.int32)}
