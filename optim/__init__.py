@@ -13,6 +13,8 @@
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
   (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_train_router``); a dense model is left
   unchanged.
+- ``optim.lora``: peft's LoRA Linear layers as one autograd function in the model's dtype, the
+  layer's input saved once instead of an fp32 copy per projection (``lora``).
 - ``optim.recompute``: checkpointed layers skip their recompute while their activations fit in
   the GPU memory the step leaves free (``recompute``); the math is plain checkpointing's.
 - ``optim.loss``: lm_head + cross-entropy in token chunks with the gradient made in the forward,
@@ -39,7 +41,7 @@ _ENABLED = "_optim_enabled"
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
-MODULES = ("optim.packing", "optim.moe", "optim.offload", "optim.recompute", "optim.loss", "optim.regional")
+MODULES = ("optim.packing", "optim.moe", "optim.lora", "optim.offload", "optim.recompute", "optim.loss", "optim.regional")
 
 
 def _modules():

@@ -119,6 +119,19 @@ DECLARED: dict[str, dict[str, Switch]] = {
             ),
         )
     },
+    "optim.lora": {
+        s.name: s
+        for s in (
+            Switch(
+                "lora",
+                ("fused", "peft"),
+                "fused",
+                "peft's LoRA Linear layers: fused = base and adapter in one autograd function in the model's "
+                "dtype, saving the layer's input once (no fp32 copy per projection; fp32 master weights and "
+                "adapter gradients kept); peft = peft's own forward (input cast to the adapters' fp32)",
+            ),
+        )
+    },
     "optim.offload": {
         s.name: s
         for s in (

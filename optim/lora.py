@@ -1,0 +1,153 @@
+"""peft's LoRA linear layers as one autograd function in the model's dtype (switch ``lora``).
+
+peft keeps LoRA adapters in fp32 by default (``autocast_adapter_dtype``) and casts each layer's
+input to fp32 before ``lora_A``. Autograd keeps that copy for ``lora_A``'s gradient: one T x in
+fp32 tensor per projection, q, k and v each their own. At 8192 tokens on a Qwen3-8B layer that is
+q, k, v, o, gate and up at 128 MiB each and down at 384 MiB, 1.1 GiB a layer, the size of the
+layer's own bf16 activations. The adapter's fp32 output also promotes each projection's sum to
+fp32 before the cast back, which is more memory traffic.
+
+``lora="fused"`` (the default) gives each plain peft ``lora.Linear`` one autograd function:
+``y = x W^T + b + s (x A^T) B^T``, with A and B cast to the input's dtype for the matmuls. The fp32
+master weights and their optimizer states are unchanged. Only ``x`` is saved, as the tensor the
+layer was given, so projections that share an input (q, k, v; gate, up) share one saved tensor.
+The r-wide ``x A^T`` is saved too. The backward computes
+``dx = g W + s (g B) A`` and the adapters' gradients ``dA = s (g B)^T x`` and ``dB = s g^T (x A^T)``.
+On CUDA these accumulate in fp32 and are written in fp32; elsewhere they are computed in fp32 from
+the saved tensors. Unsloth's LoRA kernels take the same approach.
+
+A layer runs peft's own forward when the fused path would not give the same model: adapters
+disabled or merged, several adapters active or a mixed batch (``adapter_names``), a LoRA variant
+(DoRA and others), dropout, a LoRA bias, ``fan_in_fan_out``, a trained base weight, autocast, or
+an input of another dtype than the base weight's. ``lora="peft"`` leaves every layer as peft
+built it. Only torch and peft are imported here; without peft there is nothing to fuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from optim._hf import owner
+from optim.switches import switches_of
+
+SWITCHES = switches_of(__name__)
+
+try:  # peft is optional: without it there are no LoRA layers
+    from peft.tuners.lora.layer import Linear as PeftLinear
+except ImportError:  # pragma: no cover - peft is a dependency of every install
+    PeftLinear = None
+
+_STATE = "_optim_lora"
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b written in fp32: on CUDA one cuBLAS call accumulating in fp32 (no rounding to the
+    inputs' dtype); elsewhere the product of fp32 copies."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _LoraLinear(torch.autograd.Function):
+    """x W^T + b + s (x A^T) B^T over the last dimension of x, W and b frozen."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        xa = x2 @ a.t()
+        base = torch.nn.functional.linear(x2, weight, bias)
+        y = torch.addmm(base, xa, b.t(), alpha=scaling)
+        ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
+        ctx.scaling = scaling
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, xa, weight, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.scaling
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        a, b = lora_a.to(g.dtype), lora_b.to(g.dtype)
+        gb = g @ b  # (T, r): the gradient reaching x A^T, before the scaling
+        grad_x = grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.addmm(g @ weight, gb, a, alpha=s).reshape(x.shape)
+        if ctx.needs_input_grad[3]:
+            grad_a = _mm_f32(gb.t(), x2).mul_(s).to(lora_a.dtype)
+        if ctx.needs_input_grad[4]:
+            grad_b = _mm_f32(g.t(), xa).mul_(s).to(lora_b.dtype)
+        return grad_x, None, None, grad_a, grad_b, None
+
+
+def _fusable(layer) -> bool:
+    """What can be decided once, at enable: peft's plain Linear over a plain nn.Linear, weights
+    as rows (no fan_in_fan_out)."""
+    return (PeftLinear is not None and type(layer) is PeftLinear
+            and type(layer.get_base_layer()) is nn.Linear and not layer.fan_in_fan_out)
+
+
+def _fused_adapter(layer, x: torch.Tensor, kwargs: dict) -> str | None:
+    """The one active adapter the fused path computes, or None where peft's forward must run."""
+    if layer.disable_adapters or layer.merged or kwargs:
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    base = layer.get_base_layer()
+    if (name in layer.lora_variant or not isinstance(layer.lora_dropout[name], nn.Identity)
+            or layer.lora_B[name].bias is not None or layer.lora_A[name].bias is not None
+            or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
+            or x.dtype != base.weight.dtype or torch.is_autocast_enabled(x.device.type)):
+        return None
+    return name
+
+
+class FusedLoraLinear(PeftLinear if PeftLinear is not None else nn.Module):
+    """peft's ``lora.Linear`` with the same parameters and state-dict keys, whose forward is one
+    autograd function where that computes what peft's would (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        name = None if args else _fused_adapter(self, x, kwargs)
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.get_base_layer()
+        return _LoraLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight,
+                                 self.lora_B[name].weight, float(self.scaling[name]))
+
+
+def enable(model: nn.Module, **settings: Any) -> nn.Module:
+    """Apply the ``lora`` switch to every plain peft LoRA Linear of ``model``; returns it. Layers
+    keep their parameters, so an optimizer built before or after sees the same ones."""
+    unknown = set(settings) - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"unknown optim.lora settings: {sorted(unknown)} (valid: {sorted(SWITCHES)})")
+    mode = SWITCHES["lora"].resolve(settings.get("lora"))
+    disable(model)
+    layers = [m for m in model.modules() if _fusable(m)]
+    if mode == "fused":
+        for m in layers:
+            m.__class__ = FusedLoraLinear
+    vars(owner(model))[_STATE] = {"lora": mode, "fused_layers": len(layers) if mode == "fused" else 0}
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Every fused layer back to peft's own class."""
+    for m in model.modules():
+        if type(m) is FusedLoraLinear:
+            m.__class__ = PeftLinear
+    vars(owner(model)).pop(_STATE, None)
+    return model
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """What enable() did, for result rows (empty when it was not applied)."""
+    return dict(vars(owner(model)).get(_STATE, {}))
