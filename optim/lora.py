@@ -62,8 +62,8 @@ class _LoraLinear(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
         xa = x2 @ a.t()
-        base = torch.nn.functional.linear(x2, weight, bias)
-        y = torch.addmm(base, xa, b.t(), alpha=scaling)
+        y = torch.nn.functional.linear(x2, weight, bias)
+        y.addmm_(xa, b.t(), alpha=scaling)  # in place: one T x out buffer, not two
         ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
         ctx.scaling = scaling
         return y.reshape(*shape[:-1], y.shape[-1])
@@ -78,7 +78,7 @@ class _LoraLinear(torch.autograd.Function):
         gb = g @ b  # (T, r): the gradient reaching x A^T, before the scaling
         grad_x = grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(g @ weight, gb, a, alpha=s).reshape(x.shape)
+            grad_x = (g @ weight).addmm_(gb, a, alpha=s).reshape(x.shape)
         if ctx.needs_input_grad[3]:
             grad_a = _mm_f32(gb.t(), x2).mul_(s).to(lora_a.dtype)
         if ctx.needs_input_grad[4]:

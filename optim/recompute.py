@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from optim._hf import owner
+from optim._memory import usable_and_total
 from optim.switches import Switch, switches_of
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,9 @@ class Memory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def usable_and_total(self) -> tuple[int, int]:
-        """What the process can still allocate (free plus the allocator's unused blocks), and the
-        device's total."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return free + max(0, torch.cuda.memory_reserved(self.device) - self.allocated()), total
+        """What the process can still allocate (free plus the allocator's unused blocks), and what
+        it may hold in all (the device's memory, or its per-process fraction of it)."""
+        return usable_and_total(self.device)
 
 
 MAX_ATTEMPTS = 3  # steps that may try to be the measured one (each resets CUDA's peak statistics)

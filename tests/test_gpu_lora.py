@@ -81,4 +81,5 @@ def test_fused_lora_is_as_close_to_fp32_as_peft_each_step_and_peaks_lower(compil
     ms = {n: sorted(r[3] for r in runs[n][1:])[1] for n in ("peft", "fused")}
     print(f"{'compiled' if compiled else 'eager'}: step peak GiB {peak}, median ms of steps 2-4 {ms}")
     # peft's fp32 copies of one recomputed layer's inputs: q, k, v, o, gate, up 64 MiB each, down 192
-    assert peak["fused"] < peak["peft"] - 0.25 if not compiled else peak["fused"] <= peak["peft"] + 0.01, peak
+    # (eager and compiled alike: inductor keeps the copies too)
+    assert peak["fused"] < peak["peft"] - 0.25, peak

@@ -1,7 +1,8 @@
 """optim.recompute on CUDA, through optim.enable with its defaults: every step's loss and gradients
 against plain checkpointing (recompute="all"), the first included; the first step measures real
 activations; a GPU with room skips every recompute, a full GPU keeps them without an OOM; and a
-longer batch than the measured one is judged on its own tokens."""
+longer batch than the measured one is judged on its own tokens; a per-process memory fraction is
+the memory it plans in."""
 
 import gc
 
@@ -129,4 +130,24 @@ def test_a_longer_batch_than_the_measured_one_is_judged_on_its_tokens():
         del filler
         torch.cuda.empty_cache()
     assert skipped[1] == skipped[3] == SPEC.num_hidden_layers and skipped[2] < SPEC.num_hidden_layers, (skipped, st)
+    _assert_steps_match(steps, ref)
+
+
+def test_a_per_process_memory_fraction_is_the_memory_it_plans_in():
+    """The GPU has room, but the process is held by ``torch.cuda.set_per_process_memory_fraction``
+    to the model, the checkpointed step, half a layer's activations and the headroom: the steps
+    keep their recomputes and nothing runs out of memory (read from the free device memory alone,
+    every layer would skip and the allocator would refuse the step)."""
+    batches = _batches([(2, 2048)] * STEPS)
+    ref, _, _ = _train(batches, recompute="all")
+    _, _, probe = _train(batches[:2])
+    raw = probe["raw"]
+    total = torch.cuda.mem_get_info()[1]
+    cap = torch.cuda.memory_allocated() + _model_room(probe) + raw["growth"] + raw["act_per_layer"] // 2 + R.GIB
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        steps, skipped, st = _train(batches)  # the allocator raises past the fraction
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert skipped[1:] == [0] * (STEPS - 1), st
     _assert_steps_match(steps, ref)

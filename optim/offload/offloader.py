@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from optim._memory import usable_and_total
 from optim.offload.function import StepStats, OffloadFunction, Record, split_args
 from optim.switches import OFFLOAD_MODES, Switch, switches_of
 
@@ -446,11 +447,10 @@ class Offloader:
 
 def _device_memory(device: torch.device) -> tuple[int, int, int]:
     """What the process can still allocate on ``device`` (free plus the caching allocator's unused
-    blocks), the device's total, and the peak's growth above what is allocated now."""
-    free, total = torch.cuda.mem_get_info(device)
-    alloc = torch.cuda.memory_allocated(device)
-    usable = free + max(0, torch.cuda.memory_reserved(device) - alloc)
-    return usable, total, max(0, torch.cuda.max_memory_allocated(device) - alloc)
+    blocks, within its per-process fraction), what it may hold in all, and the peak's growth above
+    what is allocated now."""
+    usable, total = usable_and_total(device)
+    return usable, total, max(0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
 
 
 def _release_dead(mgr_ref, rid: int, _dead) -> None:
