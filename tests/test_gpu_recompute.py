@@ -135,19 +135,19 @@ def test_a_longer_batch_than_the_measured_one_is_judged_on_its_tokens():
 
 def test_a_per_process_memory_fraction_is_the_memory_it_plans_in():
     """The GPU has room, but the process is held by ``torch.cuda.set_per_process_memory_fraction``
-    to the model, the checkpointed step, half a layer's activations and the headroom: the steps
-    keep their recomputes and nothing runs out of memory (read from the free device memory alone,
-    every layer would skip and the allocator would refuse the step)."""
+    to the model, the checkpointed step, three layers' activations and the headroom: some layers
+    skip their recompute, not all, and nothing runs out of memory (read from the free device memory
+    alone, every layer would skip and the allocator would refuse the step)."""
     batches = _batches([(2, 2048)] * STEPS)
     ref, _, _ = _train(batches, recompute="all")
     _, _, probe = _train(batches[:2])
     raw = probe["raw"]
     total = torch.cuda.mem_get_info()[1]
-    cap = torch.cuda.memory_allocated() + _model_room(probe) + raw["growth"] + raw["act_per_layer"] // 2 + R.GIB
+    cap = torch.cuda.memory_allocated() + _model_room(probe) + raw["growth"] + 3 * raw["act_per_layer"] + R.GIB
     torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
         steps, skipped, st = _train(batches)  # the allocator raises past the fraction
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert skipped[1:] == [0] * (STEPS - 1), st
+    assert all(0 < n < SPEC.num_hidden_layers for n in skipped[1:]), (skipped, st)
     _assert_steps_match(steps, ref)
