@@ -53,43 +53,51 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def lora_forward(x2: torch.Tensor, weight, bias, lora_a, lora_b, scaling: float):
+    """``(x2 W^T + b + s (x2 A^T) B^T, x2 A^T)`` for 2-D ``x2``, in its dtype: the output and the
+    r-wide product the adapters' gradients need."""
+    xa = x2 @ lora_a.to(x2.dtype).t()
+    y = torch.nn.functional.linear(x2, weight, bias)
+    y.addmm_(xa, lora_b.to(x2.dtype).t(), alpha=scaling)  # in place: one T x out buffer, not two
+    return y, xa
+
+
+def lora_backward(g, x2, xa, weight, lora_a, lora_b, scaling: float, want_x=True, want_a=True, want_b=True):
+    """The gradients of ``lora_forward``'s output ``g`` (2-D) reaching x2, A and B (each None where
+    not wanted): ``dx = g W + s (g B) A``, ``dA = s (g B)^T x2``, ``dB = s g^T (x2 A^T)``, the
+    adapters' in fp32 (see ``_mm_f32``) and then in their own dtype."""
+    a, b = lora_a.to(g.dtype), lora_b.to(g.dtype)
+    gb = g @ b  # (T, r): the gradient reaching x A^T, before the scaling
+    grad_x = (g @ weight).addmm_(gb, a, alpha=scaling) if want_x else None
+    grad_a = _mm_f32(gb.t(), x2).mul_(scaling).to(lora_a.dtype) if want_a else None
+    grad_b = _mm_f32(g.t(), xa).mul_(scaling).to(lora_b.dtype) if want_b else None
+    return grad_x, grad_a, grad_b
+
+
 class _LoraLinear(torch.autograd.Function):
     """x W^T + b + s (x A^T) B^T over the last dimension of x, W and b frozen."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-        xa = x2 @ a.t()
-        y = torch.nn.functional.linear(x2, weight, bias)
-        y.addmm_(xa, b.t(), alpha=scaling)  # in place: one T x out buffer, not two
+        y, xa = lora_forward(x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling)
         ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
         ctx.scaling = scaling
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
         x, xa, weight, lora_a, lora_b = ctx.saved_tensors
-        s = ctx.scaling
-        g = grad_y.reshape(-1, grad_y.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        a, b = lora_a.to(g.dtype), lora_b.to(g.dtype)
-        gb = g @ b  # (T, r): the gradient reaching x A^T, before the scaling
-        grad_x = grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight).addmm_(gb, a, alpha=s).reshape(x.shape)
-        if ctx.needs_input_grad[3]:
-            grad_a = _mm_f32(gb.t(), x2).mul_(s).to(lora_a.dtype)
-        if ctx.needs_input_grad[4]:
-            grad_b = _mm_f32(g.t(), xa).mul_(s).to(lora_b.dtype)
-        return grad_x, None, None, grad_a, grad_b, None
+        need = ctx.needs_input_grad
+        grad_x, grad_a, grad_b = lora_backward(
+            grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1]), xa, weight, lora_a, lora_b,
+            ctx.scaling, need[0], need[3], need[4])
+        return None if grad_x is None else grad_x.reshape(x.shape), None, None, grad_a, grad_b, None
 
 
 def _fusable(layer) -> bool:
     """What can be decided once, at enable: peft's plain Linear over a plain nn.Linear, weights
     as rows (no fan_in_fan_out)."""
-    return (PeftLinear is not None and type(layer) is PeftLinear
+    return (PeftLinear is not None and type(layer) in (PeftLinear, FusedLoraLinear)
             and type(layer.get_base_layer()) is nn.Linear and not layer.fan_in_fan_out)
 
 

@@ -26,7 +26,7 @@ def pytest_addoption(parser):
                      help="run the collected tests shuffled with this seed (to catch tests that depend on order)")
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N shards: whole test files, balanced by the wall times in "
-                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/4)")
+                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/5)")
     parser.addoption("--record-durations", default=None, metavar="PATH",
                      help="write each test's wall time (setup, call and teardown) and each file's sum as JSON")
 
