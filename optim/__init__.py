@@ -15,6 +15,8 @@
   unchanged.
 - ``optim.lora``: peft's LoRA Linear layers as one autograd function in the model's dtype, the
   layer's input saved once instead of an fp32 copy per projection (``lora``).
+- ``optim.mlp``: SwiGLU MLPs in token chunks, keeping only their input for the backward
+  (``mlp_chunk``); off by default, since it trades time for memory.
 - ``optim.recompute``: checkpointed layers skip their recompute while their activations fit in
   the GPU memory the step leaves free (``recompute``); the math is plain checkpointing's.
 - ``optim.loss``: lm_head + cross-entropy in token chunks with the gradient made in the forward,
@@ -41,7 +43,7 @@ _ENABLED = "_optim_enabled"
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
-MODULES = ("optim.packing", "optim.moe", "optim.lora", "optim.offload", "optim.recompute", "optim.loss", "optim.regional")
+MODULES = ("optim.packing", "optim.moe", "optim.lora", "optim.mlp", "optim.offload", "optim.recompute", "optim.loss", "optim.regional")
 
 
 def _modules():

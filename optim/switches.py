@@ -31,6 +31,8 @@ class Switch:
                 value = True
             elif False in self.choices and low in ("0", "false", "off", "no"):
                 value = False
+            elif low.isdigit() and any(type(c) is int for c in self.choices):
+                value = int(low)  # an environment variable's number
             else:
                 value = low
         if not any(value == c and type(value) is type(c) for c in self.choices):
@@ -129,6 +131,20 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "peft's LoRA Linear layers: fused = base and adapter in one autograd function in the model's "
                 "dtype, saving the layer's input once (no fp32 copy per projection; fp32 master weights and "
                 "adapter gradients kept); peft = peft's own forward (input cast to the adapters' fp32)",
+            ),
+        )
+    },
+    "optim.mlp": {
+        s.name: s
+        for s in (
+            # Off by default: chunking costs the gate and up projections once more per MLP.
+            Switch(
+                "mlp_chunk",
+                ("off", 256, 512, 1024, 2048, 4096, 8192, 16384),
+                "off",
+                "SwiGLU MLPs in chunks of this many tokens, keeping only their input for the backward "
+                "(which recomputes each chunk's gate and up projections): no tokens x intermediate tensor "
+                "is kept; off = the MLP's own forward",
             ),
         )
     },

@@ -1,0 +1,146 @@
+"""optim.mlp: SwiGLU MLPs in token chunks keep only their input, and compute the same gradients."""
+
+import pytest
+import torch
+from _lora import randomize_lora_b
+from torch import nn
+
+import optim
+from harness.workload import models
+from optim import mlp as M
+
+
+def _batch(spec, seed=0, tokens=600):
+    from harness.run.experiment import DataSpec
+    from harness.workload.data import make_batch
+
+    return make_batch(DataSpec(median_doc_len=100, seed=seed), tokens, 2, spec.vocab_size)
+
+
+def _build(spec, dtype, **switches):
+    model = randomize_lora_b(models.build(spec, device="cpu", dtype=dtype, lora_rank=4), seed=3)
+    return optim.enable(model, only=("lora", "mlp"), **switches)
+
+
+def _step(model, b):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name,dtype,lora", [("qwen3-0.6b-tiny", torch.float32, "fused"),
+                                             ("qwen3-0.6b-tiny", torch.bfloat16, "fused"),
+                                             ("llama-3.2-1b-tiny", torch.bfloat16, "peft")])
+def test_chunked_mlp_gives_the_unchunked_loss_and_gradients_at_every_step(name, dtype, lora):
+    """2 x 600 tokens in chunks of 256: four full chunks and a tail, through the layers' checkpoint
+    and its recompute, at each of three steps of a loop, on the weights the unchunked model's AdamW
+    reached; with peft's own LoRA layers too (the chunks then compute the adapters as optim.lora
+    does, in the model's dtype, so bf16's tolerance)."""
+    spec = models.get(name)
+    ref, model = _build(spec, dtype, lora=lora), _build(spec, dtype, lora=lora, mlp_chunk=256)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    layers = spec.config().num_hidden_layers
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for step in range(3):
+        b = _batch(spec, step)
+        (ref_loss, ref_grads), (loss, grads) = _step(ref, b), _step(model, b)
+        assert loss == pytest.approx(ref_loss, rel=tol), step
+        assert set(grads) == set(ref_grads) and any("mlp.down_proj.lora_A" in n for n in grads)
+        for n, g in ref_grads.items():
+            err = ((grads[n] - g).norm() / g.norm()).item()
+            assert err < tol, (step, n, err)
+        opt.step()
+        with torch.no_grad():  # the next step on the same weights
+            for p, q in zip(model.parameters(), ref.parameters()):
+                p.copy_(q)
+    # each step: the forward and the checkpoint's recompute, per layer
+    assert M.describe(model) == {"mlp_chunk": 256, "chunked_mlps": layers, "chunked_calls": 2 * 3 * layers}
+
+
+class _MLP(nn.Module):
+    def __init__(self, d=32, inter=96, bias=False):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, inter, bias=bias), nn.Linear(d, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, d, bias=bias)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _peft_mlp(bias=False, dtype=torch.float32):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(_MLP(bias=bias).to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=list(M._PROJ)))
+    return randomize_lora_b(model, seed=1)
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    y = model(x)
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype)).sum().backward()
+    return y.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_mlp_with_lora_and_biases_matches_and_keeps_only_its_input(bias):
+    x = torch.randn(3, 70, 32)  # 210 tokens: chunks of 256 would not split them
+    model = _peft_mlp(bias)
+    ref_y, ref_g = _grads(model, x)
+    M.enable(model, mlp_chunk=256)
+    assert M.describe(model)["chunked_mlps"] == 1
+    vars(model.base_model.model)["_optim_mlp_chunk"] = 64  # below the switch's choices: 4 chunks, a tail of 18
+    y, g = _grads(model, x)
+    assert M.describe(model)["chunked_calls"] == 1
+    torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-6)
+    assert g.keys() == ref_g.keys() and len(g) == 7  # x and A, B of the three projections
+    for n in g:
+        torch.testing.assert_close(g[n], ref_g[n], rtol=1e-4, atol=1e-6, msg=n)
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params and t.numel():
+            saved.append(t)
+        return t
+
+    xg = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(xg)
+    assert len(saved) == 1 and saved[0] is xg  # the input, and no tokens x intermediate tensor
+
+
+def test_what_it_cannot_chunk_runs_the_mlps_own_forward():
+    x = torch.randn(2, 300, 32)
+    # a trained base weight, a GELU MLP, no grad, a batch within one chunk
+    trained = _peft_mlp()
+    trained.base_model.model.gate_proj.base_layer.weight.requires_grad_(True)
+    gelu = _MLP()
+    gelu.act_fn = nn.GELU()
+    for model, arg, grad in ((trained, x, True), (gelu, x, True), (_peft_mlp(), x, False), (_peft_mlp(), x[:, :100], True)):
+        M.enable(model, mlp_chunk=256)
+        with torch.set_grad_enabled(grad):
+            model(arg)
+        assert M.describe(model).get("chunked_calls", 0) == 0
+    assert M.describe(gelu)["chunked_mlps"] == 0
+
+
+def test_enable_disable_keep_parameters_and_state_dict_and_the_switch_reads_its_env_var(monkeypatch):
+    spec = models.get("qwen3-0.6b-tiny")
+    model = _build(spec, torch.float32)
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    monkeypatch.setenv("OPTIM_MLP_CHUNK", "512")
+    optim.enable(model, only=("mlp",))
+    assert M.describe(model)["mlp_chunk"] == 512 and M.describe(model)["chunked_mlps"] == 2
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    optim.disable(model)
+    assert M.describe(model) == {} and not any(type(m).__name__.startswith("Chunked") for m in model.modules())
+    monkeypatch.delenv("OPTIM_MLP_CHUNK")
+    optim.enable(model, only=("mlp",))
+    assert M.describe(model) == {"mlp_chunk": "off", "chunked_mlps": 0, "chunked_calls": 0}
+    with pytest.raises(ValueError, match="mlp_chunk=100 is not valid"):
+        optim.enable(model, mlp_chunk=100)
