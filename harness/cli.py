@@ -69,6 +69,25 @@ def _resources(text: str) -> dict[str, float]:
     return out
 
 
+def cmd_context(args) -> int:
+    from harness.run import context, experiment
+
+    exp = experiment.subset(experiment.load(Path(args.experiment)), models=args.models, variants=args.variants)
+    experiment.check_requires(exp)
+    try:
+        found = context.run(exp, args.results, max_len=args.max_len, resolution=args.resolution,
+                            command=args.command, stop_after_s=args.stop_after, progress=not args.quiet,
+                            probe_warmup=args.probe_warmup, probe_steps=args.probe_steps)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for s in found:
+        probes = ", ".join(f"{n} {st}" for n, st in s.probes) or "none run"
+        print(f"{s.model} {s.variant}: longest trained {s.longest or '-'} tokens (probes this run: {probes})"
+              + (f"; {s.stopped}" if s.stopped else ""))
+    return 1 if any(s.stopped and not s.stopped.startswith("stopped:") for s in found) else 0
+
+
 def cmd_sweep(args) -> int:
     import signal
 
@@ -356,6 +375,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-resources", type=_resources, metavar="NAME=N[,NAME=N]",
                    help="custom Ray resources each point's task asks for, e.g. one_per_host=1")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("context", help="the longest length each variant trains at: a search over sweep points, "
+                                       "one process per probe, an OOM a row")
+    p.add_argument("experiment", help="experiment TOML: its models, variants and [data]; its first seq_lens "
+                                      "entry is where each search starts")
+    p.add_argument("--max-len", type=int, default=1 << 20, help="the longest length probed (default: 1048576)")
+    p.add_argument("--resolution", type=int, default=1024,
+                   help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
+    p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
+    p.add_argument("--stop-after", type=float, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
+    p.add_argument("--probe-warmup", type=int, default=1, help="warm-up steps of each probe (default: 1)")
+    p.add_argument("--probe-steps", type=int, default=2, help="measured steps of each probe (default: 2)")
+    p.add_argument("--models", nargs="+", help="search only these of the file's models")
+    p.add_argument("--variants", nargs="+", help="search only these of the file's variants")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_context)
 
     p = sub.add_parser("report", help="rebuild reports/ from results/ (reads nothing else)")
     p.add_argument("experiments", nargs="*", help="experiment names, or experiment files standing for their [experiment] name (default: all under results/)")

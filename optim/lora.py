@@ -94,14 +94,14 @@ class _LoraLinear(torch.autograd.Function):
         return None if grad_x is None else grad_x.reshape(x.shape), None, None, grad_a, grad_b, None
 
 
-def _fusable(layer) -> bool:
+def fusable(layer) -> bool:
     """What can be decided once, at enable: peft's plain Linear over a plain nn.Linear, weights
     as rows (no fan_in_fan_out)."""
     return (PeftLinear is not None and type(layer) in (PeftLinear, FusedLoraLinear)
             and type(layer.get_base_layer()) is nn.Linear and not layer.fan_in_fan_out)
 
 
-def _fused_adapter(layer, x: torch.Tensor, kwargs: dict) -> str | None:
+def fused_adapter(layer, x: torch.Tensor, kwargs: dict) -> str | None:
     """The one active adapter the fused path computes, or None where peft's forward must run."""
     if layer.disable_adapters or layer.merged or kwargs:
         return None
@@ -123,7 +123,7 @@ class FusedLoraLinear(PeftLinear if PeftLinear is not None else nn.Module):
     autograd function where that computes what peft's would (see the module docstring)."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        name = None if args else _fused_adapter(self, x, kwargs)
+        name = None if args else fused_adapter(self, x, kwargs)
         if name is None:
             return super().forward(x, *args, **kwargs)
         base = self.get_base_layer()
@@ -139,7 +139,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
         raise TypeError(f"unknown optim.lora settings: {sorted(unknown)} (valid: {sorted(SWITCHES)})")
     mode = SWITCHES["lora"].resolve(settings.get("lora"))
     disable(model)
-    layers = [m for m in model.modules() if _fusable(m)]
+    layers = [m for m in model.modules() if fusable(m)]
     if mode == "fused":
         for m in layers:
             m.__class__ = FusedLoraLinear

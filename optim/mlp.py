@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from optim._hf import owner
-from optim.lora import PeftLinear, _fused_adapter, _fusable, lora_backward, lora_forward
+from optim.lora import PeftLinear, fused_adapter, fusable, lora_backward, lora_forward
 from optim.switches import switches_of
 
 SWITCHES = switches_of(__name__)
@@ -47,8 +47,8 @@ def _projection(module, x: torch.Tensor):
         if module.weight.requires_grad or (module.bias is not None and module.bias.requires_grad):
             return None
         return module.weight, module.bias, None, None, 0.0
-    if PeftLinear is not None and isinstance(module, PeftLinear) and _fusable(module):
-        name = _fused_adapter(module, x, {})
+    if PeftLinear is not None and isinstance(module, PeftLinear) and fusable(module):
+        name = fused_adapter(module, x, {})
         if name is None:
             return None
         base = module.get_base_layer()

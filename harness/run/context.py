@@ -1,0 +1,130 @@
+"""The longest trainable length per model and variant: a search over sweep points.
+
+Each probe is one sweep point at one length: one fresh process, ``probe_warmup`` warm-up steps
+and ``probe_steps`` measured ones (forward, backward and optimizer; fewer than a timing sweep
+takes, since a probe asks whether the length trains, and a long one takes seconds a step), rows as the experiment's ``[data]`` draws them (a ``fixed``
+document length at least the longest probe makes each row one document). A point that runs out
+of memory is an ``oom`` row like any other; one past its time limit is an ``error`` row whose
+message says it timed out. At such a length the stack does not train. Per model and variant the search doubles the length from
+the file's first ``seq_lens`` entry until a probe does not train or ``max_len`` is reached, then
+bisects between the longest length that trained and the shortest that did not, to ``resolution``
+tokens. A point that fails otherwise (another ``error``, ``skipped``) ends that variant's search:
+its row says why.
+
+The rows are the sweep's, in ``results/<experiment>/<gpu>.jsonl``, each point identified by its
+length as any sweep point is. A rerun reads the rows this code measured and goes on where the
+search stopped; ``stop_after_s`` starts no probe past that many seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness import results as res
+from harness.run import experiment as experiment_mod
+from harness.run.experiment import Experiment
+
+TRAINS, FAILS = ("ok",), ("oom", "timeout")
+
+
+def next_length(trained: list[int], failed: list[int], start: int, max_len: int, resolution: int) -> int | None:
+    """The next length to probe, given the lengths that trained and those that did not; None when
+    the search is over: the longest trainable length is known to ``resolution`` tokens, or is
+    ``max_len`` or more, or is below ``resolution``."""
+    lo = max(trained, default=None)
+    hi = min((f for f in failed if lo is None or f > lo), default=None)
+    if lo is None and hi is None:
+        return start
+    if hi is None:
+        return None if lo >= max_len else min(2 * lo, max_len)
+    low = lo if lo is not None else 0
+    if hi - low <= resolution:
+        return None
+    mid = (low + hi) // 2 // resolution * resolution
+    return mid if mid > low and mid >= resolution else None
+
+
+def outcomes(rows: list[dict], model: str, variant: str, code: str | None) -> dict[int, str]:
+    """Length -> status of this model's and variant's probes measured by ``code`` (any code where
+    None); the latest row of a length wins."""
+    out: dict[int, str] = {}
+    for r in rows:
+        if (r.get("kind", "step") == "step" and r.get("model") == model and r.get("variant") == variant
+                and (code is None or (r.get("env") or {}).get("code_id") == code)):
+            status = r.get("status", "error")
+            if status == "error" and str(r.get("message", "")).startswith("timed out"):
+                status = "timeout"  # the sweep's row for a point past its time limit
+            out[int(r["seq_len"])] = status
+    return out
+
+
+@dataclass
+class Search:
+    model: str
+    variant: str
+    probes: list[tuple[int, str]] = field(default_factory=list)  # (length, status) in the order run
+    longest: int | None = None  # the longest length that trained
+    stopped: str = ""  # why the search ended without an answer (an error row), or ""
+
+
+def search(exp: Experiment, model: str, variant: str, results_root: str | Path, *, max_len: int,
+           resolution: int, run_point, rows_of, code: str | None, deadline: float | None = None,
+           probe_warmup: int = 1, probe_steps: int = 2) -> Search:
+    """One model's and variant's search. ``run_point(exp)`` runs the one-point experiment it is
+    given (the sweep); ``rows_of()`` reads the results file again after it."""
+    one = dataclasses.replace(experiment_mod.subset(exp, models=[model], variants=[variant]),
+                              warmup_steps=probe_warmup, measured_steps=probe_steps)
+    s = Search(model, variant)
+    while True:
+        seen = outcomes(rows_of(), model, variant, code)
+        bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS}
+        if bad:
+            n = min(bad)
+            s.stopped = f"the probe at {n} tokens ended {bad[n]!r}: see its row"
+            break
+        trained = [n for n, st in seen.items() if st in TRAINS]
+        length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution)
+        if length is None or length in seen:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            s.stopped = "stopped: out of time (a rerun goes on)"
+            break
+        run_point(dataclasses.replace(one, seq_lens=[length]))
+        status = outcomes(rows_of(), model, variant, code).get(length)
+        if status is None:  # the file limits this variant to other models or lengths
+            s.stopped = f"no row at {length} tokens: the experiment file has no such point for this variant"
+            break
+        s.probes.append((length, status))
+    seen = outcomes(rows_of(), model, variant, code)
+    s.longest = max((n for n, st in seen.items() if st in TRAINS), default=None)
+    return s
+
+
+def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: int, command: str = "",
+        stop_after_s: float | None = None, progress: bool = True, probe_warmup: int = 1,
+        probe_steps: int = 2) -> list[Search]:
+    """Every model and variant of ``exp``, one search each, in the file's order."""
+    from harness.measure.env import code_id
+    from harness.run import sweep
+
+    if resolution < 1 or max_len < exp.seq_lens[0] or probe_warmup < 0 or probe_steps < 1:
+        raise ValueError(f"resolution and probe_steps must be at least 1, probe_warmup at least 0, and max_len "
+                         f"at least the first length {exp.seq_lens[0]}")
+    deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+    slug = res.gpu_slug(sweep.detect_device_name(exp.device))
+    path = res.results_path(results_root, exp.name, slug)
+    code = code_id()
+
+    def run_point(one: Experiment) -> None:
+        sweep.run(one, results_root, progress=progress, command=command)
+
+    out = []
+    for model in exp.models:
+        for variant in exp.variants:
+            out.append(search(exp, model, variant, results_root, max_len=max_len, resolution=resolution,
+                              run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
+                              probe_warmup=probe_warmup, probe_steps=probe_steps))
+    return out

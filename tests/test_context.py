@@ -1,0 +1,114 @@
+"""harness.run.context: the longest trainable length per variant, searched over sweep points."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import results as res
+from harness.run import context, experiment
+from harness.run.context import next_length
+
+EXP = """
+[experiment]
+name = "ctx"
+description = "context search on CPU"
+models = ["qwen3-0.6b-tiny"]
+seq_lens = [64]
+batch_size = 1
+warmup_steps = 3
+measured_steps = 10
+lora_rank = 4
+dtype = "fp32"
+device = "cpu"
+baseline = "stock"
+timeout_s = 300
+
+[data]
+distribution = "fixed"
+median_doc_len = 1048576   # one document per row, whatever the length
+
+[variants.stock]
+role = "stock"
+
+[variants.user]
+role = "user"
+"""
+
+
+def test_next_length_doubles_until_a_failure_then_bisects_to_the_resolution():
+    assert next_length([], [], 4096, 1 << 20, 1024) == 4096
+    assert next_length([4096], [], 4096, 1 << 20, 1024) == 8192
+    assert next_length([4096, 8192, 16384], [32768], 4096, 1 << 20, 1024) == 24576
+    assert next_length([4096, 24576], [32768], 4096, 1 << 20, 1024) == 28672
+    assert next_length([28672, 29696], [30720], 4096, 1 << 20, 1024) is None  # known to 1024 tokens
+    assert next_length([1 << 20], [], 4096, 1 << 20, 1024) is None  # trains at the longest probed
+    assert next_length([600000], [], 4096, 1 << 20, 1024) == 1 << 20  # the last doubling stops at max_len
+    assert next_length([], [4096], 4096, 1 << 20, 1024) == 2048  # the first probe failed: halve
+    assert next_length([], [1024], 4096, 1 << 20, 1024) is None  # below the resolution: nothing trains
+    assert next_length([8192], [4096, 16384], 4096, 1 << 20, 1024) == 12288  # a failure below a success is noise
+
+
+class _Fake:
+    """A sweep whose points train up to ``limit`` tokens and run out of memory beyond."""
+
+    def __init__(self, limit, fail_at=None):
+        self.limit, self.fail_at, self.rows, self.runs, self.code = limit, fail_at, [], [], "c"
+
+    def run_point(self, exp):
+        (point,) = exp.points()
+        self.runs.append(point.seq_len)
+        status = "error" if point.seq_len == self.fail_at else "ok" if point.seq_len <= self.limit else "oom"
+        self.rows.append({"kind": "step", "model": point.model, "variant": point.variant, "seq_len": point.seq_len,
+                          "status": status, "message": "boom" if status == "error" else "", "env": {"code_id": self.code}})
+
+
+def _exp(tmp_path):
+    path = tmp_path / "ctx.toml"
+    path.write_text(EXP)
+    return experiment.load(path)
+
+
+def test_a_search_finds_the_longest_length_to_its_resolution_and_a_rerun_runs_nothing(tmp_path):
+    exp, fake = _exp(tmp_path), _Fake(limit=23000)
+    kw = dict(max_len=1 << 20, resolution=1024, run_point=fake.run_point, rows_of=lambda: fake.rows, code="c")
+    s = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **kw)
+    assert 23000 - 1024 < s.longest <= 23000 and not s.stopped
+    assert fake.runs[:10] == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert len(fake.runs) == len(set(fake.runs)) == len(s.probes)
+    again = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **kw)
+    assert again.probes == [] and again.longest == s.longest
+    # another code's rows do not count: that code's search starts over
+    fake.code = "d"
+    other = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": "d"})
+    assert other.probes[0][0] == 64
+
+
+def test_an_error_ends_the_variants_search_and_says_where(tmp_path):
+    exp, fake = _exp(tmp_path), _Fake(limit=1 << 20, fail_at=256)
+    s = context.search(exp, "qwen3-0.6b-tiny", "stock", tmp_path, max_len=1 << 20, resolution=64,
+                       run_point=fake.run_point, rows_of=lambda: fake.rows, code="c")
+    assert s.longest == 128 and "256 tokens ended 'error'" in s.stopped and fake.runs == [64, 128, 256]
+
+
+def test_a_timed_out_point_counts_as_not_training(tmp_path):
+    rows = [{"model": "m", "variant": "v", "seq_len": 8192, "status": "error", "message": "timed out after 600 s"},
+            {"model": "m", "variant": "v", "seq_len": 4096, "status": "ok"}]
+    assert context.outcomes(rows, "m", "v", None) == {8192: "timeout", 4096: "ok"}
+
+
+@pytest.mark.slow
+def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tmp_path):
+    """On CPU nothing runs out of memory: each variant trains at 64 and 128 tokens, the --max-len."""
+    path = tmp_path / "ctx.toml"
+    path.write_text(EXP)
+    done = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--max-len", "128",
+                           "--results", str(tmp_path / "results"), "--quiet"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "qwen3-0.6b-tiny stock: longest trained 128 tokens" in done.stdout
+    assert "qwen3-0.6b-tiny user: longest trained 128 tokens" in done.stdout
+    rows = res.read_rows(res.results_path(tmp_path / "results", "ctx", "cpu"))
+    assert sorted((r["variant"], r["seq_len"], r["status"]) for r in rows) == [
+        ("stock", 64, "ok"), ("stock", 128, "ok"), ("user", 64, "ok"), ("user", 128, "ok")]
+    assert all(set(r["num_docs"]) == {1} for r in rows)  # one document per row
+    assert all(r["warmup_steps"] == 1 and r["measured_steps"] == 2 for r in rows)  # probes, not timings
