@@ -33,6 +33,9 @@ role = "stock"
 
 [variants.user]
 role = "user"
+
+[report.context]
+targets = [{ model = "qwen3-0.6b-tiny", min_over_best_peer = 1.0, fits = 128 }]
 """
 
 
@@ -112,3 +115,33 @@ def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tm
         ("stock", 64, "ok"), ("stock", 128, "ok"), ("user", 64, "ok"), ("user", 128, "ok")]
     assert all(set(r["num_docs"]) == {1} for r in rows)  # one document per row
     assert all(r["warmup_steps"] == 1 and r["measured_steps"] == 2 for r in rows)  # probes, not timings
+    # the report reads the probes as the file's points (not stale), with the targets judged
+    done = subprocess.run([sys.executable, "-m", "harness", "report", "ctx", "--results", str(tmp_path / "results"),
+                           "--reports", str(tmp_path / "reports")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (tmp_path / "reports" / "ctx" / "README.md").read_text()
+    assert "## The longest trainable length per stack" in text and "stale rows" not in text
+    assert "| qwen3-0.6b-tiny | user | user | 128 | none probed |" in text
+    assert "| ours' longest ≥ 1.0× the best peer's, qwen3-0.6b-tiny (cpu) | 1.00× (128 `user` vs 128 `stock`) | yes |" in text
+    assert "| ours trains at 128 tokens, qwen3-0.6b-tiny (cpu) | longest 128 | yes |" in text
+
+
+def _row(variant, role, n, status, ms=None):
+    return {"kind": "step", "gpu_slug": "g", "device_name": "G", "model": "m", "variant": variant, "role": role,
+            "seq_len": n, "status": status, "step_ms": {"p50": ms} if ms else None, "message": ""}
+
+
+def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length():
+    from harness.report import context as report
+
+    rows = [_row("stock", "stock", 8192, "ok", 900.0), _row("stock", "stock", 16384, "oom"),
+            _row("unsloth", "unsloth", 16384, "ok", 2000.0), _row("unsloth", "unsloth", 24576, "oom"),
+            _row("user", "user", 16384, "ok", 1500.0), _row("user", "user", 32768, "ok", 3500.0),
+            _row("user", "user", 65536, "error", None) | {"message": "timed out after 600 s"}]
+    text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
+                                                 "faster_at_peer_longest": True, "fits": 65536}]})
+    assert "| m | unsloth | unsloth | 16384 | 24576 (oom) |" in text
+    assert "| m | user | user | 32768 | 65536 (timeout) |" in text
+    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `unsloth`) | yes |" in text
+    assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 2000.0 ms at 16384 | yes |" in text
+    assert "| ours trains at 65536 tokens, m (g) | longest 32768 | no |" in text

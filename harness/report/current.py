@@ -4,7 +4,8 @@ newest code's. The rest are stale: listed in the report's appendix, never averag
 "The file as it is now" is the kept copy the newest row ran from (``spec.kept_file``). A step row
 belongs to it when that file still defines its point alike: the same model, length, variant and
 repeat, with an equal point identity (``harness.row.point_id``, under the row's own ``OPTIM_*``
-variables). A variant or length dropped from the file, or a variant whose switches changed, leaves
+variables). A probe of ``harness context`` belongs to it too: the file's model and variant at the
+probe's length and step counts, with an equal identity. A variant or length dropped from the file, or a variant whose switches changed, leaves
 its older rows stale; a row that names no experiment file (``experiment_sha256``) is read as it is. Of a point's rows, those of the code that measured its newest row stay
 (``runs.newest_code``), on each GPU type: the others are that older code's results, not repeats.
 """
@@ -30,16 +31,28 @@ class Split:
     kept: Path | None = None  # the experiment file as it is now
 
 
-def _point_ids(path: Path) -> dict[tuple, object]:
+def _point_ids(path: Path) -> tuple[dict[tuple, object], object]:
     exp = experiment_file.load(path)
-    return {(p.model, p.seq_len, p.variant, p.gpus, p.repeat): p for p in exp.points()}
+    return {(p.model, p.seq_len, p.variant, p.gpus, p.repeat): p for p in exp.points()}, exp
+
+
+def _probe(exp, r: dict):
+    """The point ``harness context`` ran for row ``r`` from this file (its model and variant at the
+    row's length and step counts), or None where the file has no such model or variant."""
+    if r.get("model") not in exp.models or r.get("variant") not in exp.variants:
+        return None
+    one = dataclasses.replace(experiment_file.subset(exp, models=[r["model"]], variants=[r["variant"]]),
+                              seq_lens=[int(r["seq_len"])], warmup_steps=int(r.get("warmup_steps") or 0),
+                              measured_steps=int(r.get("measured_steps") or 0))
+    return next((p for p in one.points() if (p.gpus, p.repeat) == (int(r.get("gpus") or 1), int(r.get("repeat") or 0))),
+                None)
 
 
 def split(results_root: Path | str, experiment: str, rows: list[dict]) -> Split:
     """``rows`` (of one experiment) parted into those the report reads and the stale ones. Rows
     other than step rows (bandwidth, benchmarks) are all read."""
     kept = spec.kept_file(results_root, experiment, rows)
-    points = _point_ids(kept) if kept is not None else None
+    points, exp = _point_ids(kept) if kept is not None else (None, None)
     out = Split(rows=[], kept=kept)
     by_point: dict[str, list[dict]] = {}  # per GPU type and point
     for r in rows:
@@ -48,9 +61,10 @@ def split(results_root: Path | str, experiment: str, rows: list[dict]) -> Split:
             continue
         if points is not None and r.get("experiment_sha256"):  # a row that names no file cannot be placed
             key = (r.get("model"), r.get("seq_len"), r.get("variant"), int(r.get("gpus") or 1), int(r.get("repeat") or 0))
-            p = points.get(key)
-            if p is None or rowmod.point_id({**dataclasses.asdict(p), "env_switches": r.get("env_switches") or {}}) \
-                    != r.get("point_id"):
+            same = [p for p in (points.get(key), _probe(exp, r)) if p is not None
+                    and rowmod.point_id({**dataclasses.asdict(p), "env_switches": r.get("env_switches") or {}})
+                    == r.get("point_id")]
+            if not same:
                 out.stale.append((r, FILE_CHANGED))
                 continue
         by_point.setdefault(f"{r.get('gpu_slug')}/{r.get('point_id')}", []).append(r)  # a GPU type's own

@@ -1,0 +1,107 @@
+"""The longest trainable length per model and stack, from ``python -m harness context``'s probes.
+
+Each probe is a step row at one length (``harness.run.context``): ``ok`` trained, ``oom`` or a
+timed-out ``error`` did not. Per GPU type and model, a table gives each variant's longest length
+that trained, the shortest above it that did not, and the probe's step time, tokens/s, peak and
+the host memory its offloaded checkpoints held. Peers are the variants of roles ``stock``,
+``stock-compiled``, ``peer`` and ``unsloth``; ours are the rest.
+
+``[report.context]`` may list ``targets``, each ``{model}`` with any of ``min_over_best_peer``
+(ours' longest over the best peer's, on the same card), ``faster_at_peer_longest = true`` (ours'
+step at the best peer's longest length is faster than that peer's: judged where ours has a row at
+that length) and ``fits = N`` (ours trains at N tokens).
+"""
+
+from __future__ import annotations
+
+from harness.report import fmt
+from harness.roles import role_of
+from harness.run.context import FAILS, TRAINS, outcomes
+
+PEER_ROLES = ("stock", "stock-compiled", "peer", "unsloth")
+DASH_NOT_REACHED = "none probed"
+
+
+def _by(rows: list[dict]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault((r.get("gpu_slug") or "unknown", r.get("model"), r.get("variant")), []).append(r)
+    return out
+
+
+def longest(rows: list[dict]) -> tuple[dict | None, int | None, str]:
+    """Of one variant's probes on one GPU type: the row at the longest length that trained, the
+    shortest length above it that did not, and that probe's status ("" where none)."""
+    seen = outcomes(rows, rows[0].get("model"), rows[0].get("variant"), None)
+    ok = [n for n, st in seen.items() if st in TRAINS]
+    best = max(ok, default=None)
+    above = sorted(n for n, st in seen.items() if st in FAILS and (best is None or n > best))
+    row = next((r for r in rows if best is not None and int(r["seq_len"]) == best and r.get("status") == "ok"), None)
+    return row, (above[0] if above else None), (seen[above[0]] if above else "")
+
+
+def _host_gib(row: dict | None) -> float | None:
+    host = ((row or {}).get("offload_stats") or {}).get("host_buffer_bytes")
+    return host / 2**30 if host else None
+
+
+def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
+    groups = _by(steps)
+    if not groups:
+        return ""
+    parts = ["## The longest trainable length per stack",
+             "Each stack's longest single-document length that trained one full step (forward, backward, "
+             "AdamW), searched by `python -m harness context`: doubling, then bisection; each probe one fresh "
+             "process. Step time, tokens/s and peak are the probe's at that length (its few measured steps)."]
+    for slug in sorted({k[0] for k in groups}):
+        body = []
+        for (g, model, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+            if g != slug:
+                continue
+            row, above, why = longest(rs)
+            body.append([model, variant, role_of(rs[0]), row["seq_len"] if row else "none",
+                         f"{above} ({why})" if above else DASH_NOT_REACHED, fmt.ms(fmt.stat(row, "step_ms")),
+                         fmt.num((row or {}).get("tokens_per_s"), ",.0f") if row else fmt.DASH,
+                         fmt.num((row or {}).get("peak_allocated_gib"), ".2f") if row else fmt.DASH,
+                         fmt.num(_host_gib(row), ".2f") if _host_gib(row) else fmt.DASH, len(rs)])
+        parts.append(f"### {fmt.distinct(r.get('device_name') for r in steps if r.get('gpu_slug') == slug)}")
+        parts.append(fmt.table(["model", "variant", "role", "longest trained", "shortest that did not",
+                                "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)", "probes"], body))
+    targets = spec.get("targets") or []
+    if targets:
+        parts.append(_targets(groups, targets))
+    return "\n\n".join(parts)
+
+
+def _targets(groups: dict, targets: list[dict]) -> str:
+    body = []
+    for slug in sorted({k[0] for k in groups}):
+        for t in targets:
+            model = t.get("model")
+            mine = {v: longest(rs) for (g, m, v), rs in groups.items() if g == slug and m == model}
+            peers = {v: x for v, x in mine.items() if role_of(groups[(slug, model, v)][0]) in PEER_ROLES}
+            ours = {v: x for v, x in mine.items() if v not in peers}
+            best_peer = max(peers, key=lambda v: int(peers[v][0]["seq_len"]) if peers[v][0] else 0, default=None)
+            best_ours = max(ours, key=lambda v: int(ours[v][0]["seq_len"]) if ours[v][0] else 0, default=None)
+            p_len = int(peers[best_peer][0]["seq_len"]) if best_peer and peers[best_peer][0] else None
+            o_len = int(ours[best_ours][0]["seq_len"]) if best_ours and ours[best_ours][0] else None
+            where = f"{model} ({slug})"
+            if "min_over_best_peer" in t:
+                goal = t["min_over_best_peer"]
+                ratio = o_len / p_len if o_len and p_len else None
+                body.append([f"ours' longest ≥ {goal}× the best peer's, {where}",
+                             f"{fmt.times(ratio)} ({o_len} `{best_ours}` vs {p_len} `{best_peer}`)" if ratio else "not measured",
+                             fmt.met(ratio >= goal) if ratio else fmt.DASH])
+            if t.get("faster_at_peer_longest"):
+                at = next((r for v in ours for r in groups[(slug, model, v)]
+                           if p_len and int(r["seq_len"]) == p_len and r.get("status") == "ok"), None)
+                peer_ms = fmt.stat(peers[best_peer][0], "step_ms") if best_peer and peers[best_peer][0] else None
+                ours_ms = fmt.stat(at, "step_ms")
+                body.append([f"ours faster than the best peer at its longest length, {where}",
+                             f"{fmt.ms(ours_ms)} vs {fmt.ms(peer_ms)} ms at {p_len}" if ours_ms and peer_ms else "not measured",
+                             fmt.met(ours_ms < peer_ms) if ours_ms and peer_ms else fmt.DASH])
+            if "fits" in t:
+                n = int(t["fits"])
+                body.append([f"ours trains at {n} tokens, {where}", f"longest {o_len}" if o_len else "not measured",
+                             fmt.met(o_len >= n) if o_len else fmt.DASH])
+    return "Targets:\n\n" + fmt.table(["target", "measured", "met?"], body)
