@@ -19,7 +19,10 @@ the saved tensors. Unsloth's LoRA kernels take the same approach.
 A layer runs peft's own forward when the fused path would not give the same model: adapters
 disabled or merged, several adapters active or a mixed batch (``adapter_names``), a LoRA variant
 (DoRA and others), dropout, a LoRA bias, ``fan_in_fan_out``, a trained base weight, autocast, or
-an input of another dtype than the base weight's. ``lora="peft"`` leaves every layer as peft
+an input of another dtype than the base weight's. It does so too where calling the base layer or
+the adapters would run hooks that reading their weights skips, or where a weight is not a plain
+local matrix: accelerate's offloading, DeepSpeed ZeRO-3, FSDP wrapping the adapters, a user's
+hooks. ``lora="peft"`` leaves every layer as peft
 built it. Only torch and peft are imported here; without peft there is nothing to fuse.
 """
 
@@ -44,13 +47,26 @@ _STATE = "_optim_lora"
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b written in fp32: on CUDA one cuBLAS call accumulating in fp32 (no rounding to the
-    inputs' dtype); elsewhere the product of fp32 copies."""
-    if a.dtype == torch.float32:
+    """a @ b written in fp32 at least: for fp16/bf16 inputs on CUDA one cuBLAS call accumulating
+    in fp32 (no rounding to the inputs' dtype), elsewhere the product of fp32 copies; fp32 and
+    fp64 inputs in their own dtype."""
+    if a.dtype not in (torch.float16, torch.bfloat16):
         return a @ b
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks that reading its weights directly skips (an
+    offloading, gathering or sharding wrapper's, or a user's)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
+def _plain(w: torch.Tensor) -> bool:
+    """A weight the matmuls can read as it is: a local 2-D tensor, not a shard or a placeholder
+    (a DTensor of FSDP, DeepSpeed ZeRO-3's partitioned parameter, an offloaded empty one)."""
+    return w.dim() == 2 and w.numel() > 0 and not hasattr(w, "ds_id") and not hasattr(w, "device_mesh")
 
 
 def lora_forward(x2: torch.Tensor, weight, bias, lora_a, lora_b, scaling: float):
@@ -110,12 +126,23 @@ def fused_adapter(layer, x: torch.Tensor, kwargs: dict) -> str | None:
         return None
     name = active[0]
     base = layer.get_base_layer()
+    a, b = layer.lora_A[name], layer.lora_B[name]
+    if (type(a) is not nn.Linear or type(b) is not nn.Linear or _hooked(base) or _hooked(a) or _hooked(b)
+            or _global_hooks() or not (_plain(base.weight) and _plain(a.weight) and _plain(b.weight))):
+        return None
     if (name in layer.lora_variant or not isinstance(layer.lora_dropout[name], nn.Identity)
             or layer.lora_B[name].bias is not None or layer.lora_A[name].bias is not None
             or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
             or x.dtype != base.weight.dtype or torch.is_autocast_enabled(x.device.type)):
         return None
     return name
+
+
+def _global_hooks() -> bool:
+    """Whether module hooks registered for every module (``register_module_forward_*_hook``) are set."""
+    from torch.nn.modules import module as m
+
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks)
 
 
 class FusedLoraLinear(PeftLinear if PeftLinear is not None else nn.Module):

@@ -131,7 +131,8 @@ def _outputs(model, x):
     return y.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-@pytest.mark.parametrize("case", ["dropout", "disabled", "merged", "two_adapters", "dora", "lora_bias"])
+@pytest.mark.parametrize("case", ["dropout", "disabled", "merged", "two_adapters", "dora", "lora_bias", "autocast",
+                                  "trained_base", "hooked", "global_hook"])
 def test_what_the_fused_path_cannot_compute_runs_peft_forward_bit_for_bit(case):
     torch.manual_seed(0)
     kw = {"dropout": {"lora_dropout": 0.1}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True}}.get(case, {})
@@ -147,6 +148,12 @@ def test_what_the_fused_path_cannot_compute_runs_peft_forward_bit_for_bit(case):
             model.base_model.set_adapter(["default", "second"])
         if case == "merged":
             model.merge_adapter()
+        inner = model.base_model.model
+        for proj in (inner.q_proj, inner.k_proj, inner.v_proj):
+            if case == "trained_base":
+                proj.base_layer.weight.requires_grad_(True)
+            if case == "hooked":  # as an offloading or sharding wrapper's hook would, it changes the call
+                proj.base_layer.register_forward_hook(lambda m, i, o: o * 2)
         return model
 
     def run(model):
@@ -154,6 +161,16 @@ def test_what_the_fused_path_cannot_compute_runs_peft_forward_bit_for_bit(case):
         if case == "disabled":
             with model.disable_adapter():
                 return _outputs(model, x)
+        if case == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return _outputs(model, x)
+        if case == "global_hook":
+            handle = torch.nn.modules.module.register_module_forward_hook(
+                lambda m, i, o: o * 2 if type(m) is nn.Linear else o)
+            try:
+                return _outputs(model, x)
+            finally:
+                handle.remove()
         return _outputs(model, x)
 
     ref_y, ref_g = run(build())
@@ -188,3 +205,14 @@ def test_a_model_without_lora_is_left_alone():
     model = nn.Sequential(nn.Linear(4, 4))
     lora.enable(model)
     assert type(model[0]) is nn.Linear and lora.describe(model)["fused_layers"] == 0
+
+
+def test_the_functions_backward_is_its_forwards_gradient_in_fp64():
+    """gradcheck of the autograd function itself (3-D input, bias, scaling): in fp64 the adapters'
+    gradients are computed in fp64 too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w, b = torch.randn(4, 6, dtype=torch.float64, generator=g), torch.randn(4, dtype=torch.float64, generator=g)
+    a = torch.randn(3, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    bb = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, a, bb: lora._LoraLinear.apply(x, w, b, a, bb, 1.5), (x, a, bb))
