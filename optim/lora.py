@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from optim._hf import owner
 from optim.switches import switches_of
@@ -64,9 +65,9 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _plain(w: torch.Tensor) -> bool:
-    """A weight the matmuls can read as it is: a local 2-D tensor, not a shard or a placeholder
-    (a DTensor of FSDP, DeepSpeed ZeRO-3's partitioned parameter, an offloaded empty one)."""
-    return w.dim() == 2 and w.numel() > 0 and not hasattr(w, "ds_id") and not hasattr(w, "device_mesh")
+    """A weight the matmuls can read as it is: a local 2-D parameter or tensor, not a shard or a
+    placeholder (FSDP's DTensor, DeepSpeed ZeRO-3's emptied partition, an offloaded empty one)."""
+    return (type(w) is nn.Parameter or type(w) is torch.Tensor) and w.dim() == 2 and w.numel() > 0
 
 
 def lora_forward(x2: torch.Tensor, weight, bias, lora_a, lora_b, scaling: float):
@@ -140,9 +141,7 @@ def fused_adapter(layer, x: torch.Tensor, kwargs: dict) -> str | None:
 
 def _global_hooks() -> bool:
     """Whether module hooks registered for every module (``register_module_forward_*_hook``) are set."""
-    from torch.nn.modules import module as m
-
-    return bool(m._global_forward_pre_hooks or m._global_forward_hooks)
+    return bool(_nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks)
 
 
 class FusedLoraLinear(PeftLinear if PeftLinear is not None else nn.Module):

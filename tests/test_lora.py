@@ -216,3 +216,23 @@ def test_the_functions_backward_is_its_forwards_gradient_in_fp64():
     a = torch.randn(3, 6, dtype=torch.float64, generator=g, requires_grad=True)
     bb = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, a, bb: lora._LoraLinear.apply(x, w, b, a, bb, 1.5), (x, a, bb))
+
+
+def test_the_fused_layers_trace_whole_under_torch_compile():
+    """What optim.regional compiles: the fused forward, its checks and the function, in one graph
+    (fullgraph: a graph break raises), forward and backward equal to eager's fused layers, bit for
+    bit, in bf16, where peft's own layers give other bits (so the fused path is the one traced)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    model = _peft(_Attn().to(torch.bfloat16))
+    _, peft_g = _outputs(model, x)
+    lora.enable(model)
+    ref_y, ref_g = _outputs(model, x)
+    assert not all(torch.equal(peft_g[n], ref_g[n]) for n in ref_g)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y, g = _outputs(compiled, x)
+    assert torch.equal(y, ref_y)
+    assert {n.replace("_orig_mod.", "") for n in g} == set(ref_g)
+    for n, grad in g.items():
+        assert torch.equal(grad, ref_g[n.replace("_orig_mod.", "")]), n
