@@ -1,3 +1,21 @@
-"""A helper the LoRA numerics tests share (the harness's own, used by its gate's parity check)."""
+"""Helpers the LoRA numerics tests share (``randomize_lora_b`` is the harness's own, used by its
+gate's parity check)."""
 
 from harness.workload.models import randomize_lora_b  # noqa: F401
+
+
+def cuda_lora_model(name: str, rank: int = 16):
+    """``name`` built on CUDA in bf16 with LoRA ``rank`` (base weights seed 0), every lora_B drawn
+    from N(0, 0.02) by a CUDA generator seeded 1, so the adapters take part in the first step's
+    forward."""
+    import torch
+
+    from harness.workload import models
+
+    model = models.build(models.get(name), device="cuda", dtype=torch.bfloat16, lora_rank=rank, seed=0)
+    with torch.no_grad():
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
+    return model

@@ -5,6 +5,7 @@ layers are; and a step recomputing every layer peaks lower, without peft's fp32 
 
 import pytest
 import torch
+from _lora import cuda_lora_model
 
 import optim
 from harness.run.experiment import DataSpec
@@ -17,13 +18,7 @@ SPEC = "qwen3-8b-4l"
 
 
 def _model(dtype, **settings):
-    spec = models.get(SPEC)
-    model = models.build(spec, device="cuda", dtype=torch.bfloat16, lora_rank=16, seed=0)
-    with torch.no_grad():  # lora_B drawn, so the adapters take part in the first step's forward
-        g = torch.Generator(device="cuda").manual_seed(1)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
+    model = cuda_lora_model(SPEC)
     if dtype == torch.float32:
         for p in model.parameters():
             p.data = p.data.float()

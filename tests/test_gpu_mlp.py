@@ -5,6 +5,7 @@ tolerance of the unchunked MLPs', and the step peaks lower."""
 
 import pytest
 import torch
+from _lora import cuda_lora_model
 
 import optim
 from harness.run.experiment import DataSpec
@@ -15,13 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _model(**settings):
-    model = models.build(models.get("qwen3-8b-4l"), device="cuda", dtype=torch.bfloat16, lora_rank=16, seed=0)
-    with torch.no_grad():  # lora_B drawn, so the adapters take part in the first step's forward
-        g = torch.Generator(device="cuda").manual_seed(1)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
-    return optim.enable(model, recompute="all", **settings)
+    return optim.enable(cuda_lora_model("qwen3-8b-4l"), recompute="all", **settings)
 
 
 def _step(model, b):
