@@ -75,8 +75,17 @@ def lora_forward(x2: torch.Tensor, weight, bias, lora_a, lora_b, scaling: float)
     r-wide product the adapters' gradients need."""
     xa = x2 @ lora_a.to(x2.dtype).t()
     y = torch.nn.functional.linear(x2, weight, bias)
-    y.addmm_(xa, lora_b.to(x2.dtype).t(), alpha=scaling)  # in place: one T x out buffer, not two
-    return y, xa
+    return _add_product(y, xa, lora_b.to(x2.dtype).t(), scaling), xa
+
+
+def _add_product(y: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``y + alpha (m1 @ m2)``. Eager: in place into ``y``, one T x out buffer, not two. Traced by
+    torch.compile: as a sum, because inductor lowers an in-place addmm on a fresh buffer as a copy
+    of it followed by the addmm (a device-to-device copy and a launch per call), where the sum fuses
+    into the pointwise kernel that reads ``y`` next (the norm, the activation, the residual)."""
+    if torch.compiler.is_compiling():
+        return y + (m1 @ m2) * alpha
+    return y.addmm_(m1, m2, alpha=alpha)
 
 
 def lora_backward(g, x2, xa, weight, lora_a, lora_b, scaling: float, want_x=True, want_a=True, want_b=True):
@@ -85,7 +94,7 @@ def lora_backward(g, x2, xa, weight, lora_a, lora_b, scaling: float, want_x=True
     adapters' in fp32 (see ``_mm_f32``) and then in their own dtype."""
     a, b = lora_a.to(g.dtype), lora_b.to(g.dtype)
     gb = g @ b  # (T, r): the gradient reaching x A^T, before the scaling
-    grad_x = (g @ weight).addmm_(gb, a, alpha=scaling) if want_x else None
+    grad_x = _add_product(g @ weight, gb, a, scaling) if want_x else None
     grad_a = _mm_f32(gb.t(), x2).mul_(scaling).to(lora_a.dtype) if want_a else None
     grad_b = _mm_f32(g.t(), xa).mul_(scaling).to(lora_b.dtype) if want_b else None
     return grad_x, grad_a, grad_b

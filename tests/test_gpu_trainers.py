@@ -2,8 +2,11 @@
 Qwen3-0.6B's real shape in bf16, the same seed and documents, the loss curves equal within bf16
 tolerance, and each run's median step time printed (the figure a user sees; not judged here)."""
 
+from importlib.metadata import version
+
 import pytest
 import torch
+from packaging.version import Version
 from harness.workload.trainers import documents, sft_run, trainer_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -41,7 +44,11 @@ def test_sft_trainer_50_steps_beside_stock(tmp_path, mode):
     ours = sft_run(MODEL, ours=True, out_dir=str(tmp_path / "o"), **kw)
     _report(f"SFTTrainer {mode}", stock, ours)
     _check(stock, ours)
-    assert ours["counters"]["from_cu_seqlens"] == STEPS and "host_syncs" not in ours["counters"]
+    c = ours["counters"]
+    if Version(version("trl")) >= Version("1.16"):  # its collator hands cu_seq_lens_q and max_length_q
+        assert c.get("from_cu_seqlens") == STEPS and "host_syncs" not in c, c
+    else:  # TRL 1.15 (Unsloth's pin) hands position_ids only: one read of them per batch
+        assert c["metadata"] == c.get("host_syncs") == STEPS and "from_cu_seqlens" not in c, c
 
 
 def test_trainer_50_steps_beside_stock(tmp_path):

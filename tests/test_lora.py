@@ -220,19 +220,26 @@ def test_the_functions_backward_is_its_forwards_gradient_in_fp64():
 
 def test_the_fused_layers_trace_whole_under_torch_compile():
     """What optim.regional compiles: the fused forward, its checks and the function, in one graph
-    (fullgraph: a graph break raises), forward and backward equal to eager's fused layers, bit for
-    bit, in bf16, where peft's own layers give other bits (so the fused path is the one traced)."""
+    (fullgraph: a graph break raises) holding the fused function once per projection (not peft's
+    forward), forward and backward equal to eager's fused layers within bf16 rounding (traced, the
+    adapter's term is a sum, not the eager in-place addmm)."""
     torch.manual_seed(0)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     model = _peft(_Attn().to(torch.bfloat16))
-    _, peft_g = _outputs(model, x)
     lora.enable(model)
     ref_y, ref_g = _outputs(model, x)
-    assert not all(torch.equal(peft_g[n], ref_g[n]) for n in ref_g)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=recording)
     y, g = _outputs(compiled, x)
-    assert torch.equal(y, ref_y)
+    applied = [n for gm in graphs for n in gm.graph.nodes if "autograd_function_apply" in str(n.target)]
+    assert len(graphs) == 1 and len(applied) == 3
     assert {n.replace("_orig_mod.", "") for n in g} == set(ref_g)
-    for n, grad in g.items():
-        assert torch.equal(grad, ref_g[n.replace("_orig_mod.", "")]), n
+    for n, (got, ref) in {"y": (y, ref_y), **{n: (t, ref_g[n.replace("_orig_mod.", "")]) for n, t in g.items()}}.items():
+        # a bf16 ulp of the largest value: the sum rounds the adapter's term once more than addmm
+        assert (got.float() - ref.float()).abs().max() <= 2**-8 * ref.float().abs().max(), n
