@@ -131,17 +131,22 @@ def _row(variant, role, n, status, ms=None):
             "seq_len": n, "status": status, "step_ms": {"p50": ms} if ms else None, "message": ""}
 
 
-def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length():
+def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_path):
     from harness.report import context as report
 
     rows = [_row("stock", "stock", 8192, "ok", 900.0), _row("stock", "stock", 16384, "oom"),
             _row("unsloth", "unsloth", 16384, "ok", 2000.0), _row("unsloth", "unsloth", 24576, "oom"),
+            _row("a-slow", "ours", 16384, "ok", 2500.0), _row("a-slow", "ours", 24576, "oom"),
             _row("user", "user", 16384, "ok", 1500.0), _row("user", "user", 32768, "ok", 3500.0),
             _row("user", "user", 65536, "error", None) | {"message": "timed out after 600 s"}]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
-                                                 "faster_at_peer_longest": True, "fits": 65536}]})
+                                                 "faster_at_peer_longest": True, "fits": 65536}]}, out_dir=tmp_path)
+    # the bar chart of the longest lengths, beside the table
+    assert "![longest trained length per variant (g)](g-context-longest.png)" in text
+    assert (tmp_path / "g-context-longest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| m | unsloth | unsloth | 16384 | 24576 (oom) |" in text
     assert "| m | user | user | 32768 | 65536 (timeout) |" in text
     assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `unsloth`) | yes |" in text
+    # of ours' rows at that length, the fastest (a-slow's 2500 ms is not it)
     assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 2000.0 ms at 16384 | yes |" in text
     assert "| ours trains at 65536 tokens, m (g) | longest 32768 | no |" in text

@@ -10,11 +10,21 @@ the host memory its offloaded checkpoints held. Peers are the variants of roles 
 (ours' longest over the best peer's, on the same card), ``faster_at_peer_longest = true`` (ours'
 step at the best peer's longest length is faster than that peer's: judged where ours has a row at
 that length) and ``fits = N`` (ours trains at N tokens).
+
+With the report's folder (``out_dir``), each GPU type gets a bar chart of those longest lengths
+(a panel per model, a bar per variant in its role's colour, a cross at the shortest length that did
+not train). Step time against length, per variant, is the per-GPU step-time figure of the report.
 """
 
 from __future__ import annotations
 
-from harness.report import fmt
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from harness.report import fmt, plots
+from harness.report.palette import ROLE_COLOR
 from harness.roles import role_of
 from harness.run.context import FAILS, TRAINS, outcomes
 
@@ -45,7 +55,7 @@ def _host_gib(row: dict | None) -> float | None:
     return host / 2**30 if host else None
 
 
-def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
+def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None = None) -> str:
     groups = _by(steps)
     if not groups:
         return ""
@@ -67,6 +77,10 @@ def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
         parts.append(f"### {fmt.distinct(r.get('device_name') for r in steps if r.get('gpu_slug') == slug)}")
         parts.append(fmt.table(["model", "variant", "role", "longest trained", "shortest that did not",
                                 "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)", "probes"], body))
+        if out_dir is not None:
+            here = {k: rs for k, rs in groups.items() if k[0] == slug}
+            path = plot_longest(here, Path(out_dir) / f"{slug}-context-longest.png")
+            parts.append(plots.embed_figure(path, f"longest trained length per variant ({slug})"))
     targets = spec.get("targets") or []
     if targets:
         parts.append(_targets(groups, targets))
@@ -92,9 +106,10 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                 body.append([f"ours' longest ≥ {goal}× the best peer's, {where}",
                              f"{fmt.times(ratio)} ({o_len} `{best_ours}` vs {p_len} `{best_peer}`)" if ratio else "not measured",
                              fmt.met(ratio >= goal) if ratio else fmt.DASH])
-            if t.get("faster_at_peer_longest"):
-                at = next((r for v in ours for r in groups[(slug, model, v)]
-                           if p_len and int(r["seq_len"]) == p_len and r.get("status") == "ok"), None)
+            if t.get("faster_at_peer_longest"):  # ours' fastest row at that length
+                at = min((r for v in ours for r in groups[(slug, model, v)] if p_len and int(r["seq_len"]) == p_len
+                          and r.get("status") == "ok" and fmt.stat(r, "step_ms")),
+                         key=lambda r: fmt.stat(r, "step_ms"), default=None)
                 peer_ms = fmt.stat(peers[best_peer][0], "step_ms") if best_peer and peers[best_peer][0] else None
                 ours_ms = fmt.stat(at, "step_ms")
                 body.append([f"ours faster than the best peer at its longest length, {where}",
@@ -105,3 +120,37 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                 body.append([f"ours trains at {n} tokens, {where}", f"longest {o_len}" if o_len else "not measured",
                              fmt.met(o_len >= n) if o_len else fmt.DASH])
     return "Targets:\n\n" + fmt.table(["target", "measured", "met?"], body)
+
+
+def plot_longest(groups: dict[tuple, list[dict]], path: Path) -> Path | None:
+    """One GPU type's probes (``(slug, model, variant) -> rows``): per model a panel, per variant a
+    bar to its longest trained length (log 2 axis), coloured by role, with a cross at the shortest
+    length above it that did not train. None where no variant trained."""
+    found = {(m, v): (role_of(rs[0]), *longest(rs)) for (_, m, v), rs in groups.items()}
+    models = sorted({m for (m, _), x in found.items() if x[1] is not None})
+    if not models:
+        return None
+    fig = Figure(figsize=(6 * len(models), 0.5 + 0.45 * max(sum(1 for k in found if k[0] == m) for m in models)))
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, model in zip(axes, models):
+        names = sorted((v for m, v in found if m == model), reverse=True)
+        for i, v in enumerate(names):
+            role, row, above, _ = found[(model, v)]
+            color = ROLE_COLOR.get(role, ROLE_COLOR["best"] if role == "ours" else "#bcbd22")
+            if row is not None:
+                n = int(row["seq_len"])
+                ax.barh(i, n, color=color, height=0.6)
+                ax.text(n, i, f" {n:,}", va="center", fontsize=8)
+            if above is not None:
+                ax.plot([above], [i], marker="x", color="#d62728", linestyle="none",
+                        label="shortest that did not train")
+        ax.set_xscale("log", base=2)
+        shortest = min(int(found[(model, v)][1]["seq_len"]) for v in names if found[(model, v)][1] is not None)
+        ax.set_xlim(left=shortest / 2)  # bars on a log axis start somewhere: half the shortest
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))
+        ax.set_yticks(range(len(names)), names)
+        ax.set_title(model)
+        ax.set_xlabel("longest trained length (tokens, one document)")
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    plots.legend_below(fig, axes, ncol=1)
+    return plots.save_figure(fig, path)

@@ -20,7 +20,7 @@ from harness.report.palette import ROLE_COLOR, ROLE_LABEL, ROLE_MARKER, ROLES
 # to draw. Figures are built without pyplot so no global backend state or open figure leaks.
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     if not fig.legends:  # legend_below() has laid the figure out already
         fig.tight_layout()
@@ -146,7 +146,7 @@ def plot_step_time(df_steps: pd.DataFrame, path: Path, styles: dict | None = Non
         ax.set_ylabel("step time p50 (ms), bars p20–p80")
         ax.grid(True, which="both", alpha=0.3)
     legend_below(fig, axes, sort=True, order=order)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _point_ticks(ax, labels: list[str], upright_up_to: int = 12) -> None:
@@ -179,7 +179,7 @@ def plot_phase_split(df_steps: pd.DataFrame, path: Path) -> Path | None:
     ax.set_title("forward / backward / optimizer split (first repeat)")
     ax.grid(True, axis="y", alpha=0.3)
     legend_below(fig, [ax])
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
@@ -200,7 +200,7 @@ def plot_memory(df_steps: pd.DataFrame, path: Path) -> Path | None:
     ax.set_title("peak VRAM per point (first repeat)")
     ax.grid(True, axis="y", alpha=0.3)
     legend_below(fig, [ax])
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | None = None,
@@ -236,7 +236,7 @@ def plot_speedup(df_speedup: pd.DataFrame, path: Path, df_steps: pd.DataFrame | 
     ax.set_title("speedup vs baseline variant (> 1 is faster)")
     ax.grid(True, axis="y", alpha=0.3)
     legend_below(fig, [ax], ncol=6, sort=True, order=order)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_bandwidth(df_bw: pd.DataFrame, path: Path) -> Path | None:
@@ -258,7 +258,7 @@ def plot_bandwidth(df_bw: pd.DataFrame, path: Path) -> Path | None:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     legend_below(fig, [ax], ncol=3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def embed_figure(path: Path | None, alt: str) -> str:
