@@ -136,7 +136,9 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
 
     rows = [_row("stock", "stock", 8192, "ok", 900.0), _row("stock", "stock", 16384, "oom"),
             _row("unsloth", "unsloth", 16384, "ok", 2000.0), _row("unsloth", "unsloth", 24576, "oom"),
+            _row("compiled", "stock-compiled", 16384, "ok", 1800.0), _row("compiled", "stock-compiled", 24576, "oom"),
             _row("a-slow", "ours", 16384, "ok", 2500.0), _row("a-slow", "ours", 24576, "oom"),
+            _row("abl", "ablation", 131072, "ok", 9000.0),
             _row("user", "user", 16384, "ok", 1500.0), _row("user", "user", 32768, "ok", 3500.0),
             _row("user", "user", 65536, "error", None) | {"message": "timed out after 600 s"}]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
@@ -146,7 +148,8 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
     assert (tmp_path / "g-context-longest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| m | unsloth | unsloth | 16384 | 24576 (oom) |" in text
     assert "| m | user | user | 32768 | 65536 (timeout) |" in text
-    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `unsloth`) | yes |" in text
+    # ours are the user and ours roles (not the ablation); of the peers tied at 16384, the fastest
+    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `compiled`) | yes |" in text
     # of ours' rows at that length, the fastest (a-slow's 2500 ms is not it)
-    assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 2000.0 ms at 16384 | yes |" in text
+    assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 1800.0 ms at 16384 | yes |" in text
     assert "| ours trains at 65536 tokens, m (g) | longest 32768 | no |" in text

@@ -221,25 +221,36 @@ def test_the_functions_backward_is_its_forwards_gradient_in_fp64():
 def test_the_fused_layers_trace_whole_under_torch_compile():
     """What optim.regional compiles: the fused forward, its checks and the function, in one graph
     (fullgraph: a graph break raises) holding the fused function once per projection (not peft's
-    forward), forward and backward equal to eager's fused layers within bf16 rounding (traced, the
-    adapter's term is a sum, not the eager in-place addmm)."""
+    forward). Traced, the adapter's term is a sum, not eager's in-place addmm (which inductor lowers
+    as a copy and an addmm): the forward's only addmms are the two biased base projections, the
+    backward has none. Forward and backward equal eager's fused layers within bf16 rounding."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
     torch.manual_seed(0)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     model = _peft(_Attn().to(torch.bfloat16))
     lora.enable(model)
     ref_y, ref_g = _outputs(model, x)
-    graphs = []
+    graphs, aten = [], []
+
+    def keep(gm, _inputs):
+        aten.append(gm)
+        return make_boxed_func(gm.forward)
 
     def recording(gm, example_inputs):
         graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
 
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=recording)
     y, g = _outputs(compiled, x)
     applied = [n for gm in graphs for n in gm.graph.nodes if "autograd_function_apply" in str(n.target)]
     assert len(graphs) == 1 and len(applied) == 3
+    addmms = [sum(n.target == torch.ops.aten.addmm.default for n in gm.graph.nodes) for gm in aten]
+    assert addmms == [2, 0], addmms  # forward, backward
     assert {n.replace("_orig_mod.", "") for n in g} == set(ref_g)
-    for n, (got, ref) in {"y": (y, ref_y), **{n: (t, ref_g[n.replace("_orig_mod.", "")]) for n, t in g.items()}}.items():
-        # a bf16 ulp of the largest value: the sum rounds the adapter's term once more than addmm
-        assert (got.float() - ref.float()).abs().max() <= 2**-8 * ref.float().abs().max(), n
+    pairs = [("y", y, ref_y), *((n, t, ref_g[n.replace("_orig_mod.", "")]) for n, t in g.items())]
+    for n, got, ref in pairs:
+        # within a bf16 ulp (2^-7 relative) of the largest value: the sum rounds the adapter's term once more
+        assert (got.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max(), n

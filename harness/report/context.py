@@ -24,8 +24,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from harness.report import fmt, plots
-from harness.report.palette import ROLE_COLOR
-from harness.roles import role_of
+from harness.report.palette import ROLE_COLOR, ROLE_LABEL
+from harness.roles import OURS, role_of
 from harness.run.context import FAILS, TRAINS, outcomes
 
 PEER_ROLES = ("stock", "stock-compiled", "peer", "unsloth")
@@ -77,9 +77,8 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
         parts.append(f"### {fmt.distinct(r.get('device_name') for r in steps if r.get('gpu_slug') == slug)}")
         parts.append(fmt.table(["model", "variant", "role", "longest trained", "shortest that did not",
                                 "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)", "probes"], body))
-        if out_dir is not None:
-            here = {k: rs for k, rs in groups.items() if k[0] == slug}
-            path = plot_longest(here, Path(out_dir) / f"{slug}-context-longest.png")
+        if out_dir is not None and (path := plot_longest({k: rs for k, rs in groups.items() if k[0] == slug},
+                                                         Path(out_dir) / f"{slug}-context-longest.png")):
             parts.append(plots.embed_figure(path, f"longest trained length per variant ({slug})"))
     targets = spec.get("targets") or []
     if targets:
@@ -94,8 +93,10 @@ def _targets(groups: dict, targets: list[dict]) -> str:
             model = t.get("model")
             mine = {v: longest(rs) for (g, m, v), rs in groups.items() if g == slug and m == model}
             peers = {v: x for v, x in mine.items() if role_of(groups[(slug, model, v)][0]) in PEER_ROLES}
-            ours = {v: x for v, x in mine.items() if v not in peers}
-            best_peer = max(peers, key=lambda v: int(peers[v][0]["seq_len"]) if peers[v][0] else 0, default=None)
+            ours = {v: x for v, x in mine.items() if role_of(groups[(slug, model, v)][0]) in OURS}
+            # the peer that trains longest; of peers tied there, the fastest
+            best_peer = max(peers, key=lambda v: (int(peers[v][0]["seq_len"]), -(fmt.stat(peers[v][0], "step_ms") or 0))
+                            if peers[v][0] else (0, 0), default=None)
             best_ours = max(ours, key=lambda v: int(ours[v][0]["seq_len"]) if ours[v][0] else 0, default=None)
             p_len = int(peers[best_peer][0]["seq_len"]) if best_peer and peers[best_peer][0] else None
             o_len = int(ours[best_ours][0]["seq_len"]) if best_ours and ours[best_ours][0] else None
@@ -125,7 +126,8 @@ def _targets(groups: dict, targets: list[dict]) -> str:
 def plot_longest(groups: dict[tuple, list[dict]], path: Path) -> Path | None:
     """One GPU type's probes (``(slug, model, variant) -> rows``): per model a panel, per variant a
     bar to its longest trained length (log 2 axis), coloured by role, with a cross at the shortest
-    length above it that did not train. None where no variant trained."""
+    length above it that did not train (or, for a variant that trained at no length, at the
+    shortest it tried). Models where no variant trained get no panel; None where none did."""
     found = {(m, v): (role_of(rs[0]), *longest(rs)) for (_, m, v), rs in groups.items()}
     models = sorted({m for (m, _), x in found.items() if x[1] is not None})
     if not models:
@@ -139,14 +141,15 @@ def plot_longest(groups: dict[tuple, list[dict]], path: Path) -> Path | None:
             color = ROLE_COLOR.get(role, ROLE_COLOR["best"] if role == "ours" else "#bcbd22")
             if row is not None:
                 n = int(row["seq_len"])
-                ax.barh(i, n, color=color, height=0.6)
+                ax.barh(i, n, color=color, height=0.6, label=ROLE_LABEL.get(role, role or "no role"))
                 ax.text(n, i, f" {n:,}", va="center", fontsize=8)
             if above is not None:
                 ax.plot([above], [i], marker="x", color="#d62728", linestyle="none",
-                        label="shortest that did not train")
+                        label="the shortest length that did not train")
         ax.set_xscale("log", base=2)
-        shortest = min(int(found[(model, v)][1]["seq_len"]) for v in names if found[(model, v)][1] is not None)
-        ax.set_xlim(left=shortest / 2)  # bars on a log axis start somewhere: half the shortest
+        drawn = [int(found[(model, v)][1]["seq_len"]) for v in names if found[(model, v)][1] is not None]
+        drawn += [found[(model, v)][2] for v in names if found[(model, v)][2] is not None]
+        ax.set_xlim(left=min(drawn) / 2)  # bars on a log axis start somewhere: half the shortest drawn
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{int(x):,}"))
         ax.set_yticks(range(len(names)), names)
         ax.set_title(model)
