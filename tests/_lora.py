@@ -19,3 +19,22 @@ def cuda_lora_model(name: str, rank: int = 16):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
     return model
+
+
+def measured_step(model, b):
+    """One forward and backward of ``model`` on batch ``b`` on CUDA: the loss, every gradient (fp32
+    copies), the step's peak above what was allocated at its start (GiB) and its time (ms, CUDA
+    events). Gradients accumulate onto what the caller left."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False).loss
+    loss.backward()
+    end.record()
+    torch.cuda.synchronize()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, (torch.cuda.max_memory_allocated() - base) / 2**30, start.elapsed_time(end)

@@ -5,7 +5,7 @@ layers are; and a step recomputing every layer peaks lower, without peft's fp32 
 
 import pytest
 import torch
-from _lora import cuda_lora_model
+from _lora import cuda_lora_model, measured_step
 
 import optim
 from harness.run.experiment import DataSpec
@@ -31,17 +31,7 @@ def _run(model, batches):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     out = []
     for b in batches:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False).loss
-        loss.backward()
-        end.record()
-        torch.cuda.synchronize()
-        out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None},
-                    (torch.cuda.max_memory_allocated() - base) / 2**30, start.elapsed_time(end)))
+        out.append(measured_step(model, b))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out

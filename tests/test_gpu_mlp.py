@@ -5,7 +5,7 @@ tolerance of the unchunked MLPs', and the step peaks lower."""
 
 import pytest
 import torch
-from _lora import cuda_lora_model
+from _lora import cuda_lora_model, measured_step
 
 import optim
 from harness.run.experiment import DataSpec
@@ -21,17 +21,7 @@ def _model(**settings):
 
 def _step(model, b):
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False).loss
-    loss.backward()
-    end.record()
-    torch.cuda.synchronize()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), grads, (torch.cuda.max_memory_allocated() - base) / 2**30, start.elapsed_time(end)
+    return measured_step(model, b)
 
 
 def test_chunked_mlp_matches_each_step_and_peaks_lower():
