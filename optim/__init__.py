@@ -9,7 +9,7 @@
   (switches ``packing_backend``, ``packing_cache``). Pass the batch's document lengths with
   ``packing=optim.packing.PackedMetadata.from_lengths(...)`` or use ``PackingCollator``.
 - ``optim.offload``: checkpointed layer inputs in pinned host memory, double-buffered reload
-  (``offload``, ``offload_guard``); off by default, since it trades time for memory.
+  (``offload``, ``offload_guard``, ``offload_profile``); off by default, since it trades time for memory.
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
   (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_train_router``); a dense model is left
   unchanged.

@@ -170,6 +170,14 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "use the second staging buffer only when the memory the process can still allocate "
                 "covers the step's peak growth, the buffer and a headroom (else fall back to single)",
             ),
+            # Off by default: reading the events syncs, once, when stats() is read.
+            Switch(
+                "offload_profile",
+                (True, False),
+                False,
+                "time each reload (c) and each layer's recompute + backward (g) with CUDA events, so "
+                "stats() gives reload_ms and backward_ms and the (n-1)*min(c,g) bound can be read off a run",
+            ),
         )
     },
     "optim.recompute": {

@@ -153,3 +153,18 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
     # of ours' rows at that length, the fastest (a-slow's 2500 ms is not it)
     assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 1800.0 ms at 16384 | yes |" in text
     assert "| ours trains at 65536 tokens, m (g) | longest 32768 | no |" in text
+
+
+def test_the_report_gives_the_offload_bound_of_a_profiled_probe_at_its_longest_length():
+    from harness.report import context as report
+
+    stats = {"host_buffer_bytes": 3 * 2**30, "reload_ms": [4.0, 5.0, 6.0, 5.0], "backward_ms": [90.0, 100.0, 110.0, 100.0]}
+    long_row = _row("user-long", "ours", 65536, "ok", 2000.0) | {"offload_stats": stats}
+    rows = [_row("user-long", "ours", 32768, "ok", 900.0) | {"offload_stats": stats | {"reload_ms": [1.0] * 4}},
+            long_row, _row("user-long", "ours", 131072, "oom"), _row("stock", "stock", 8192, "ok", 500.0)]
+    assert report.offload_bound(long_row) == {"n": 4, "c_ms": 5.0, "g_ms": 100.0, "bound_ms": 15.0}
+    assert report.offload_bound(rows[-1]) is None  # not profiled: no bound, no row of that table
+    text = report.lead(rows, rows, {})
+    # at the longest length only: (4 - 1) * min(5, 100) = 15 ms, 0.8 % of the 2000 ms step
+    assert "| m | user-long | 65536 | 3.00 | 4 | 5.00 | 100.0 | 15.0 | 2000.0 | 0.8 % |" in text
+    assert "| m | stock | 8192 |" not in text

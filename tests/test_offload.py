@@ -350,3 +350,32 @@ def test_trainer_gradient_checkpointing_keeps_the_offloader(tmp_path, caplog):
     oo.enable(m, offload="single", min_bytes=0)
     m.base_model.model.gradient_checkpointing_enable()
     assert all(mod._gradient_checkpointing_func is oo.get(m) for mod in layers) and oo.get(m) is not off
+
+
+def test_offload_profile_is_a_switch_that_times_each_reload_and_layer_backward(monkeypatch):
+    """optim.enable(model, offload=..., offload_profile=True) (or OPTIM_OFFLOAD_PROFILE) reaches the
+    offloader: stats() then holds one reload time per offloaded layer and one backward time per layer,
+    what the (n-1)*min(c,g) bound is read from. Off, both lists stay empty."""
+    import optim
+
+    spec = _spec("qwen3-0.6b-tiny", 4)
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
+    optim.enable(m, only=("offload",), offload="double", offload_profile=True)
+    assert oo.get(m).profile is True
+    assert optim.enabled(m)["optim.offload"]["resolved"]["offload_profile"] is True
+    for profiled in (True, False):
+        oo.enable(m, offload="double", offload_profile=profiled, min_bytes=0)
+        ids = _batch()
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        st = oo.get(m).stats()
+        assert st["offloaded"] == 2
+        if profiled:
+            assert len(st["reload_ms"]) == 2 and len(st["backward_ms"]) == 4
+            assert all(t >= 0 for t in st["reload_ms"] + st["backward_ms"])
+        else:
+            assert st["reload_ms"] == st["backward_ms"] == []
+    monkeypatch.setenv("OPTIM_OFFLOAD_PROFILE", "1")
+    oo.enable(m, offload="double")
+    assert oo.get(m).profile is True
+    oo.enable(m, offload="double", profile=False)  # the keyword's older name still wins over the environment
+    assert oo.get(m).profile is False

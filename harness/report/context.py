@@ -11,6 +11,10 @@ the host memory its offloaded checkpoints held. Peers are the variants of roles 
 step at the best peer's longest length is faster than that peer's: judged where ours has a row at
 that length) and ``fits = N`` (ours trains at N tokens).
 
+Where a variant's offloader was profiled (``offload_profile = true``), a second table gives, at its
+longest length, the layer inputs reloaded (n), the median reload (c) and layer backward (g), and
+the bound (n−1)·min(c, g) on what double buffering hides.
+
 With the report's folder (``out_dir``), each GPU type gets a bar chart of those longest lengths
 (a panel per model, a bar per variant in its role's colour, a cross at the shortest length that did
 not train). Step time against length, per variant, is the per-GPU step-time figure of the report.
@@ -55,6 +59,35 @@ def _host_gib(row: dict | None) -> float | None:
     return host / 2**30 if host else None
 
 
+def offload_bound(row: dict | None) -> dict | None:
+    """Of a probe whose offloader was profiled (``offload_profile``): n, the layer inputs reloaded
+    in its last step; c and g, the median reload and layer backward (recompute + backprop); and
+    (n−1)·min(c, g), what double buffering can hide of the reloads. None where not profiled."""
+    st = (row or {}).get("offload_stats") or {}
+    reload, backward = st.get("reload_ms") or [], st.get("backward_ms") or []
+    if not reload or not backward:
+        return None
+    c, g = sorted(reload)[len(reload) // 2], sorted(backward)[len(backward) // 2]
+    n = len(reload)
+    return {"n": n, "c_ms": c, "g_ms": g, "bound_ms": (n - 1) * min(c, g)}
+
+
+def _bound_table(rows: list[tuple[str, str, dict]]) -> str:
+    """Per profiled probe at its longest length: the host memory offload held and the bound."""
+    body = []
+    for model, variant, row in rows:
+        b = offload_bound(row)
+        step = fmt.stat(row, "step_ms")
+        body.append([model, variant, row["seq_len"], fmt.num(_host_gib(row), ".2f"), b["n"], fmt.ms(b["c_ms"]),
+                     fmt.ms(b["g_ms"]), fmt.ms(b["bound_ms"]), fmt.ms(step),
+                     fmt.num(100 * b["bound_ms"] / step, ".1f") + " %" if step else fmt.DASH])
+    return ("Offload at the longest length: n layer inputs reloaded from pinned host memory, c the median reload "
+            "and g the median layer backward (recompute + backprop), both timed with CUDA events in the probe's "
+            "last step; (n−1)·min(c, g) is what the second staging buffer can hide of the reloads.\n\n"
+            + fmt.table(["model", "variant", "tokens", "host GiB", "n", "c ms", "g ms", "(n−1)·min(c,g) ms",
+                         "step ms", "bound / step"], body))
+
+
 def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None = None) -> str:
     groups = _by(steps)
     if not groups:
@@ -64,11 +97,13 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
              "AdamW), searched by `python -m harness context`: doubling, then bisection; each probe one fresh "
              "process. Step time, tokens/s and peak are the probe's at that length (its few measured steps)."]
     for slug in sorted({k[0] for k in groups}):
-        body = []
+        body, profiled = [], []
         for (g, model, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
             if g != slug:
                 continue
             row, above, why = longest(rs)
+            if offload_bound(row):
+                profiled.append((model, variant, row))
             body.append([model, variant, role_of(rs[0]), row["seq_len"] if row else "none",
                          f"{above} ({why})" if above else DASH_NOT_REACHED, fmt.ms(fmt.stat(row, "step_ms")),
                          fmt.num((row or {}).get("tokens_per_s"), ",.0f") if row else fmt.DASH,
@@ -77,6 +112,8 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
         parts.append(f"### {fmt.distinct(r.get('device_name') for r in steps if r.get('gpu_slug') == slug)}")
         parts.append(fmt.table(["model", "variant", "role", "longest trained", "shortest that did not",
                                 "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)", "probes"], body))
+        if profiled:
+            parts.append(_bound_table(profiled))
         if out_dir is not None and (path := plot_longest({k: rs for k, rs in groups.items() if k[0] == slug},
                                                          Path(out_dir) / f"{slug}-context-longest.png")):
             parts.append(plots.embed_figure(path, f"longest trained length per variant ({slug})"))

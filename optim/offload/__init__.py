@@ -84,16 +84,20 @@ def enable(
     model,
     offload: str | None = None,
     offload_guard: bool | None = None,
+    offload_profile: bool | None = None,
     *,
     min_bytes: int = DEFAULT_MIN_BYTES,
     headroom_bytes: int | None = None,
-    profile: bool = False,
+    profile: bool | None = None,
 ):
     """Turn gradient checkpointing on in a transformers model (peft-wrapped or not), every
     checkpointed layer going through an ``Offloader``. Returns the model; ``get(model)`` returns
-    the offloader (its ``stats()``). Calling it again replaces the previous offloader."""
+    the offloader (its ``stats()``). Calling it again replaces the previous offloader.
+    ``offload_profile`` (``profile`` is its older name) times each reload and each layer's
+    backward with CUDA events: ``stats()`` then gives ``reload_ms`` and ``backward_ms``."""
     mode = SWITCHES["offload"].resolve(offload)
     guard = SWITCHES["offload_guard"].resolve(offload_guard)
+    profile = SWITCHES["offload_profile"].resolve(offload_profile if offload_profile is not None else profile)
     base = _hf_model(model)
     old = vars(base).get(_ATTR)
     if old is not None:
