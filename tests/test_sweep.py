@@ -1,6 +1,7 @@
 """Sweeps: each point in its own process; a crash or OOM in one point becomes a row and the
 sweep goes on; a rerun resumes; a sweep killed midway loses nothing already written."""
 
+import json
 import os
 import signal
 import subprocess
@@ -411,3 +412,33 @@ def test_the_eta_adds_up_recorded_wall_times_then_this_runs_own(monkeypatch):
     clock["t"] += 100  # over its guess: nothing left of its own, never negative
     assert bar.eta_s() == pytest.approx(50 + 40)
     assert sw.Progress(2, stream=io.StringIO()).eta_s() is None
+
+
+def test_the_fork_server_leaves_peft_to_the_points_where_bitsandbytes_is_installed():
+    """peft imports bitsandbytes, which reads the GPU at import: CUDA initialized in the fork server
+    would leave every forked point unable to use it."""
+    from harness.run import server
+
+    assert "peft" in server.preload_modules(find_spec=lambda name: None)
+    found = server.preload_modules(find_spec=lambda name: object() if name == "bitsandbytes" else None)
+    assert "peft" not in found and found[:2] == ["harness.run.server", "torch"]
+
+
+def test_a_forked_point_whose_server_initialized_cuda_runs_as_a_fresh_process(tmp_path, write_toml):
+    """Where an import in the fork server initialized CUDA anyway, the forked point cannot use it: it
+    replaces itself with a fresh interpreter that runs the point and writes its row, one line said."""
+    from harness.run import launchers
+
+    (point,) = experiment.load(write_toml(EXP.split("[variants.boom]")[0])).points()
+    spec, out = tmp_path / "point.json", tmp_path / "row.json"
+    spec.write_text(point.to_json())
+    # the fork's view of a server that initialized CUDA; the fresh interpreter has its own torch
+    code = ("import sys, torch; torch.cuda._is_in_bad_fork = lambda: True\n"
+            "from harness.run import launchers\n"
+            f"sys.exit(launchers.run_forked_point({str(spec)!r}, {str(out)!r}))")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert launchers.FRESH_NOTE in done.stderr
+    row = json.loads(out.read_text())
+    assert row["status"] == "ok" and row["variant"] == "good" and row["step_ms"]["p50"] > 0

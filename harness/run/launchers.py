@@ -193,12 +193,31 @@ def _preloaded_main(spec_path: str, out_path: str, env: dict, conn) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
-    from harness.run import point
-
-    code = point.main(spec_path, out_path)
+    code = run_forked_point(spec_path, out_path)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)  # through multiprocessing's exit: its finalizers release the point's semaphores
+
+
+FRESH_NOTE = ("preloaded launcher: an import in the fork server initialized CUDA, which a forked point cannot "
+              "use; this point runs as a fresh process, as launcher = \"process\" starts it")
+
+
+def run_forked_point(spec_path: str, out_path: str) -> int:
+    """A forked point's run. Where the fork server's imports initialized CUDA (a package that reads
+    the GPU at import: ``harness.run.server.preload_modules`` leaves out the one known), the fork
+    cannot use CUDA: the process replaces itself with a fresh interpreter running the point (same
+    pid, pipes and environment), with one line on its log, rather than fail."""
+    import torch
+
+    if torch.cuda._is_in_bad_fork():
+        print(FRESH_NOTE, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.chdir(REPO_ROOT)
+        os.execve(sys.executable, Launcher().command(spec_path, out_path, None), dict(os.environ))
+    from harness.run import point
+
+    return point.main(spec_path, out_path)
 
 
 class PreloadedLauncher(Launcher):

@@ -13,11 +13,22 @@ import os
 import signal
 
 ENV = "PACKBENCH_FORK_SERVER"
-# Imported once by the fork server; every point is a fresh fork of it. None of these touches CUDA
+# Imported once by the fork server; every point is a fresh fork of it. None of these may touch CUDA
 # at import, so each point still creates its own CUDA context, and the allocator reads
 # PYTORCH_CUDA_ALLOC_CONF in the point.
 PRELOAD = ["harness.run.server", "torch", "transformers", "peft", "harness.run.point"]
 _context = None
+
+
+def preload_modules(find_spec=None) -> list[str]:
+    """``PRELOAD``, less peft where bitsandbytes is installed: peft imports it, and bitsandbytes reads
+    the GPU's capability at import, which initializes CUDA in the server; no forked point could use
+    CUDA then. Each point imports peft itself instead."""
+    import importlib.util
+
+    if (find_spec or importlib.util.find_spec)("bitsandbytes") is not None:
+        return [m for m in PRELOAD if m != "peft"]
+    return list(PRELOAD)
 
 
 def start():
@@ -30,7 +41,7 @@ def start():
         from multiprocessing import forkserver
 
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(preload_modules())
         os.environ[ENV] = "1"  # the server reads it at its start (above)
         try:
             forkserver.ensure_running()
