@@ -1,12 +1,15 @@
-"""Numerics at length on CUDA: Qwen3-0.6B's shape (28 layers), bf16, LoRA r=16 on every linear
-layer, one 65536-token document per step. What optim needs for length (every recompute kept,
-checkpoints in pinned host memory reloaded double-buffered, MLPs in 4096-token chunks) against plain
-GPU checkpointing, the rest of ``optim.enable``'s defaults the same on both sides (attention kernel,
-fused loss, compiled layers), so only the length switches differ: at each of three steps on the same
-weights, the first included, the loss and every LoRA gradient stay within bf16 tolerance, and the
-layer inputs really lived on the host. (Stock transformers + peft is no reference here: its attention
-kernel and loss are others, so its gradients differ from either side by more than the length
-switches do.)"""
+"""Numerics at length on CUDA: Qwen3-0.6B's shape (28 layers), LoRA r=16 on every linear layer, one
+65536-token document per step. What optim needs for length (every recompute kept, checkpoints in
+pinned host memory reloaded double-buffered, MLPs in 4096-token chunks) against plain GPU
+checkpointing, the rest of ``optim.enable``'s defaults the same on both sides.
+
+Both sides run in bf16 and round differently (the chunked MLP runs eager, the plain one in the
+compiled layer), and at this length their gradients differ by more than at 8192 tokens. So each is
+judged against the truth: the plain path in fp32 on the same weights. At each of two steps, the first
+included, the length switches' loss and LoRA gradients may be no further from fp32 than the plain bf16
+path's are (twice its error, plus a floor), and the layer inputs really lived on the host."""
+
+import copy
 
 import pytest
 import torch
@@ -28,34 +31,44 @@ def _step(model, b):
     return measured_step(model, b)
 
 
-def test_length_switches_match_plain_checkpointing_at_65536_tokens_each_step():
+def _error(grads: dict, truth: dict) -> tuple[float, float, str]:
+    """All LoRA gradients' relative distance from ``truth`` together, and the worst single one."""
+    diff = sum((grads[n] - g).square().sum() for n, g in truth.items()).sqrt()
+    whole = (diff / sum(g.square().sum() for g in truth.values()).sqrt()).item()
+    worst, name = max((((grads[n] - g).norm() / g.norm()).item(), n) for n, g in truth.items() if g.norm() > 0)
+    return whole, worst, name
+
+
+def test_length_switches_are_as_close_to_fp32_as_plain_checkpointing_at_65536_tokens_each_step():
     spec = models.get(MODEL)
-    ref = optim.enable(cuda_lora_model(MODEL))  # the defaults: checkpointing on the GPU, no chunks
+    plain = cuda_lora_model(MODEL)
+    fp32 = optim.enable(copy.deepcopy(plain).float())  # the same weights, upcast: the truth
+    plain = optim.enable(plain)  # the defaults: checkpointing on the GPU, no chunks, nothing offloaded
     long = optim.enable(cuda_lora_model(MODEL), recompute="all", offload="double", mlp_chunk=4096,
                         offload_profile=True)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-4)
-    for step in range(3):
+    opt = torch.optim.AdamW([p for p in fp32.parameters() if p.requires_grad], lr=1e-4)
+    for step in range(2):
         b = make_batch(DataSpec(distribution="fixed", median_doc_len=1 << 20, seed=step), TOKENS, 1,
                        spec.vocab_size).to("cuda")
         assert b.num_docs == 1
-        ref_loss, ref_grads, ref_peak, ref_ms = _step(ref, b)
-        loss, grads, peak, ms = _step(long, b)
-        worst, name = max((((grads[n] - g).norm() / g.norm()).item(), n) for n, g in ref_grads.items() if g.norm() > 0)
-        diff = sum((grads[n] - g).square().sum() for n, g in ref_grads.items()).sqrt()
-        whole = (diff / sum(g.square().sum() for g in ref_grads.values()).sqrt()).item()
-        print(f"step {step}: loss {ref_loss:.5f} / {loss:.5f}, all LoRA grads relative difference {whole:.4f}, "
-              f"worst one {worst:.4f} ({name}), "
-              f"peak above start GiB {ref_peak:.2f} / {peak:.2f}, ms {ref_ms:.0f} / {ms:.0f}")
-        assert abs(loss - ref_loss) / ref_loss < 2e-3, (step, loss, ref_loss)
-        assert set(grads) == set(ref_grads) and len(grads) == 7 * 2 * spec.num_hidden_layers
-        # all gradients together within 1 %; each within 5 %: a LoRA A's gradient sums 65536 tokens'
-        # outer products that largely cancel, so bf16 rounding shows more in it than at 8192 tokens
-        assert whole < 1e-2 and worst < 5e-2, (step, whole, worst, name)
-        opt.step()
+        true_loss, truth, _, _ = _step(fp32, b)
+        losses, errors = {}, {}
+        for name, model in (("plain", plain), ("long", long)):
+            loss, grads, peak, ms = _step(model, b)
+            assert set(grads) == set(truth) and len(grads) == 7 * 2 * spec.num_hidden_layers
+            losses[name], errors[name] = loss, _error(grads, truth)
+            print(f"step {step} {name}: loss {loss:.6f} (fp32 {true_loss:.6f}), LoRA grads from fp32 "
+                  f"{errors[name][0]:.4f} together, worst {errors[name][1]:.4f} ({errors[name][2]}), "
+                  f"peak above start {peak:.2f} GiB, {ms:.0f} ms")
+        assert abs(losses["long"] - true_loss) <= 2 * abs(losses["plain"] - true_loss) + 1e-3 * true_loss, (step, losses)
+        assert errors["long"][0] <= 2 * errors["plain"][0] + 2e-3, (step, errors)
+        assert errors["long"][1] <= 2 * errors["plain"][1] + 5e-3, (step, errors)
+        opt.step()  # on the fp32 weights; both bf16 models take them, rounded
         with torch.no_grad():
-            for p, q in zip(long.parameters(), ref.parameters()):
-                p.copy_(q)
-    assert optim.offload.get(ref) is None  # the reference offloads nothing
+            for p, q, r in zip(plain.parameters(), long.parameters(), fp32.parameters()):
+                p.copy_(r)
+                q.copy_(r)
+    assert optim.offload.get(plain) is None  # the reference offloads nothing
     st = optim.offload.get(long).stats()
     # every layer input but the embedding output (a leaf autograd holds) and the last layer's
     n = spec.num_hidden_layers - 2
