@@ -10,7 +10,7 @@ This module imports nothing: an experiment file is checked against it without to
 
 A report module (``report``) may define any of these; each returns Markdown, "" for nothing:
 
-- ``lead(steps, rows, spec)``: a section that leads the report, before the per-GPU tables;
+- ``lead(steps, rows, spec, out_dir)``: a section that leads the report, before the per-GPU tables;
 - ``sweep_targets(steps, rows, spec)``: end-to-end comparisons read from the sweep's rows;
 - ``bench_tables(rows, spec[, out_dir])``: its side-by-side benchmark tables, from one GPU type's bench
   rows (with ``out_dir``, the report's folder, where it draws figures);

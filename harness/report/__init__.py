@@ -15,7 +15,6 @@ gives byte-identical markdown.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 from harness import results as res
@@ -54,8 +53,7 @@ def build_report(results_root: Path | str, experiment: str, reports_root: Path |
         steps = [r for r in sweep_rows if r.get("kind") == "step"]
         # what a user gets beside the peers comes first (the registry's leading sections); every table follows
         parts += [text for name, entry in REGISTRY.items() if name in tables and (lead := entry.hook("lead"))
-                  and (text := lead(steps, rows, tables[name],
-                                    **({"out_dir": out_dir} if "out_dir" in inspect.signature(lead).parameters else {})))]
+                  and (text := lead(steps, rows, tables[name], out_dir))]
         for slug in sorted({r.get("gpu_slug") or "unknown" for r in sweep_rows}):
             gpu_rows = [r for r in sweep_rows if (r.get("gpu_slug") or "unknown") == slug]
             df_steps = df_steps_all[df_steps_all["gpu_slug"] == slug].reset_index(drop=True)

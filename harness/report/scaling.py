@@ -131,5 +131,5 @@ def scaling_targets(pts: list[dict], targets: list[dict], ours: str) -> list[lis
 
 
 # The report's parts (harness.measured)
-def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
+def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir=None) -> str:
     return scaling_md(steps, spec)

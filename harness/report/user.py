@@ -274,6 +274,6 @@ def bench_tables(rows: list[dict], spec: dict) -> str:
     return trainer_tables(rows)
 
 
-def lead(steps: list[dict], rows: list[dict], spec: dict) -> str:
-    """What a user gets beside the peers: the report's first section."""
+def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir=None) -> str:
+    """What a user gets beside the peers: the report's first section (it draws no figure)."""
     return user_md(steps, spec, trainer_rows=[r for r in rows if r.get("kind") == "trainer"])
