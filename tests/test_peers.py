@@ -161,11 +161,7 @@ def test_an_unsloth_point_where_it_cannot_import_says_why_and_how_to_install(mon
                             max_seq_length=64, gradient_checkpointing=True, seed=0)
 
 
-@pytest.mark.parametrize("model, batch_size, why", [
-    ("gpt-oss-20b", 1, "not built for MoE models yet"),
-    ("qwen3-0.6b", 4, "reads one packed row a step"),
-])
-def test_an_unsloth_point_it_would_not_compute_alike_is_a_skipped_row_that_says_why(monkeypatch, model, batch_size, why):
+def test_an_unsloth_point_it_would_not_compute_alike_is_a_skipped_row_that_says_why(monkeypatch):
     # an Unsloth that imported: the stack still refuses what it would build unlike the stacks beside it
     import sys
     import types
@@ -174,9 +170,29 @@ def test_an_unsloth_point_it_would_not_compute_alike_is_a_skipped_row_that_says_
     from harness.workload import models
 
     monkeypatch.setitem(sys.modules, "unsloth", types.ModuleType("unsloth"))
-    with pytest.raises(peers.PeerUnavailable, match=why):
-        unsloth_stack.build(models.get(model), device=torch.device("cuda"), dtype=torch.bfloat16, lora_rank=16,
-                            max_seq_length=64, gradient_checkpointing=True, seed=0, batch_size=batch_size)
+    with pytest.raises(peers.PeerUnavailable, match="reads one packed row a step"):
+        unsloth_stack.build(models.get("qwen3-0.6b"), device=torch.device("cuda"), dtype=torch.bfloat16, lora_rank=16,
+                            max_seq_length=64, gradient_checkpointing=True, seed=0, batch_size=4)
+    # an MoE model is not refused up front: Unsloth adapts the fused experts as peft's build does
+    unsloth_stack.check(models.get("gpt-oss-20b"), device=torch.device("cuda"), lora_rank=16, max_seq_length=64)
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-20b-tiny", "qwen3-0.6b-tiny"])
+def test_unsloth_must_train_the_adapters_the_harness_trains_or_its_point_is_refused(model):
+    from harness.run import peers, unsloth_stack
+    from harness.workload import models
+
+    spec = models.get(model)
+    same = models.build(spec, device="meta", dtype=torch.bfloat16, lora_rank=8, gradient_checkpointing=False)
+    unsloth_stack.same_adapters(same, spec, 8)  # the very adapters: accepted
+    other_rank = models.build(spec, device="meta", dtype=torch.bfloat16, lora_rank=4, gradient_checkpointing=False)
+    with pytest.raises(peers.PeerUnavailable, match=f"Unsloth's LoRA on {model} is not the harness's"):
+        unsloth_stack.same_adapters(other_rank, spec, 8)
+    fewer = models.build(spec, device="meta", dtype=torch.bfloat16, lora_rank=8, gradient_checkpointing=False)
+    frozen = next(n for n, p in fewer.named_parameters() if p.requires_grad and ("expert" in n or "mlp" in n))
+    fewer.get_parameter(frozen).requires_grad_(False)  # one adapter tensor left out, as an expert LoRA would be
+    with pytest.raises(peers.PeerUnavailable, match=r"only the harness's: \{\("):
+        unsloth_stack.same_adapters(fewer, spec, 8)
 
 
 def test_the_unsloth_role_is_its_stack_runs_in_a_fresh_interpreter_and_on_one_gpu(write_toml):

@@ -17,9 +17,14 @@ builds it, so the point measures what an Unsloth user gets.
 - Packed rows go in as its packing collator hands them over: ``position_ids`` restarting per
   document and ``packed_seq_lengths`` (host int32), which send its attention per document.
 
+- On MoE models Unsloth puts the experts' LoRA on the fused ``gate_up_proj`` / ``down_proj``
+  through peft's ``target_parameters``, as the harness's build does. After the build, its trainable
+  shapes are checked against the harness's peft build of the same shape and rank (made on the meta
+  device); where they differ, the point is refused: it would train other weights.
+
 Unsloth is an optional extra (``pip install '.[unsloth]'``). Where it is not installed, cannot import
-here, or is not built for the point (an MoE model, several rows a step), the point's row is
-``skipped`` and says why. Its points always run in a fresh interpreter (the process launcher), and
+here, or would not train what the stacks beside it train (other adapters, several rows a step),
+the point's row is ``skipped`` and says why. Its points always run in a fresh interpreter (the process launcher), and
 on one GPU.
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from harness.run.peers import PeerUnavailable
@@ -89,11 +95,6 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_l
         raise PeerUnavailable(f"Unsloth cannot run here: {why}")
     if not lora_rank:
         raise PeerUnavailable("the Unsloth stack trains LoRA adapters; this point sets no lora_rank")
-    if spec.is_moe:
-        # the harness adapts the fused experts through peft's target_parameters; Unsloth's MoE
-        # LoRA is wired differently and would adapt other weights than the stacks beside it
-        raise PeerUnavailable(f"the Unsloth stack is not built for MoE models yet ({spec.name}): its expert "
-                              "LoRA would not be the one the other stacks train")
     window = getattr(spec.config(), "max_position_embeddings", None)
     if max_seq_length and window and max_seq_length > window:
         raise PeerUnavailable(f"{max_seq_length} tokens is past {spec.name}'s {window} positions: Unsloth would rescale "
@@ -128,7 +129,39 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
         target_modules=_target_modules(spec),
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False, random_state=seed)
     FastLanguageModel.for_training(model)
+    same_adapters(model, spec, lora_rank)
     return model
+
+
+def adapter_shapes(model) -> Counter:
+    """The shapes of ``model``'s trainable tensors, counted."""
+    return Counter(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+
+
+def same_adapters(model, spec, lora_rank: int) -> None:
+    """PeerUnavailable unless Unsloth trains the very adapters the harness's peft build trains (on MoE
+    models the attention projections and the experts' fused gate_up/down through peft's
+    ``target_parameters``): the harness's build is made on the meta device and its trainable
+    shapes compared, so a peer that adapts other weights never stands beside the others."""
+    import torch
+
+    from harness.workload import models
+
+    want = adapter_shapes(models.build(spec, device="meta", dtype=torch.bfloat16, lora_rank=lora_rank,
+                                       gradient_checkpointing=False))
+    got = adapter_shapes(model)
+    if got != want:
+        extra, missing = got - want, want - got
+        raise PeerUnavailable(
+            f"Unsloth's LoRA on {spec.name} is not the harness's: {sum(got.values())} trainable tensors "
+            f"({_numel(got):,} weights) against {sum(want.values())} ({_numel(want):,}); "
+            f"only Unsloth's: {dict(extra)}; only the harness's: {dict(missing)}"[:600])
+
+
+def _numel(shapes: Counter) -> int:
+    import math
+
+    return sum(math.prod(s) * n for s, n in shapes.items())
 
 
 def rope(config) -> dict:
