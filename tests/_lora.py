@@ -4,15 +4,16 @@ gate's parity check)."""
 from harness.workload.models import randomize_lora_b  # noqa: F401
 
 
-def cuda_lora_model(name: str, rank: int = 16):
-    """``name`` built on CUDA in bf16 with LoRA ``rank`` (base weights seed 0), every lora_B drawn
+def cuda_lora_model(name, rank: int = 16):
+    """``name`` (a registry name or a ``ModelSpec``) built on CUDA in bf16 with LoRA ``rank`` (base weights seed 0), every lora_B drawn
     from N(0, 0.02) by a CUDA generator seeded 1, so the adapters take part in the first step's
     forward."""
     import torch
 
     from harness.workload import models
 
-    model = models.build(models.get(name), device="cuda", dtype=torch.bfloat16, lora_rank=rank, seed=0)
+    spec = models.get(name) if isinstance(name, str) else name
+    model = models.build(spec, device="cuda", dtype=torch.bfloat16, lora_rank=rank, seed=0)
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(1)
         for n, p in model.named_parameters():

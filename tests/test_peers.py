@@ -129,6 +129,44 @@ def test_compiled_stack_compiles_every_decoder_layer_and_computes_what_stock_doe
         peers.compile_layers(torch.nn.Linear(2, 2))
 
 
+def test_compiled_stack_on_moe_experts_lora_compiles_once_and_trains_what_stock_does():
+    # peft's target_parameters adapters make a new parametrized class at every call. Compiled inside
+    # the layer, they recompile at every step until dynamo gives up (torch 2.11), so a checkpointed
+    # layer's recompute runs other code than its forward; or the whole layer is skipped for a graph
+    # break in a generator (later torch). The compiled stack leaves them eager: the layer is compiled
+    # around them, nothing recompiles after the first step, and every step trains what stock does.
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from harness.run import peers
+    from harness.workload import models
+
+    spec = models.get("gpt-oss-20b-tiny")
+    stock = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2, attn_implementation="eager",
+                         experts_implementation="grouped_mm")
+    models.randomize_lora_b(stock)
+    compiled = copy.deepcopy(stock)
+    torch._dynamo.reset()
+    counters.clear()
+    assert peers.compile_layers(compiled) == spec.num_hidden_layers
+    ids = torch.randint(0, spec.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        for step in range(3):
+            out = []
+            for m in (stock, compiled):
+                m.zero_grad(set_to_none=True)
+                loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                out.append((loss.item(), [p.grad.clone() for p in m.parameters() if p.requires_grad]))
+            assert out[1][0] == pytest.approx(out[0][0], rel=1e-5), step
+            for g0, g1 in zip(out[0][1], out[1][1]):
+                torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
+    breaks = list(counters["graph_break"])
+    assert counters["frames"]["ok"] > 0 and not [b for b in breaks if "Skipping frame" in b], breaks
+    assert all("ParamWrapper" in b for b in breaks), breaks  # the layer breaks only around the adapters
+
+
 def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, write_toml, monkeypatch):
     # Unsloth patches transformers and peft at import: the point's process must import it first.
     # A stand-in package records what was already imported when the point's process imported it.

@@ -10,7 +10,8 @@
   cannot run, the point's row says ``skipped`` and why.
 - ``"compiled"``: stock, with every decoder layer compiled in place (``layer.compile()``, the
   regional compilation PyTorch recommends for transformer blocks), after peft, as a user who compiles
-  their model does; no optim. Its role is ``stock-compiled``.
+  their model does; no optim. peft's adapters on MoE experts' fused weights stay eager inside the
+  compiled layers (``eager_param_adapters`` says why). Its role is ``stock-compiled``.
 - ``"unsloth"``: Unsloth's own loader, LoRA and checkpointing (``harness.run.unsloth_stack``); no
   optim. Its role is ``unsloth``.
 """
@@ -58,7 +59,26 @@ def compile_layers(model) -> int:
         raise PeerUnavailable(f"{type(model).__name__} has no transformers decoder layers to compile")
     for layer in layers:
         layer.compile()
+    eager_param_adapters(model)
     return len(layers)
+
+
+def eager_param_adapters(model) -> int:
+    """Leave peft's ``target_parameters`` adapters (``ParamWrapper``, the LoRA on MoE experts' fused
+    weights) to eager inside compiled layers; returns how many.
+
+    Each call of such an adapter registers a parametrization on the experts and removes it after,
+    and every registration makes a new ``Parametrized...`` class. Dynamo guards on that class, so
+    it recompiles the adapter at every call until its recompile limit and then runs it eagerly:
+    inside a checkpointed layer the forward and its recompute then run different code and save
+    different tensors (``CheckpointError``, seen on gpt-oss-20b on the GPU). A user who compiles
+    such a model has to do the same: the experts run eagerly, the rest of the layer compiled."""
+    import torch
+
+    wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+    for m in wrappers:
+        m.forward = torch.compiler.disable(m.forward, recursive=True)
+    return len(wrappers)
 
 
 def enable(model, stack: str, settings: dict[str, dict]) -> dict:
