@@ -44,7 +44,7 @@ def examples(path: Path) -> list[tuple[str, str, int, bool]]:
 
 
 def _name(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 PY_DOCS = [p for p in DOCUMENTS if any(lang == "python" and not gpu for lang, _, _, gpu in examples(p))]
@@ -92,10 +92,49 @@ def test_python_examples_run_as_written(path, reader, tmp_path, monkeypatch):
 GPU_DOCS = [p for p in DOCUMENTS if any(lang == "python" and gpu for lang, _, _, gpu in examples(p))]
 
 
+def _run_as_a_script(path: Path, reader: dict, tmp_path, *, gpu: bool) -> int:
+    """``_run`` in a fresh interpreter with one GPU visible (the first this process sees), as a
+    reader runs a document's examples as one script: a process that sees several GPUs (a shard
+    that holds two for the distributed tests) makes Trainer and TRL choose ``nn.DataParallel``."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "reader.pkl").write_bytes(pickle.dumps(reader))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible.split(",")[0] if visible else "0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    script = ("import pickle, sys\n"
+              "from pathlib import Path\n"
+              "import pytest\n"
+              "import test_docs_examples as t\n"
+              "here = Path(sys.argv[2])\n"
+              "n = t._run(Path(sys.argv[1]), pickle.loads((here / 'reader.pkl').read_bytes()), here,\n"
+              "           pytest.MonkeyPatch(), gpu=sys.argv[3] == 'gpu')\n"
+              "print('EXAMPLES RAN', n)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path), "gpu" if gpu else "cpu"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return int(run.stdout.split("EXAMPLES RAN")[-1])
+
+
+def test_a_document_run_as_a_script_runs_each_example_once_and_fails_where_one_fails(reader, tmp_path):
+    # the GPU suite's way of running a document, checked on CPU with the smallest one that has examples
+    path = min(PY_DOCS, key=lambda p: len(p.read_text()))
+    expected = sum(1 for lang, _, _, gpu in examples(path) if lang == "python" and not gpu)
+    assert _run_as_a_script(path, reader, tmp_path / "ok", gpu=False) == expected
+    broken = tmp_path / "broken.md"
+    broken.write_text(path.read_text() + "\n```python\nraise RuntimeError('as written')\n```\n")
+    with pytest.raises(AssertionError, match="fails as written: RuntimeError: as written"):
+        _run_as_a_script(broken, reader, tmp_path / "broken", gpu=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", GPU_DOCS, ids=_name)
-def test_gpu_examples_run_as_written(path, reader, tmp_path, monkeypatch):
-    assert _run(path, reader, tmp_path, monkeypatch, gpu=True) > 0
+def test_gpu_examples_run_as_written(path, reader, tmp_path):
+    assert _run_as_a_script(path, reader, tmp_path, gpu=True) > 0
 
 
 def _blocks(lang: str):
