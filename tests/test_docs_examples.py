@@ -103,9 +103,10 @@ def _run_as_a_script(path: Path, reader: dict, tmp_path, *, gpu: bool) -> int:
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "reader.pkl").write_bytes(pickle.dumps(reader))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible.split(",")[0] if visible else "0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # unset: every GPU; "": none, and none it stays
+    first = "0" if visible is None else visible.split(",")[0].strip()
+    paths = [str(ROOT), str(ROOT / "tests"), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=first, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     script = ("import pickle, sys\n"
               "from pathlib import Path\n"
               "import pytest\n"
@@ -120,11 +121,16 @@ def _run_as_a_script(path: Path, reader: dict, tmp_path, *, gpu: bool) -> int:
     return int(run.stdout.split("EXAMPLES RAN")[-1])
 
 
-def test_a_document_run_as_a_script_runs_each_example_once_and_fails_where_one_fails(reader, tmp_path):
+def test_a_document_run_as_a_script_sees_one_gpu_runs_each_example_once_and_fails_where_one_fails(
+        reader, tmp_path, monkeypatch):
     # the GPU suite's way of running a document, checked on CPU with the smallest one that has examples
     path = min(PY_DOCS, key=lambda p: len(p.read_text()))
     expected = sum(1 for lang, _, _, gpu in examples(path) if lang == "python" and not gpu)
-    assert _run_as_a_script(path, reader, tmp_path / "ok", gpu=False) == expected
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5, 7")  # a shard that holds two GPUs
+    seen = tmp_path / "seen.md"
+    seen.write_text(path.read_text() + "\n```python\nimport os\n"
+                    "assert os.environ['CUDA_VISIBLE_DEVICES'] == '5', os.environ['CUDA_VISIBLE_DEVICES']\n```\n")
+    assert _run_as_a_script(seen, reader, tmp_path / "ok", gpu=False) == expected + 1
     broken = tmp_path / "broken.md"
     broken.write_text(path.read_text() + "\n```python\nraise RuntimeError('as written')\n```\n")
     with pytest.raises(AssertionError, match="fails as written: RuntimeError: as written"):

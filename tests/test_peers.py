@@ -164,7 +164,10 @@ def test_compiled_stack_on_moe_experts_lora_compiles_once_and_trains_what_stock_
                 torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
     breaks = list(counters["graph_break"])
     assert counters["frames"]["ok"] > 0 and not [b for b in breaks if "Skipping frame" in b], breaks
-    assert all("ParamWrapper" in b for b in breaks), breaks  # the layer breaks only around the adapters
+    assert breaks and all("ParamWrapper" in b for b in breaks), breaks  # the layer breaks only around the adapters
+    clone = copy.deepcopy(compiled)  # each model's adapters run its own weights
+    wrappers = [(m, c) for m, c in zip(compiled.modules(), clone.modules()) if type(m).__name__ == "ParamWrapper"]
+    assert wrappers and all(c.forward.__self__ is c and m.forward.__self__ is m for m, c in wrappers)
 
 
 def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, write_toml, monkeypatch):

@@ -65,7 +65,7 @@ def compile_layers(model) -> int:
 
 def eager_param_adapters(model) -> int:
     """Leave peft's ``target_parameters`` adapters (``ParamWrapper``, the LoRA on MoE experts' fused
-    weights) to eager inside compiled layers; returns how many.
+    weights) to eager inside compiled layers; returns how many wrappers (one per adapted weight).
 
     Each call of such an adapter registers a parametrization on the experts and removes it after,
     and every registration makes a new ``Parametrized...`` class. Dynamo guards on that class, so
@@ -73,11 +73,15 @@ def eager_param_adapters(model) -> int:
     inside a checkpointed layer the forward and its recompute then run different code and save
     different tensors (``CheckpointError``, seen on gpt-oss-20b on the GPU). A user who compiles
     such a model has to do the same: the experts run eagerly, the rest of the layer compiled."""
-    import torch
+    import types
 
-    wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
-    for m in wrappers:
-        m.forward = torch.compiler.disable(m.forward, recursive=True)
+    import torch
+    from peft.tuners.lora.layer import ParamWrapper
+
+    # one per adapted weight: an experts module with gate_up and down adapted holds two, nested
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    for m in wrappers:  # bound per instance, so a deep copy of the model binds its own module
+        m.forward = types.MethodType(torch.compiler.disable(type(m).forward, recursive=True), m)
     return len(wrappers)
 
 

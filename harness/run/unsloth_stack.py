@@ -24,8 +24,8 @@ builds it, so the point measures what an Unsloth user gets.
 
 Unsloth is an optional extra (``pip install '.[unsloth]'``). Where it is not installed, cannot import
 here, or would not train what the stacks beside it train (other adapters, several rows a step),
-the point's row is ``skipped`` and says why. Its points always run in a fresh interpreter (the process launcher), and
-on one GPU.
+the point's row is ``skipped`` and says why. Its points always run in a fresh interpreter (the
+process launcher), and on one GPU.
 """
 
 from __future__ import annotations
@@ -142,13 +142,17 @@ def same_adapters(model, spec, lora_rank: int) -> None:
     """PeerUnavailable unless Unsloth trains the very adapters the harness's peft build trains (on MoE
     models the attention projections and the experts' fused gate_up/down through peft's
     ``target_parameters``): the harness's build is made on the meta device and its trainable
-    shapes compared, so a peer that adapts other weights never stands beside the others."""
+    shapes compared, so a peer that adapts other weights never stands beside the others. Shapes,
+    not names or dtypes: Unsloth may name and keep its adapters its own way, and two projections
+    of one shape (k and v) are not told apart."""
     import torch
 
     from harness.workload import models
 
-    want = adapter_shapes(models.build(spec, device="meta", dtype=torch.bfloat16, lora_rank=lora_rank,
-                                       gradient_checkpointing=False))
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # the build seeds every generator; the point's go on as they were
+        want = adapter_shapes(models.build(spec, device="meta", dtype=torch.bfloat16, lora_rank=lora_rank,
+                                           gradient_checkpointing=False))
     got = adapter_shapes(model)
     if got != want:
         extra, missing = got - want, want - got
