@@ -26,7 +26,7 @@ def pytest_addoption(parser):
                      help="run the collected tests shuffled with this seed (to catch tests that depend on order)")
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N shards: whole test files, balanced by the wall times in "
-                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/5)")
+                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/6)")
     parser.addoption("--record-durations", default=None, metavar="PATH",
                      help="write each test's wall time (setup, call and teardown) and each file's sum as JSON")
 
@@ -41,11 +41,19 @@ def _shard(spec: str) -> tuple[int, int]:
     return k, n
 
 
+# files whose tests need two GPUs (they skip on one): always in shard 1, the shard to give two GPUs
+TWO_GPU_FILES = ("tests/test_distributed.py",)
+
+
 def shard_files(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
-    """Longest first into the lightest shard: N lists of files, each file in exactly one."""
+    """N lists of files, each file in exactly one: the two-GPU files in the first, then longest
+    first into the lightest shard."""
     shards: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
-    for f in sorted(files, key=lambda f: (-seconds.get(f, UNKNOWN_FILE_S), f)):
+    for f in (f for f in files if f in TWO_GPU_FILES):
+        shards[0].append(f)
+        load[0] += seconds.get(f, UNKNOWN_FILE_S)
+    for f in sorted((f for f in files if f not in TWO_GPU_FILES), key=lambda f: (-seconds.get(f, UNKNOWN_FILE_S), f)):
         i = min(range(n), key=lambda j: (load[j], j))
         shards[i].append(f)
         load[i] += seconds.get(f, UNKNOWN_FILE_S)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DURATIONS, UNKNOWN_FILE_S, shard_files
+from conftest import DURATIONS, TWO_GPU_FILES, UNKNOWN_FILE_S, shard_files
 
 ROOT = Path(__file__).resolve().parents[1]
 # one GPU command is at most 10 minutes; a shard is held to 8, less a minute for start-up and collection
@@ -48,3 +48,13 @@ def test_each_readme_shard_fits_one_gpu_command_by_the_recorded_times():
     picked = [t for k in range(1, n + 1) for t in _collect("--shard", f"{k}/{n}")]
     assert sorted(picked) == sorted(tests)
     assert len(set(picked)) == len(picked)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6, 8])
+def test_the_two_gpu_files_are_always_in_the_first_shard_which_readme_says_needs_two_gpus(n):
+    seconds = json.loads(DURATIONS.read_text())["files"]
+    files = sorted(seconds)
+    assert set(TWO_GPU_FILES) <= set(files)
+    shards = shard_files(files, n, seconds)
+    assert set(TWO_GPU_FILES) <= set(shards[0]) and sorted(f for s in shards for f in s) == files
+    assert "shard 1" in (ROOT / "README.md").read_text().split("## Tests")[1].split("##")[0]
