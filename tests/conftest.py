@@ -26,7 +26,7 @@ def pytest_addoption(parser):
                      help="run the collected tests shuffled with this seed (to catch tests that depend on order)")
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run the K-th of N shards: whole test files, balanced by the wall times in "
-                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/6)")
+                          "tests/gpu_durations.json (the GPU suite: nox -s gpu_tests -- --shard 1/7)")
     parser.addoption("--record-durations", default=None, metavar="PATH",
                      help="write each test's wall time (setup, call and teardown) and each file's sum as JSON")
 
@@ -41,20 +41,21 @@ def _shard(spec: str) -> tuple[int, int]:
     return k, n
 
 
-# files whose tests need two GPUs (they skip on one): always in shard 1, the shard to give two GPUs
+# files whose tests need two GPUs (they skip on one): shard 1 holds them and nothing else, so the
+# shard given two GPUs runs no one-GPU test with two visible (Trainer would wrap it in nn.DataParallel)
 TWO_GPU_FILES = ("tests/test_distributed.py",)
 
 
 def shard_files(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
-    """N lists of files, each file in exactly one: the two-GPU files in the first, then longest
-    first into the lightest shard."""
+    """N lists of files, each file in exactly one: the two-GPU files alone in the first (where
+    there are any and N > 1), the rest longest first into the lightest of the others."""
     shards: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
-    for f in (f for f in files if f in TWO_GPU_FILES):
-        shards[0].append(f)
-        load[0] += seconds.get(f, UNKNOWN_FILE_S)
+    two = [f for f in files if f in TWO_GPU_FILES]
+    shards[0].extend(two)
+    rest = range(1, n) if two and n > 1 else range(n)
     for f in sorted((f for f in files if f not in TWO_GPU_FILES), key=lambda f: (-seconds.get(f, UNKNOWN_FILE_S), f)):
-        i = min(range(n), key=lambda j: (load[j], j))
+        i = min(rest, key=lambda j: (load[j], j))
         shards[i].append(f)
         load[i] += seconds.get(f, UNKNOWN_FILE_S)
     return shards

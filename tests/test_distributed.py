@@ -167,3 +167,24 @@ def test_two_gpus_fsdp2_every_switch_match_one_gpu_for_20_steps_in_bf16(tmp_path
     (point,) = exp.points()
     losses = _accumulated_losses(point, point.warmup_steps + point.measured_steps)
     assert row["loss_global_warmup"] + row["loss_global"] == pytest.approx(losses, rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_trainer_seeing_two_gpus_wraps_the_enabled_model_in_data_parallel_and_trains_as_stock_on_one(tmp_path):
+    """A user's Trainer on a machine with two GPUs and no launcher wraps the model in
+    nn.DataParallel, one packed row per GPU, and hands each replica its num_items_in_batch as a
+    (1, 1) tensor: with optim.enable the loss at every step is stock's on one GPU."""
+    from harness.workload.trainers import documents, trainer_run
+
+    steps = 10
+    docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in documents(steps * 8, 151936, 64, 1024)]
+    kw = dict(steps=steps, batch_size=8, docs=docs, max_length=4096, device="cuda", dtype=torch.bfloat16, lora_rank=16)
+    stock = trainer_run("qwen3-0.6b", ours=False, out_dir=str(tmp_path / "s"), **kw)
+    ours = trainer_run("qwen3-0.6b", ours=True, rows=2, data_parallel=True, out_dir=str(tmp_path / "o"), **kw)
+    print(f"\nstock, one GPU: {[round(x, 4) for x in stock['losses']]}\n"
+          f"optim, DataParallel on two: {[round(x, 4) for x in ours['losses']]}")
+    assert (stock["n_gpu"], ours["n_gpu"]) == (1, 2)
+    assert len(ours["losses"]) == len(stock["losses"]) == steps
+    for i, (a, b) in enumerate(zip(ours["losses"], stock["losses"])):
+        assert abs(a - b) <= 2e-2 * abs(b), (i, a, b)

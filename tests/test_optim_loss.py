@@ -97,6 +97,25 @@ def test_num_items_divides_and_all_ignored_is_zero():
         L.linear_cross_entropy(hidden, weight, labels[:9])
 
 
+def test_a_data_parallel_replicas_count_is_one_count_and_two_counts_are_refused():
+    # Trainer under nn.DataParallel (several GPUs visible, no launcher) hands each replica its
+    # num_items_in_batch as a (1, 1) tensor: the same loss and gradients as the 0-d count
+    weight = torch.randn(11, 8)
+    labels = torch.randint(0, 11, (10,))
+    grads = []
+    for count in (torch.tensor(40), torch.tensor([[40]]), torch.tensor([40.0])):
+        hidden = torch.ones(10, 8).mul_(0.3).requires_grad_()
+        loss = L.linear_cross_entropy(hidden, weight, labels, num_items_in_batch=count)
+        loss.backward()
+        assert loss.shape == ()
+        torch.testing.assert_close(loss, _stock_ce(hidden, weight, labels, 40))
+        grads.append(hidden.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    torch.testing.assert_close(grads[2], grads[0])
+    with pytest.raises(ValueError, match=r"must hold one count, got shape \(2, 1\)"):
+        L.linear_cross_entropy(torch.randn(10, 8), weight, labels, num_items_in_batch=torch.tensor([[40], [40]]))
+
+
 def test_chunk_size_keeps_the_logits_bounded():
     assert L.chunk_tokens(151936) == 256  # 256 MiB of fp32 logits per chunk
     assert L.chunk_tokens(32) == 1 << 21 and L.chunk_tokens(10**9) == 64

@@ -78,9 +78,18 @@ def _summary(trainer, timer: StepTimer, warmup: int) -> dict:
             "step_ms_all": timer.ms(), "peak_gib": peak}
 
 
+def _one_device(args, data_parallel: bool):
+    """Trainer wraps the model in nn.DataParallel when it sees several GPUs and no launcher. These
+    runs measure one device's step, so they keep to the first GPU (as Trainer itself does for a
+    model-parallel model) unless ``data_parallel`` asks for Trainer's own multi-GPU default."""
+    if not data_parallel and args.n_gpu > 1:
+        args._n_gpu = 1
+    return args
+
+
 def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: int, docs: list[dict],
             device: str = "cpu", dtype=torch.float32, max_length: int | None = None, lora_rank: int = 4,
-            out_dir: str, warmup: int = 0, **settings) -> dict:
+            out_dir: str, warmup: int = 0, data_parallel: bool = False, **settings) -> dict:
     """TRL SFTTrainer on a bare model with ``peft_config``: ``mode`` "padding_free" (TRL's
     flattened batches with cu_seq_lens) or "packing" (TRL's BFD packing, position_ids per row)."""
     from datasets import Dataset
@@ -99,6 +108,7 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
                      learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
                      logging_steps=1, bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
                      dataloader_num_workers=0, **kw)
+    _one_device(args, data_parallel)
     timer = StepTimer()
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(docs),
                          processing_class=tokenizer(spec.vocab_size), callbacks=[timer.callback],
@@ -110,13 +120,14 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
     packing.reset_counters()
     trainer.train()
     return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),
-            "enabled": optim.enabled(trainer.model)}
+            "enabled": optim.enabled(trainer.model), "n_gpu": trainer.args.n_gpu}
 
 
 def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, docs: list[dict], max_length: int,
                 device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
-                attn_implementation: str = "sdpa", experts_implementation: str | None = None, **settings) -> dict:
+                attn_implementation: str = "sdpa", experts_implementation: str | None = None,
+                data_parallel: bool = False, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss."""
@@ -142,6 +153,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                              # a captured step cannot read the RNG state; the eager twin runs the same
                              gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
                              gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear")
+    _one_device(args, data_parallel)
     timer = StepTimer()
     cls = Trainer
     if graphed:
@@ -150,4 +162,4 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     packing.reset_counters()
     trainer.train()
     return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),
-            "enabled": optim.enabled(model)}
+            "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu}
