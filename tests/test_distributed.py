@@ -173,15 +173,17 @@ def test_two_gpus_fsdp2_every_switch_match_one_gpu_for_20_steps_in_bf16(tmp_path
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_trainer_seeing_two_gpus_wraps_the_enabled_model_in_data_parallel_and_trains_as_stock_on_one(tmp_path):
     """A user's Trainer on a machine with two GPUs and no launcher wraps the model in
-    nn.DataParallel, one packed row per GPU, and hands each replica its num_items_in_batch as a
-    (1, 1) tensor: with optim.enable the loss at every step is stock's on one GPU."""
+    nn.DataParallel, takes per_device_train_batch_size examples per GPU, and hands each replica
+    its num_items_in_batch as a (1, 1) tensor: with optim.enable, the step's 8 documents packed into two
+    rows of 6144 tokens, one a GPU, the loss at every step is stock's on one GPU taking the same 8 documents."""
     from harness.workload.trainers import documents, trainer_run
 
     steps = 10
     docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in documents(steps * 8, 151936, 64, 1024)]
-    kw = dict(steps=steps, batch_size=8, docs=docs, max_length=4096, device="cuda", dtype=torch.bfloat16, lora_rank=16)
-    stock = trainer_run("qwen3-0.6b", ours=False, out_dir=str(tmp_path / "s"), **kw)
-    ours = trainer_run("qwen3-0.6b", ours=True, rows=2, data_parallel=True, out_dir=str(tmp_path / "o"), **kw)
+    kw = dict(steps=steps, docs=docs, max_length=6144, device="cuda", dtype=torch.bfloat16, lora_rank=16)
+    stock = trainer_run("qwen3-0.6b", ours=False, batch_size=8, out_dir=str(tmp_path / "s"), **kw)
+    ours = trainer_run("qwen3-0.6b", ours=True, batch_size=4, rows=2, data_parallel=True, out_dir=str(tmp_path / "o"),
+                       **kw)
     print(f"\nstock, one GPU: {[round(x, 4) for x in stock['losses']]}\n"
           f"optim, DataParallel on two: {[round(x, 4) for x in ours['losses']]}")
     assert (stock["n_gpu"], ours["n_gpu"]) == (1, 2)
