@@ -35,10 +35,22 @@ Each optimization is one module exposing ``SWITCHES``, ``enable(model, **setting
 
 from __future__ import annotations
 
+import types
+
 from optim._hf import owner
 from optim.switches import DECLARED, Switch
 
 _ENABLED = "_optim_enabled"
+_REPLICATE = "_replicate_for_data_parallel"  # what nn.DataParallel calls on every module, every forward
+DATA_PARALLEL = (
+    "optim.enable: nn.DataParallel is not supported: its replicas would run the enabled model's own "
+    "forwards and compiled layers on the first GPU's weights. Trainer wraps a model in DataParallel when it "
+    "sees several GPUs and no launcher: launch with torchrun or accelerate (one process per GPU), or make "
+    "one GPU visible (CUDA_VISIBLE_DEVICES=0)")
+
+
+def _refuse_data_parallel(self):
+    raise RuntimeError(DATA_PARALLEL)
 
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
@@ -105,6 +117,7 @@ def enable(model, *, only=None, **settings):
     state = vars(owner(model))
     applied = {**state.get(_ENABLED, {}), **done}
     state[_ENABLED] = {n: applied[n] for n in _modules() if applied.get(n) is not None}
+    state[_REPLICATE] = types.MethodType(_refuse_data_parallel, owner(model))  # one clear error, first step
     return model
 
 
@@ -127,4 +140,5 @@ def disable(model):
     for name, mod in reversed(list(_modules().items())):
         mod.disable(model)
     vars(owner(model)).pop(_ENABLED, None)
+    vars(owner(model)).pop(_REPLICATE, None)
     return model

@@ -171,22 +171,15 @@ def test_two_gpus_fsdp2_every_switch_match_one_gpu_for_20_steps_in_bf16(tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_trainer_seeing_two_gpus_wraps_the_enabled_model_in_data_parallel_and_trains_as_stock_on_one(tmp_path):
+def test_trainer_seeing_two_gpus_refuses_data_parallel_of_an_enabled_model_saying_how_to_launch(tmp_path):
     """A user's Trainer on a machine with two GPUs and no launcher wraps the model in
-    nn.DataParallel, takes per_device_train_batch_size examples per GPU, and hands each replica
-    its num_items_in_batch as a (1, 1) tensor: with optim.enable, the step's 8 documents packed into two
-    rows of 6144 tokens, one a GPU, the loss at every step is stock's on one GPU taking the same 8 documents."""
+    nn.DataParallel, whose replicas would run optim's bound forwards on the first GPU's weights:
+    the first step stops with one error that names the way out, not a device mismatch deep inside."""
+    import optim
     from harness.workload.trainers import documents, trainer_run
 
-    steps = 10
-    docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in documents(steps * 8, 151936, 64, 1024)]
-    kw = dict(steps=steps, docs=docs, max_length=6144, device="cuda", dtype=torch.bfloat16, lora_rank=16)
-    stock = trainer_run("qwen3-0.6b", ours=False, batch_size=8, out_dir=str(tmp_path / "s"), **kw)
-    ours = trainer_run("qwen3-0.6b", ours=True, batch_size=4, rows=2, data_parallel=True, out_dir=str(tmp_path / "o"),
-                       **kw)
-    print(f"\nstock, one GPU: {[round(x, 4) for x in stock['losses']]}\n"
-          f"optim, DataParallel on two: {[round(x, 4) for x in ours['losses']]}")
-    assert (stock["n_gpu"], ours["n_gpu"]) == (1, 2)
-    assert len(ours["losses"]) == len(stock["losses"]) == steps
-    for i, (a, b) in enumerate(zip(ours["losses"], stock["losses"])):
-        assert abs(a - b) <= 2e-2 * abs(b), (i, a, b)
+    docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in documents(16, 151936, 64, 1024)]
+    with pytest.raises(RuntimeError, match="DataParallel is not supported") as err:
+        trainer_run("qwen3-0.6b", ours=True, batch_size=4, rows=2, data_parallel=True, steps=2, docs=docs,
+                    max_length=6144, device="cuda", dtype=torch.bfloat16, lora_rank=16, out_dir=str(tmp_path))
+    assert optim.DATA_PARALLEL in str(err.value)

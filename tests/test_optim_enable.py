@@ -50,6 +50,20 @@ def test_unknown_switch_is_refused():
     assert "moe_backend" in optim.SWITCHES and "offload" in optim.SWITCHES
 
 
+def test_data_parallel_of_an_enabled_model_is_refused_with_the_way_out_and_disable_lifts_it():
+    # nn.DataParallel (what Trainer does with several GPUs and no launcher) replicates every module
+    # through _replicate_for_data_parallel: its replicas would call the enabled model's bound forwards
+    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=2)
+    replicas = [m._replicate_for_data_parallel() for m in model.modules()]  # stock replicates
+    assert all(r._is_replica for r in replicas)
+    optim.enable(model)
+    with pytest.raises(RuntimeError, match="DataParallel is not supported.*torchrun or accelerate"):
+        for m in model.modules():
+            m._replicate_for_data_parallel()
+    optim.disable(model)
+    assert all(m._replicate_for_data_parallel()._is_replica for m in model.modules())
+
+
 def test_only_applies_the_named_modules_as_asked():
     spec = models.get("qwen3-0.6b-tiny")
     model = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
