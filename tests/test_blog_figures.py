@@ -106,7 +106,7 @@ def test_the_headline_range_reads_pairs_one_run_measured_and_names_the_others_wh
     f = cite.Figures()
     text = headline._range(f, "packing", pts)
     assert "over the 2 points one run measured" in text and "from 1.40× at m 8192" in text and "to 2.00× at m 2048" in text
-    assert "At 1 more points the fastest other was measured by another run" in text
+    assert "At 1 more point the fastest other was measured by another run" in text
     assert "slower than it at 0.75× at m 2048 on the H200 (against stock + torch.compile)" in text
     assert [shown for shown, _ in f.keys] == ["1.40×", "2.00×", "0.75×"]
 

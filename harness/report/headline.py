@@ -76,12 +76,13 @@ def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
 
     text = f"**{name}** (`experiments/{name}.toml`): "
     if one:
-        text += (f"over the {len(one)} points one run measured, `optim.enable(model)` against the fastest other ran "
+        text += (f"over the {len(one)} point{'s' if len(one) > 1 else ''} one run measured, `optim.enable(model)` against the fastest other ran "
                  f"from {at(one[0])} to {at(one[-1])}.")
         if slower := [x for x in one if x[0] < 1.0]:
             text += f" Slower than it at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
     if apart:
-        text += (f" At {len(apart)} more points the fastest other was measured by another run than the one call"
+        text += (f" At {len(apart)} more point{'s' if len(apart) > 1 else ''} the fastest other was measured by another "
+                 "run than the one call"
                  + (": slower than it at " + "; ".join(at(x) for x in apart if x[0] < 1.0) + "."
                     if any(x[0] < 1.0 for x in apart) else ", none of them faster than it."))
     return text
