@@ -115,6 +115,12 @@ _REAL = [
               extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     ModelSpec("qwen3-8b", "qwen3", 36, 4096, 12288, 32, 8, 128, 151936, 40960,
               extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Qwen3-8B as its model card extends it past 32768 positions: YaRN, factor 4, to 131072. The
+    # long-context shape, where the plain one's 40960 positions would stop one stack (Unsloth
+    # rescales RoPE past them) and not the others.
+    ModelSpec("qwen3-8b-yarn", "qwen3", 36, 4096, 12288, 32, 8, 128, 151936, 131072,
+              extra=dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 32768})),
     ModelSpec("qwen3-14b", "qwen3", 40, 5120, 17408, 40, 8, 128, 151936, 40960,
               extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     ModelSpec("qwen3-32b", "qwen3", 64, 5120, 25600, 64, 8, 128, 151936, 40960,
