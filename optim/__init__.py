@@ -35,22 +35,11 @@ Each optimization is one module exposing ``SWITCHES``, ``enable(model, **setting
 
 from __future__ import annotations
 
-import types
-
-from optim._hf import owner
+from optim._hf import DATA_PARALLEL as DATA_PARALLEL  # the error nn.DataParallel meets
+from optim._hf import owner, refuse_data_parallel
 from optim.switches import DECLARED, Switch
 
 _ENABLED = "_optim_enabled"
-_REPLICATE = "_replicate_for_data_parallel"  # what nn.DataParallel calls on every module, every forward
-DATA_PARALLEL = (
-    "optim.enable: nn.DataParallel is not supported: its replicas would run the enabled model's own "
-    "forwards and compiled layers on the first GPU's weights. Trainer wraps a model in DataParallel when it "
-    "sees several GPUs and no launcher: launch with torchrun or accelerate (one process per GPU), or make "
-    "one GPU visible (CUDA_VISIBLE_DEVICES=0)")
-
-
-def _refuse_data_parallel(self):
-    raise RuntimeError(DATA_PARALLEL)
 
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
@@ -117,7 +106,7 @@ def enable(model, *, only=None, **settings):
     state = vars(owner(model))
     applied = {**state.get(_ENABLED, {}), **done}
     state[_ENABLED] = {n: applied[n] for n in _modules() if applied.get(n) is not None}
-    state[_REPLICATE] = types.MethodType(_refuse_data_parallel, owner(model))  # one clear error, first step
+    refuse_data_parallel(owner(model), on=bool(state[_ENABLED]))  # one clear error at the first step
     return model
 
 
@@ -140,5 +129,5 @@ def disable(model):
     for name, mod in reversed(list(_modules().items())):
         mod.disable(model)
     vars(owner(model)).pop(_ENABLED, None)
-    vars(owner(model)).pop(_REPLICATE, None)
+    refuse_data_parallel(owner(model), on=False)
     return model

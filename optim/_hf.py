@@ -26,6 +26,30 @@ def owner(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+# nn.DataParallel calls this on every module of the model at every forward to make its replicas,
+# each a copy of the module's __dict__: a forward optim bound to the module there would run the
+# original, on the first GPU's weights, and fail with a device mismatch deep inside.
+REPLICATE = "_replicate_for_data_parallel"
+DATA_PARALLEL = (
+    "optim: nn.DataParallel is not supported: its replicas would run the forwards optim bound to the "
+    "model on the first GPU's weights and fail with a device mismatch. Trainer wraps a model in "
+    "DataParallel when it sees several GPUs and no launcher: launch with torchrun or accelerate (one "
+    "process per GPU), or make one GPU visible (CUDA_VISIBLE_DEVICES=0)")
+
+
+def _refuse_data_parallel():
+    raise RuntimeError(DATA_PARALLEL)
+
+
+def refuse_data_parallel(module, on: bool = True) -> None:
+    """Make nn.DataParallel stop at ``module`` with DATA_PARALLEL (``on``), or lift that. A plain
+    function in the instance's __dict__, not a bound method: no cycle, and the model pickles."""
+    if on:
+        vars(module)[REPLICATE] = _refuse_data_parallel
+    elif vars(module).get(REPLICATE) is _refuse_data_parallel:
+        del vars(module)[REPLICATE]
+
+
 def cache_of(kwargs: dict):
     """The KV cache a forward call was given under either name, or None."""
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)

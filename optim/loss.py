@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from optim._fallback import passes_through, recompile_limit
-from optim._hf import cache_kwarg, causal_lm, output_cache_field
+from optim._hf import cache_kwarg, causal_lm, output_cache_field, refuse_data_parallel
 from optim.switches import Switch, switches_of
 
 log = logging.getLogger("optim.loss")
@@ -327,6 +327,7 @@ def enable(model, *, fused_loss: bool | None = None, loss_kernel: str | None = N
     lm.__dict__[_ATTR] = lm.forward  # the bound stock forward
     lm.__dict__[_PATHS] = {}
     lm.forward = types.MethodType(_fused_forward, lm)
+    refuse_data_parallel(lm)
     return model
 
 
@@ -337,6 +338,7 @@ def disable(model):
         del lm.forward
         for attr in (_ATTR, _KERNEL, _PATHS):
             lm.__dict__.pop(attr, None)
+        refuse_data_parallel(lm, on=False)
     return model
 
 

@@ -109,6 +109,11 @@ def test_the_headline_range_reads_pairs_one_run_measured_and_names_the_others_wh
     assert "At 1 more point the fastest other was measured by another run" in text
     assert "slower than it at 0.75× at m 2048 on the H200 (against stock + torch.compile)" in text
     assert [shown for shown, _ in f.keys] == ["1.40×", "2.00×", "0.75×"]
+    # one such point, the call faster than it: said in the singular
+    pts[2] = _rp("H200", 2048, stock=(800.0, "10:00"), **{"stock-compiled": (450.0, "02:00")}, user=(200.0, "10:02"))
+    text = headline._range(cite.Figures(), "packing", pts)
+    assert text.endswith("At 1 more point the fastest other was measured by another run than the one call, "
+                         "not faster than it."), text
 
 
 def test_predicted_vs_measured_on_a_third_gpu_type_still_draws(tmp_path, monkeypatch):

@@ -52,16 +52,45 @@ def test_unknown_switch_is_refused():
 
 def test_data_parallel_of_an_enabled_model_is_refused_with_the_way_out_and_disable_lifts_it():
     # nn.DataParallel (what Trainer does with several GPUs and no launcher) replicates every module
-    # through _replicate_for_data_parallel: its replicas would call the enabled model's bound forwards
-    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=2)
-    replicas = [m._replicate_for_data_parallel() for m in model.modules()]  # stock replicates
-    assert all(r._is_replica for r in replicas)
+    # through _replicate_for_data_parallel: its replicas would call the forwards optim bound
+    import copy
+
+    from optim import loss
+
+    def replicate(model):
+        return [m._replicate_for_data_parallel() for m in model.modules()]
+
+    def build():
+        return models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=2)
+
+    model = build()
+    assert all(r._is_replica for r in replicate(model))  # stock replicates
     optim.enable(model)
-    with pytest.raises(RuntimeError, match="DataParallel is not supported.*torchrun or accelerate"):
-        for m in model.modules():
-            m._replicate_for_data_parallel()
+    for m in (model, copy.deepcopy(model)):  # a deep copy refuses too
+        with pytest.raises(RuntimeError, match="DataParallel is not supported.*torchrun or accelerate") as err:
+            replicate(m)
+        assert str(err.value) == optim.DATA_PARALLEL
     optim.disable(model)
-    assert all(m._replicate_for_data_parallel()._is_replica for m in model.modules())
+    assert all(r._is_replica for r in replicate(model))
+    # a module enabled by itself refuses where it binds a forward, and its disable lifts that
+    loss.enable(model)
+    with pytest.raises(RuntimeError, match="DataParallel is not supported"):
+        replicate(model)
+    loss.disable(model)
+    assert all(r._is_replica for r in replicate(model))
+    # nothing applied, nothing refused
+    optim.enable(model, only=())
+    assert optim.enabled(model) == {} and all(r._is_replica for r in replicate(model))
+
+
+def test_the_harness_trainer_runs_keep_to_one_gpu_unless_asked_for_data_parallel():
+    from types import SimpleNamespace
+
+    from harness.workload.trainers import _one_device
+
+    assert _one_device(SimpleNamespace(n_gpu=2, _n_gpu=2), data_parallel=False)._n_gpu == 1
+    assert _one_device(SimpleNamespace(n_gpu=2, _n_gpu=2), data_parallel=True)._n_gpu == 2
+    assert _one_device(SimpleNamespace(n_gpu=0, _n_gpu=0), data_parallel=False)._n_gpu == 0
 
 
 def test_only_applies_the_named_modules_as_asked():

@@ -84,7 +84,8 @@ def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
         text += (f" At {len(apart)} more point{'s' if len(apart) > 1 else ''} the fastest other was measured by another "
                  "run than the one call"
                  + (": slower than it at " + "; ".join(at(x) for x in apart if x[0] < 1.0) + "."
-                    if any(x[0] < 1.0 for x in apart) else ", none of them faster than it."))
+                    if any(x[0] < 1.0 for x in apart)
+                    else ", none of them faster than it." if len(apart) > 1 else ", not faster than it."))
     return text
 
 

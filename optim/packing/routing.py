@@ -26,7 +26,7 @@ import types
 
 import torch
 
-from optim._hf import cache_of, causal_lm
+from optim._hf import cache_of, causal_lm, refuse_data_parallel
 from optim.packing.metadata import ATTN_NAME, COUNTERS, FILLED_FROM, FORWARD_KWARG, PackedMetadata, padding_documents
 
 _LOCAL = threading.local()
@@ -183,6 +183,7 @@ def install(model, stock: str, configs: list) -> Route:
         # prepended: optim.regional's prebuild hook must see the documents this one hands on
         stack.register_forward_pre_hook(_rewrite_kwargs, with_kwargs=True, prepend=True)
         vars(stack)["forward"] = types.MethodType(_routed_forward, stack)
+        refuse_data_parallel(stack)
     lm = causal_lm(model)
     if lm is not None and hasattr(type(lm), "generate"):
         vars(lm)[_ATTR] = route
@@ -196,6 +197,7 @@ def uninstall(model) -> Route | None:
         if vars(m).pop(_ATTR, None) is None:
             continue
         remove_pre_hook(m, _rewrite_kwargs)
+        refuse_data_parallel(m, on=False)
         for name in ("forward", "generate"):
             fn = vars(m).get(name)
             if isinstance(fn, types.MethodType) and fn.__func__ in (_routed_forward, _routed_generate):
