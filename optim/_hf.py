@@ -43,7 +43,7 @@ def _refuse_data_parallel():
 
 def refuse_data_parallel(module, on: bool = True) -> None:
     """Make nn.DataParallel stop at ``module`` with DATA_PARALLEL (``on``), or lift that. A plain
-    function in the instance's __dict__, not a bound method: no cycle, and the model pickles."""
+    function in the instance's __dict__, not a bound method: no reference cycle through it."""
     if on:
         vars(module)[REPLICATE] = _refuse_data_parallel
     elif vars(module).get(REPLICATE) is _refuse_data_parallel:
