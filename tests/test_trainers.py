@@ -1,6 +1,12 @@
 """optim.enable in transformers.Trainer and TRL's SFTTrainer, for real: the same losses as the
 stock run step by step, and the packing metadata taken from what each collator hands over."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from harness.workload.trainers import documents, sft_run, trainer_run
@@ -38,3 +44,23 @@ def test_trainer_with_the_packing_collator_matches_stock_flattening(tmp_path):
     c = ours["counters"]
     assert c["metadata"] == 4 and "position_id_reads" not in c, c  # the collator's host lengths
     assert torch.isfinite(torch.tensor(ours["losses"])).all()
+
+
+def test_trainer_launched_by_torchrun_trains_the_enabled_model_in_ddp_as_stock(tmp_path):
+    # the way out optim's DataParallel refusal names: one process per device. Two ranks on CPU
+    # (gloo), Trainer's DistributedDataParallel around the enabled model, each rank its own batches
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    got = {}
+    for side in ("stock", "ours"):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              "2", str(root / "tests" / "_ddp_trainer.py"), side, str(tmp_path / side),
+                              str(tmp_path / f"{side}.json")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        got[side] = json.loads((tmp_path / f"{side}.json").read_text())
+    assert got["ours"]["world_size"] == got["stock"]["world_size"] == 2
+    assert got["ours"]["wrapped"] == "DistributedDataParallel"
+    assert {"optim.packing", "optim.loss"} <= set(got["ours"]["enabled"])
+    _close_curves(got["ours"]["losses"], got["stock"]["losses"], 1e-4)

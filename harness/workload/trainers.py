@@ -162,4 +162,5 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     packing.reset_counters()
     trainer.train()
     return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),
-            "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu}
+            "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
+            "wrapped": type(trainer.model_wrapped).__name__}  # the name: the result keeps no model alive
