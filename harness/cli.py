@@ -119,6 +119,11 @@ def cmd_sweep(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"sweep {exp.name}: {len(exp.points())} points from {path}", file=sys.stderr)
+    if args.devices:  # this host's GPUs as lanes: 2 refused (no report), 1 a group failed
+        from harness.run import lanes
+
+        code = lanes.cmd(exp, path, args)
+        return code if code == 2 else (_report_after(args, exp) or code)
     if args.cluster == "ray":
         try:
             import ray  # noqa: F401
@@ -137,6 +142,10 @@ def cmd_sweep(args) -> int:
     print(f"ran {summary.ran}, skipped {summary.skipped} (already finished), statuses {summary.statuses}; rows in {summary.results_path}", file=sys.stderr)
     if summary.left:
         print(f"stopped with {summary.left} points left (--stop-after/--deadline): the same command resumes", file=sys.stderr)
+    return _report_after(args, exp)
+
+
+def _report_after(args, exp) -> int:
     if not args.no_report:
         from harness import report
 
@@ -367,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=policy.LAUNCHERS,
                    help="override the file's launcher: a fresh interpreter per point, or a fork of a "
                         "server that imported torch/transformers/peft once (same isolation)")
+    p.add_argument("--devices", nargs="+", metavar="GPUS",
+                   help="this host's GPUs as lanes (0 1 2 3; 0,1 2,3 for points of two): each model at each "
+                        "length runs its variants in one lane, the lanes at once (harness/run/lanes.py)")
     p.add_argument("--cluster", choices=("ray",),
                    help="spread the points over a Ray cluster, each a task with the point's GPUs; rows come "
                         "back here (harness/run/cluster.py)")

@@ -176,6 +176,7 @@ MEASURED = {
     "loss_global_warmup": "the same for the warm-up steps",
     "scaling_efficiency": "on more than one GPU: its tokens/s per GPU over the same point's on one GPU",
     "node": "the host that ran it (--cluster ray)",
+    "lane": "the lane of `--devices` that ran it (its CUDA_VISIBLE_DEVICES)",
     "device_type": "cuda or cpu: where the point ran",
     "dtype_used": "the dtype the model ran in",
     "attn_implementation_used": "the model's attention implementation as it ran",

@@ -26,6 +26,7 @@ from harness import row as rowmod
 from harness.measure import env as envmod
 from harness.measure.env import REPO_ROOT
 from harness.run.experiment import Experiment
+from harness.run.lanes import LANE_ENV
 from harness.run.launchers import for_point
 
 
@@ -216,6 +217,20 @@ def keep_experiment_file(exp: Experiment, results_root: str | Path) -> Path | No
     return path
 
 
+def ensure_bandwidth(exp: Experiment, path: Path, device_name: str, slug: str, *, overwrite: bool,
+                     existing: list[dict] | None = None) -> None:
+    """The experiment's host-to-device bandwidth rows, measured where it asks for them on a GPU and
+    the results file has none that passed (or ``overwrite``)."""
+    if not exp.bandwidth or device_name == "cpu":
+        return
+    existing = res.read_rows(path) if existing is None else existing
+    if overwrite or not any(r.get("kind") == "bandwidth" and r.get("status") == "ok" for r in existing):
+        rows = run_bandwidth_rows(exp.name)
+        for row in rows:
+            row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
+        res.replace_rows(path, lambda r: r.get("kind") == "bandwidth", rows)
+
+
 def finished(path: Path, points, *, keep_older: bool) -> tuple[set[str], str]:
     """(the point ids a resume skips, a line saying which finished points other code measured,
     "" if none). Other code's rows count as finished only with ``keep_older``."""
@@ -260,13 +275,9 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     if older:
         sys.stderr.write(older + "\n")
 
-    if exp.bandwidth and device_name != "cpu":
-        have_bw = any(r.get("kind") == "bandwidth" and r.get("status") == "ok" for r in existing)
-        if overwrite or not have_bw:
-            rows = run_bandwidth_rows(exp.name)
-            for row in rows:
-                row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
-            res.replace_rows(path, lambda r: r.get("kind") == "bandwidth", rows)
+    lane = os.environ.get(LANE_ENV)  # a lane of a sweep over several GPUs: it measured the bandwidth
+    if lane is None:
+        ensure_bandwidth(exp, path, device_name, slug, overwrite=overwrite, existing=existing)
 
     todo = [p for p in points if p.point_id not in done]
     summary.skipped = len(points) - len(todo)
@@ -296,6 +307,8 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
         if launched_s is not None:  # where the sweep's start-up and earlier points end
             row["launched_s"] = round(launched_s, 3)
         row.update(gpu_slug=slug, device_name=device_name, recorded_at=res.now())
+        if lane is not None:
+            row["lane"] = lane
         row.setdefault("env", {})
         append_point_row(path, row)
         summary.ran += 1

@@ -1,0 +1,134 @@
+"""sweep --devices: one host's GPUs as lanes, checked on CPU, where a lane's device name is only
+the CUDA_VISIBLE_DEVICES its children get. Each model at each length runs its variants in one
+lane, every point once, the lanes at the same time; bad lanes are refused before anything runs;
+a stopped sweep stops its children, which keep their points' stopped rows, and the same command
+resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from harness import results as res
+from harness.run import experiment, lanes
+
+ROOT = Path(__file__).resolve().parents[1]
+EXP = """
+[experiment]
+name = "lanes"
+models = ["qwen3-0.6b-tiny", "llama-3.2-1b-tiny"]
+seq_lens = [64, 96]
+device = "cpu"
+dtype = "fp32"
+lora_rank = 2
+warmup_steps = 3
+measured_steps = 10
+timeout_s = 120
+[data]
+median_doc_len = 16
+[variants.stock]
+role = "stock"
+attn_implementation = "sdpa"
+[variants.ours]
+packing_backend = "sdpa"
+"""
+
+
+def _sweep(path: Path, results: Path, *extra: str, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(path), "--results", str(results),
+                             "--no-report", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_each_model_and_length_runs_its_variants_in_one_lane_and_every_point_once(tmp_path, write_toml):
+    path = write_toml(EXP)
+    proc = _sweep(path, tmp_path / "r", "--devices", "a", "b")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    rows = [r for r in res.read_rows(res.results_path(tmp_path / "r", "lanes", "cpu")) if r["kind"] == "step"]
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, [(r["variant"], r.get("message")) for r in rows]
+    assert len({r["point_id"] for r in rows}) == 8
+    by_group = {}
+    for r in rows:
+        by_group.setdefault((r["model"], r["seq_len"]), set()).add(r["lane"])
+    assert all(len(v) == 1 for v in by_group.values()), by_group  # a group's roles: one lane
+    assert {lane for v in by_group.values() for lane in v} == {"a", "b"}  # both lanes ran
+    assert "4 groups over 2 lanes; failed: none" in out
+    # resumed: nothing left to run, and no row added
+    again = _sweep(path, tmp_path / "r", "--devices", "a", "b")
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out[-3000:]
+    assert len([r for r in res.read_rows(res.results_path(tmp_path / "r", "lanes", "cpu")) if r["kind"] == "step"]) == 8
+
+
+def test_groups_go_longest_first_to_the_least_loaded_lane(write_toml):
+    exp = experiment.load(write_toml(EXP))
+    walls = {p.point_id: {("qwen3-0.6b-tiny", 96): 50.0, ("llama-3.2-1b-tiny", 96): 40.0}.get((p.model, p.seq_len), 10.0)
+             for p in exp.points()}
+    layout = lanes.plan(exp, ["0", "1"], walls)
+    assert layout == [[("qwen3-0.6b-tiny", 96), ("llama-3.2-1b-tiny", 64)],
+                      [("llama-3.2-1b-tiny", 96), ("qwen3-0.6b-tiny", 64)]]
+    # never run: one second a point, the file's order
+    assert lanes.plan(exp, ["0", "1", "2", "3"], {}) == [[g] for g in lanes.groups(exp)]
+
+
+@pytest.mark.parametrize("devices, says", [(["0", "0"], "each GPU in one lane"), (["0,1", "1"], "each GPU in one lane"),
+                                           (["0", "1"], "take 2 GPUs, and lane")])
+def test_lanes_that_cannot_run_the_file_are_refused_before_anything_runs(tmp_path, write_toml, devices, says):
+    text = EXP if "take 2" not in says else EXP.replace('dtype = "fp32"', 'dtype = "fp32"\ngpus = [2]\nparallel = "fsdp2"')
+    proc = _sweep(write_toml(text), tmp_path / "r", "--devices", *devices)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and says in out, out[-2000:]
+    assert not res.results_path(tmp_path / "r", "lanes", "cpu").exists()
+
+
+def test_a_stopped_sweep_stops_every_lane_and_the_same_command_resumes(tmp_path, write_toml):
+    path = write_toml(EXP.replace("measured_steps = 10", "measured_steps = 150"))
+    proc = _sweep(path, tmp_path / "r", "--devices", "a", "b", start_new_session=True)
+    results = res.results_path(tmp_path / "r", "lanes", "cpu")
+    logs = tmp_path / "r" / "lanes" / "logs" / "lanes"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and sum("points from" in f.read_text() for f in logs.glob("*.log")) < 2:
+        time.sleep(0.5)  # each lane's child has read the file and starts its first point
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    stopped = [r for r in res.read_rows(results) if r["kind"] == "stopped"]
+    assert len(stopped) == 2, out[-3000:]  # one point in flight per lane, each kept as stopped
+    assert not _alive(str(tmp_path)), "a lane's sweep outlived the stop"
+    # the same command resumes: the stopped points run again, and every point finishes once
+    again = _sweep(path, tmp_path / "r", "--devices", "a", "b")
+    out, _ = again.communicate(timeout=900)
+    assert again.returncode == 0, out[-3000:]
+    steps = [r for r in res.read_rows(results) if r["kind"] == "step"]
+    assert len(steps) == len({r["point_id"] for r in steps}) == 8 and {r["status"] for r in steps} == {"ok"}
+    assert {r["point_id"] for r in stopped} <= {r["point_id"] for r in steps}
+
+
+def _alive(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker`` (a child sweep names its results root)."""
+    time.sleep(1)
+    alive = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    alive.append(int(d.name))
+            except OSError:
+                continue
+    return alive
+
+
+def test_a_child_sweep_is_asked_for_what_the_parent_was():
+    args = SimpleNamespace(results=Path("r"), overwrite=True, keep_older_rows=False, launcher="process", timeout=None)
+    argv = lanes.child_argv(Path("e.toml"), ("m", 64), ["a", "b"], args, 30.5)
+    assert argv[1:] == ["-m", "harness", "sweep", "e.toml", "--models", "m", "--seq-lens", "64", "--variants", "a", "b",
+                        "--results", "r", "--no-report", "--quiet", "--overwrite", "--launcher", "process",
+                        "--stop-after", "30.5"]
