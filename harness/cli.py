@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -486,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.command = shlex.join(["python", "-m", "harness", *argv])  # recorded in every row it writes
+    # recorded in every row it writes; a lane's child sweep records the command that started the lanes
+    args.command = os.environ.get("PACKBENCH_COMMAND") or shlex.join(["python", "-m", "harness", *argv])
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -39,13 +39,16 @@ packing_backend = "sdpa"
 """
 
 
-def _sweep(path: Path, results: Path, *extra: str, **kw):
+def _sweep(path: Path, results: Path, *extra: str, cpu_lanes: bool = True, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if cpu_lanes:  # the lanes' names are only names here: CUDA_VISIBLE_DEVICES of a CPU point
+        env[lanes.CPU_ENV] = "1"
     return subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(path), "--results", str(results),
                              "--no-report", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_each_model_and_length_runs_its_variants_in_one_lane_and_every_point_once(tmp_path, write_toml):
     path = write_toml(EXP)
     proc = _sweep(path, tmp_path / "r", "--devices", "a", "b")
@@ -60,34 +63,49 @@ def test_each_model_and_length_runs_its_variants_in_one_lane_and_every_point_onc
     assert all(len(v) == 1 for v in by_group.values()), by_group  # a group's roles: one lane
     assert {lane for v in by_group.values() for lane in v} == {"a", "b"}  # both lanes ran
     assert "4 groups over 2 lanes; failed: none" in out
-    # resumed: nothing left to run, and no row added
+    assert {r["command"] for r in rows} == {f"python -m harness sweep {path} --results {tmp_path / 'r'} --no-report "
+                                            "--devices a b"}  # the command that started the lanes
+    from harness.report import fmt
+
+    assert fmt.command(rows[0]["command"]) == f"python -m harness sweep {path}"
+    # resumed: no group has a point left, none starts, and no row is added
     again = _sweep(path, tmp_path / "r", "--devices", "a", "b")
     out, _ = again.communicate(timeout=300)
-    assert again.returncode == 0, out[-3000:]
+    assert again.returncode == 0 and "0 groups over 2 lanes" in out, out[-3000:]
     assert len([r for r in res.read_rows(res.results_path(tmp_path / "r", "lanes", "cpu")) if r["kind"] == "step"]) == 8
 
 
 def test_groups_go_longest_first_to_the_least_loaded_lane(write_toml):
-    exp = experiment.load(write_toml(EXP))
+    points = experiment.load(write_toml(EXP)).points()
     walls = {p.point_id: {("qwen3-0.6b-tiny", 96): 50.0, ("llama-3.2-1b-tiny", 96): 40.0}.get((p.model, p.seq_len), 10.0)
-             for p in exp.points()}
-    layout = lanes.plan(exp, ["0", "1"], walls)
+             for p in points}
+    layout = lanes.plan(points, ["0", "1"], walls)
     assert layout == [[("qwen3-0.6b-tiny", 96), ("llama-3.2-1b-tiny", 64)],
                       [("llama-3.2-1b-tiny", 96), ("qwen3-0.6b-tiny", 64)]]
     # never run: one second a point, the file's order
-    assert lanes.plan(exp, ["0", "1", "2", "3"], {}) == [[g] for g in lanes.groups(exp)]
+    assert lanes.plan(points, ["0", "1", "2", "3"], {}) == [[g] for g in lanes.groups(points)]
+    # a finished group has no points left and no lane
+    left = [p for p in points if p.model == "qwen3-0.6b-tiny"]
+    assert lanes.plan(left, ["0", "1"], {}) == [[("qwen3-0.6b-tiny", 64)], [("qwen3-0.6b-tiny", 96)]]
 
 
-@pytest.mark.parametrize("devices, says", [(["0", "0"], "each GPU in one lane"), (["0,1", "1"], "each GPU in one lane"),
-                                           (["0", "1"], "take 2 GPUs, and lane")])
-def test_lanes_that_cannot_run_the_file_are_refused_before_anything_runs(tmp_path, write_toml, devices, says):
-    text = EXP if "take 2" not in says else EXP.replace('dtype = "fp32"', 'dtype = "fp32"\ngpus = [2]\nparallel = "fsdp2"')
-    proc = _sweep(write_toml(text), tmp_path / "r", "--devices", *devices)
+@pytest.mark.parametrize("devices, edit, cpu_lanes, says", [
+    (["0", "0"], None, True, "each GPU in one lane"),
+    (["0,1", "1"], None, True, "each GPU in one lane"),
+    (["0", "1"], 'gpus = [2]\nparallel = "fsdp2"', True, "take 2 GPUs, and lane"),
+    (["0", "1"], "pin_cpu = true", True, "the same core in every lane"),
+    (["0", "1"], None, False, "runs on the CPU here"),
+])
+def test_lanes_that_cannot_run_the_file_are_refused_before_anything_runs(tmp_path, write_toml, devices, edit,
+                                                                          cpu_lanes, says):
+    text = EXP if edit is None else EXP.replace('dtype = "fp32"', f'dtype = "fp32"\n{edit}')
+    proc = _sweep(write_toml(text), tmp_path / "r", "--devices", *devices, cpu_lanes=cpu_lanes)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2 and says in out, out[-2000:]
     assert not res.results_path(tmp_path / "r", "lanes", "cpu").exists()
 
 
+@pytest.mark.slow
 def test_a_stopped_sweep_stops_every_lane_and_the_same_command_resumes(tmp_path, write_toml):
     path = write_toml(EXP.replace("measured_steps = 10", "measured_steps = 150"))
     proc = _sweep(path, tmp_path / "r", "--devices", "a", "b", start_new_session=True)
@@ -132,3 +150,6 @@ def test_a_child_sweep_is_asked_for_what_the_parent_was():
     assert argv[1:] == ["-m", "harness", "sweep", "e.toml", "--models", "m", "--seq-lens", "64", "--variants", "a", "b",
                         "--results", "r", "--no-report", "--quiet", "--overwrite", "--launcher", "process",
                         "--stop-after", "30.5"]
+    args = SimpleNamespace(results=Path("r"), overwrite=False, keep_older_rows=True, launcher=None, timeout=90.0)
+    assert lanes.child_argv(Path("e.toml"), ("m", 64), ["a"], args, None)[15:] == ["--keep-older-rows", "--timeout",
+                                                                                   "90.0"]

@@ -106,7 +106,11 @@ def md_table(header: list[str], body: list[list]) -> str:
 # Options that say where rows go or how a run is paced, not what it measures: a reader's rerun
 # of the command needs none of them, and --results would name a path of the machine that ran it.
 _LOGISTICS = {"--results": 1, "--stop-after": 1, "--deadline": 1, "--point-estimate": 1, "--no-report": 0,
-              "--quiet": 0, "--overwrite": 0}
+              "--quiet": 0, "--overwrite": 0, "--devices": -1}  # -1: every lane that follows (0 1, 0,1 2,3)
+
+
+def _lane(word: str) -> bool:
+    return bool(word) and not word.startswith("-") and all(c.isalnum() or c in ",-" for c in word)
 
 
 def command(cmd: str) -> str:
@@ -119,9 +123,12 @@ def command(cmd: str) -> str:
         return cmd
     out, skip = [], 0
     for w in words:
-        if skip:
+        if skip == -1 and _lane(w):
+            continue
+        if skip > 0:
             skip -= 1
             continue
+        skip = 0
         name = w.split("=", 1)[0]
         if name in _LOGISTICS:
             skip = _LOGISTICS[name] if "=" not in w else 0

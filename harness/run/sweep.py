@@ -26,7 +26,7 @@ from harness import row as rowmod
 from harness.measure import env as envmod
 from harness.measure.env import REPO_ROOT
 from harness.run.experiment import Experiment
-from harness.run.lanes import LANE_ENV
+from harness.run.lanes import LANE_ENV, term_with_parent
 from harness.run.launchers import for_point
 
 
@@ -276,7 +276,9 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
         sys.stderr.write(older + "\n")
 
     lane = os.environ.get(LANE_ENV)  # a lane of a sweep over several GPUs: it measured the bandwidth
-    if lane is None:
+    if lane is not None:
+        term_with_parent()
+    else:
         ensure_bandwidth(exp, path, device_name, slug, overwrite=overwrite, existing=existing)
 
     todo = [p for p in points if p.point_id not in done]
