@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import results as res
+from harness.run import sweep
+from harness.run.sweep import LANE_ENV, PARENT_ENV
 
-LANE_ENV = "PACKBENCH_LANE"  # set in each child: its lane; the child's sweep skips the bandwidth
 COMMAND_ENV = "PACKBENCH_COMMAND"  # the command that started the lanes, recorded in each child's rows
-PARENT_ENV = "PACKBENCH_LANES_PID"  # the lanes' process, which each child dies with
 CPU_ENV = "PACKBENCH_LANES_ON_CPU"  # tests: lanes of a CPU experiment, the lane names only names
 
 
@@ -130,25 +130,9 @@ def child_argv(path: Path, group: tuple[str, int], variants: list[str], args, re
     return argv
 
 
-def term_with_parent() -> None:
-    """Called by a lane's child sweep (Linux): SIGTERM it when the lanes' process dies, however it
-    dies, so the child unwinds and keeps its point's stopped row; if that process is already gone,
-    now."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):  # it died before the line above
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _prepare(exp, args, lane0: str):
     """On the first lane, with no CUDA context here: the GPU's name, the results file, the kept
     experiment file and the bandwidth rows."""
-    from harness.run import sweep
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = lane0
     try:
@@ -168,8 +152,6 @@ def _prepare(exp, args, lane0: str):
 
 def run(exp, path: Path, args, lanes: list[str], stream=sys.stderr) -> LanesSummary:
     """Run ``exp`` (the file at ``path``, already restricted by ``args``) over ``lanes``."""
-    from harness.run import sweep
-
     check(exp, lanes)  # before anything runs
     started = time.monotonic()
     results, kept = _prepare(exp, args, lanes[0])

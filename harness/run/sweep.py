@@ -26,7 +26,6 @@ from harness import row as rowmod
 from harness.measure import env as envmod
 from harness.measure.env import REPO_ROOT
 from harness.run.experiment import Experiment
-from harness.run.lanes import LANE_ENV, term_with_parent
 from harness.run.launchers import for_point
 
 
@@ -130,6 +129,25 @@ class Progress:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
+
+
+# A lane of ``sweep --devices`` (harness/run/lanes.py) runs as a child sweep with these set.
+LANE_ENV = "PACKBENCH_LANE"  # its lane; the lanes' process measured the bandwidth
+PARENT_ENV = "PACKBENCH_LANES_PID"  # the lanes' process, which the child dies with
+
+
+def term_with_parent() -> None:
+    """Called by a lane's child sweep (Linux): SIGTERM it when the lanes' process dies, however it
+    dies, so the child unwinds and keeps its point's stopped row; if that process is already gone,
+    now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_bandwidth_rows(experiment: str, timeout_s: float = 600) -> list[dict]:
