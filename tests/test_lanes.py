@@ -45,14 +45,24 @@ def _sweep(path: Path, results: Path, *extra: str, cpu_lanes: bool = True, **kw)
         env[lanes.CPU_ENV] = "1"
     return subprocess.Popen([sys.executable, "-m", "harness", "sweep", str(path), "--results", str(results),
                              "--no-report", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def _finish(proc, timeout: float) -> str:
+    """The sweep's output once it exits; past ``timeout`` it is killed with its lanes, then fails."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.slow
 def test_each_model_and_length_runs_its_variants_in_one_lane_and_every_point_once(tmp_path, write_toml):
     path = write_toml(EXP)
     proc = _sweep(path, tmp_path / "r", "--devices", "a", "b")
-    out, _ = proc.communicate(timeout=900)
+    out = _finish(proc, 900)
     assert proc.returncode == 0, out[-3000:]
     rows = [r for r in res.read_rows(res.results_path(tmp_path / "r", "lanes", "cpu")) if r["kind"] == "step"]
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, [(r["variant"], r.get("message")) for r in rows]
@@ -70,7 +80,7 @@ def test_each_model_and_length_runs_its_variants_in_one_lane_and_every_point_onc
     assert fmt.command(rows[0]["command"]) == f"python -m harness sweep {path}"
     # resumed: no group has a point left, none starts, and no row is added
     again = _sweep(path, tmp_path / "r", "--devices", "a", "b")
-    out, _ = again.communicate(timeout=300)
+    out = _finish(again, 300)
     assert again.returncode == 0 and "0 groups over 2 lanes" in out, out[-3000:]
     assert len([r for r in res.read_rows(res.results_path(tmp_path / "r", "lanes", "cpu")) if r["kind"] == "step"]) == 8
 
@@ -100,7 +110,7 @@ def test_lanes_that_cannot_run_the_file_are_refused_before_anything_runs(tmp_pat
                                                                           cpu_lanes, says):
     text = EXP if edit is None else EXP.replace('dtype = "fp32"', f'dtype = "fp32"\n{edit}')
     proc = _sweep(write_toml(text), tmp_path / "r", "--devices", *devices, cpu_lanes=cpu_lanes)
-    out, _ = proc.communicate(timeout=300)
+    out = _finish(proc, 300)
     assert proc.returncode == 2 and says in out, out[-2000:]
     assert not res.results_path(tmp_path / "r", "lanes", "cpu").exists()
 
@@ -108,7 +118,7 @@ def test_lanes_that_cannot_run_the_file_are_refused_before_anything_runs(tmp_pat
 @pytest.mark.slow
 def test_a_stopped_sweep_stops_every_lane_and_the_same_command_resumes(tmp_path, write_toml):
     path = write_toml(EXP.replace("measured_steps = 10", "measured_steps = 150"))
-    proc = _sweep(path, tmp_path / "r", "--devices", "a", "b", start_new_session=True)
+    proc = _sweep(path, tmp_path / "r", "--devices", "a", "b")
     results = res.results_path(tmp_path / "r", "lanes", "cpu")
     logs = tmp_path / "r" / "lanes" / "logs" / "lanes"
     deadline = time.monotonic() + 300
@@ -116,14 +126,14 @@ def test_a_stopped_sweep_stops_every_lane_and_the_same_command_resumes(tmp_path,
         time.sleep(0.5)  # each lane's child has read the file and starts its first point
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=180)
+    out = _finish(proc, 180)
     assert proc.returncode != 0
     stopped = [r for r in res.read_rows(results) if r["kind"] == "stopped"]
     assert len(stopped) == 2, out[-3000:]  # one point in flight per lane, each kept as stopped
     assert not _alive(str(tmp_path)), "a lane's sweep outlived the stop"
     # the same command resumes: the stopped points run again, and every point finishes once
     again = _sweep(path, tmp_path / "r", "--devices", "a", "b")
-    out, _ = again.communicate(timeout=900)
+    out = _finish(again, 900)
     assert again.returncode == 0, out[-3000:]
     steps = [r for r in res.read_rows(results) if r["kind"] == "step"]
     assert len(steps) == len({r["point_id"] for r in steps}) == 8 and {r["status"] for r in steps} == {"ok"}

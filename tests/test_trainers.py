@@ -3,6 +3,7 @@ stock run step by step, and the packing metadata taken from what each collator h
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,11 +55,18 @@ def test_trainer_launched_by_torchrun_trains_the_enabled_model_in_ddp_as_stock(t
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     got = {}
     for side in ("stock", "ours"):
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              "2", str(root / "tests" / "_ddp_trainer.py"), side, str(tmp_path / side),
-                              str(tmp_path / f"{side}.json")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        # its own session: on a timeout the launcher's workers are killed with it, not left behind
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 str(root / "tests" / "_ddp_trainer.py"), side, str(tmp_path / side),
+                                 str(tmp_path / f"{side}.json")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, out[-6000:]
         got[side] = json.loads((tmp_path / f"{side}.json").read_text())
     assert got["ours"]["world_size"] == got["stock"]["world_size"] == 2
     assert got["ours"]["wrapped"] == "DistributedDataParallel"
