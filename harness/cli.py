@@ -103,7 +103,7 @@ def cmd_sweep(args) -> int:
     if args.timeout is not None:  # not part of a point's identity either
         exp = dataclasses.replace(exp, timeout_s=args.timeout)
     experiment.check_requires(exp)
-    if exp.launcher == "preloaded" and not args.cluster:
+    if exp.launcher == "preloaded" and not args.cluster and not args.devices:  # lanes: each child its own
         # its fork server imports torch while this process does
         from harness.run import server
 
