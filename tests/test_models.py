@@ -31,6 +31,12 @@ def test_real_configs_match_reference():
     m = models.get("qwen3-30b-a3b").config()
     assert (m.num_local_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob) == (128, 8, 768, True)
     assert models.get("llama-3.2-1b").config().tie_word_embeddings is True
+    # the long-context shapes' RoPE as their model cards give it: Llama 3.1's llama3 scaling, Qwen3's YaRN x4
+    ll, qy = models.get("llama-3.1-8b").config(), models.get("qwen3-8b-yarn").config()
+    assert (ll.rope_parameters["rope_type"], ll.rope_parameters["factor"], ll.max_position_embeddings,
+            ll.rope_parameters["original_max_position_embeddings"]) == ("llama3", 8.0, 131072, 8192)
+    assert (qy.rope_parameters["rope_type"], qy.rope_parameters["factor"], qy.max_position_embeddings,
+            qy.rope_parameters["original_max_position_embeddings"]) == ("yarn", 4.0, 131072, 32768)
 
 
 @pytest.mark.parametrize("name", [n + "-tiny" for n in ("llama-3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "gpt-oss-20b")])

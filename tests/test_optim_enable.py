@@ -17,7 +17,7 @@ def _step(model, batch, meta=None):
     return out.loss.detach()
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "qwen3-8b-yarn-tiny", "qwen3-30b-a3b-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b-tiny", "qwen3-8b-yarn-tiny", "llama-3.1-8b-tiny", "qwen3-30b-a3b-tiny"])
 def test_one_call_keeps_loss_and_grads(name):
     from harness.run.experiment import DataSpec
     from harness.workload.data import make_batch

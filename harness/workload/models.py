@@ -109,8 +109,11 @@ _GPT_OSS = dict(
 _REAL = [
     ModelSpec("llama-3.2-1b", "llama", 16, 2048, 8192, 32, 8, 64, 128256, tie_word_embeddings=True,
               extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    # Llama 3.1's own RoPE: llama3 scaling of the 8192 positions it was trained at, to 131072
     ModelSpec("llama-3.1-8b", "llama", 32, 4096, 14336, 32, 8, 128, 128256,
-              extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+              extra=dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192})),
     ModelSpec("qwen3-0.6b", "qwen3", 28, 1024, 3072, 16, 8, 128, 151936, 40960, tie_word_embeddings=True,
               extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     ModelSpec("qwen3-8b", "qwen3", 36, 4096, 12288, 32, 8, 128, 151936, 40960,
