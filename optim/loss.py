@@ -231,7 +231,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         denom = torch.as_tensor(num_items_in_batch, device=h.device)
         if denom.numel() != 1:
             raise ValueError(f"linear_cross_entropy: num_items_in_batch must hold one count, got shape {tuple(denom.shape)}")
-        # Trainer hands each nn.DataParallel replica its count as a (1, 1) tensor
+        # one count, whatever its shape (Trainer's nn.DataParallel path, which an enabled model
+        # refuses, hands its replicas a (1, 1) tensor; a direct caller may hand any such shape)
         denom = denom.reshape(())
     kernel = resolve_kernel(SWITCHES["loss_kernel"].parse(kernel), h.device)
     if kernel == "cce" and torch.cuda.is_current_stream_capturing():
