@@ -123,7 +123,33 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
     return "\n\n".join(parts)
 
 
+def _bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float]:
+    """What the probes of these variants prove about the longest of them: at least the longest
+    length one trained, and at most one under the shortest length above it that did not train
+    (out of memory or time), infinite where a variant's search has no such probe (unfinished,
+    stopped at ``max_len``, or ended by a skipped or failed probe: a lower bound only)."""
+    lo, up = None, 0.0
+    for k in keys:
+        row, above, why = longest(groups[k])
+        if row is not None:
+            lo = max(lo or 0, int(row["seq_len"]))
+        up = max(up, above - 1 if above is not None and why in FAILS else float("inf"))
+    return lo, up
+
+
+def _verdict(low: float | None, high: float, goal: float) -> str:
+    """Met where the lower bound reaches the goal, not met where the upper bound falls short of it,
+    else not yet known (a search not finished to the precision the goal needs)."""
+    if low is not None and low >= goal:
+        return fmt.met(True)
+    if high < goal:
+        return fmt.met(False)
+    return "not yet known"
+
+
 def _targets(groups: dict, targets: list[dict]) -> str:
+    """Each target judged from what the searches prove (``_bounds``): a verdict only where the
+    probes settle it, "not yet known" where a search would have to go on."""
     body = []
     for slug in sorted({k[0] for k in groups}):
         for t in targets:
@@ -135,28 +161,36 @@ def _targets(groups: dict, targets: list[dict]) -> str:
             best_peer = max(peers, key=lambda v: (int(peers[v][0]["seq_len"]), -(fmt.stat(peers[v][0], "step_ms") or 0))
                             if peers[v][0] else (0, 0), default=None)
             best_ours = max(ours, key=lambda v: int(ours[v][0]["seq_len"]) if ours[v][0] else 0, default=None)
-            p_len = int(peers[best_peer][0]["seq_len"]) if best_peer and peers[best_peer][0] else None
-            o_len = int(ours[best_ours][0]["seq_len"]) if best_ours and ours[best_ours][0] else None
+            p_len, p_up = _bounds(groups, [(slug, model, v) for v in peers])
+            o_len, o_up = _bounds(groups, [(slug, model, v) for v in ours])
             where = f"{model} ({slug})"
             if "min_over_best_peer" in t:
                 goal = t["min_over_best_peer"]
                 ratio = o_len / p_len if o_len and p_len else None
-                body.append([f"ours' longest ≥ {goal}× the best peer's, {where}",
-                             f"{fmt.times(ratio)} ({o_len} `{best_ours}` vs {p_len} `{best_peer}`)" if ratio else "not measured",
-                             fmt.met(ratio >= goal) if ratio else fmt.DASH])
+                shown = f"{fmt.times(ratio)} ({o_len} `{best_ours}` vs {p_len} `{best_peer}`)" if ratio else "not measured"
+                open_ended = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
+                if ratio and open_ended:
+                    shown += f"; {' and '.join(open_ended)} could go longer: no probe above failed"
+                body.append([f"ours' longest ≥ {goal}× the best peer's, {where}", shown,
+                             _verdict(o_len / p_up if o_len and p_up else None, o_up / p_len, goal)
+                             if ratio else fmt.DASH])
             if t.get("faster_at_peer_longest"):  # ours' fastest row at that length
                 at = min((r for v in ours for r in groups[(slug, model, v)] if p_len and int(r["seq_len"]) == p_len
                           and r.get("status") == "ok" and fmt.stat(r, "step_ms")),
                          key=lambda r: fmt.stat(r, "step_ms"), default=None)
                 peer_ms = fmt.stat(peers[best_peer][0], "step_ms") if best_peer and peers[best_peer][0] else None
                 ours_ms = fmt.stat(at, "step_ms")
-                body.append([f"ours faster than the best peer at its longest length, {where}",
-                             f"{fmt.ms(ours_ms)} vs {fmt.ms(peer_ms)} ms at {p_len}" if ours_ms and peer_ms else "not measured",
-                             fmt.met(ours_ms < peer_ms) if ours_ms and peer_ms else fmt.DASH])
+                shown = f"{fmt.ms(ours_ms)} vs {fmt.ms(peer_ms)} ms at {p_len}" if ours_ms and peer_ms else "not measured"
+                settled = p_up != float("inf")  # the peers' longest is known, not only a lower bound
+                if ours_ms and peer_ms and not settled:
+                    shown += "; the peers' search went no further, so their longest is not known yet"
+                body.append([f"ours faster than the best peer at its longest length, {where}", shown,
+                             (fmt.met(ours_ms < peer_ms) if settled else "not yet known") if ours_ms and peer_ms
+                             else fmt.DASH])
             if "fits" in t:
                 n = int(t["fits"])
                 body.append([f"ours trains at {n} tokens, {where}", f"longest {o_len}" if o_len else "not measured",
-                             fmt.met(o_len >= n) if o_len else fmt.DASH])
+                             _verdict(o_len, o_up, n) if o_len else fmt.DASH])
     return "Targets:\n\n" + fmt.table(["target", "measured", "met?"], body)
 
 
