@@ -41,7 +41,7 @@ from harness.errors import InputError
 SCHEMA_VERSION = 1
 FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
 # What one microbenchmark row measured: a rerun of the same replaces it.
-BENCH_KEY = ("kind", "model", "seq_len", "tokens", "batch_size", "backend", "mode", "lora",
+BENCH_KEY = ("kind", "model", "seq_len", "doc_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type",
              "corpus", "adapter_seed")  # convergence: another corpus, order or seed is another measurement
 
