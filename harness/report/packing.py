@@ -397,9 +397,49 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
 
 
 
+ATTENTION_KERNELS = ("flex", "varlen", "sdpa", "sdpa-causal")
+
+
+def attention_kernel_table(rows: list[dict]) -> str:
+    """``python -m harness.bench.attention``'s rows: per geometry, row and document length, each
+    kernel's forward + backward, and on rows of one document causal SDPA's lead over the fastest
+    packed kernel (flex, varlen): what ``auto``'s choice for such rows rests on."""
+    pts: dict[tuple, dict] = {}
+    for r in rows_of_kind(rows, "attention_kernel"):
+        key = (str(r.get("model")), r.get("heads"), r.get("kv_heads"), r.get("head_dim"),
+               int(r.get("seq_len") or 0), int(r.get("doc_len") or 0))
+        pts.setdefault(key, {})[r.get("backend")] = r
+    if not pts:
+        return ""
+
+    def cell(r):
+        if r is None:
+            return DASH
+        if r.get("status") != "ok":
+            return str(r.get("status"))
+        st = r.get("forward_backward_ms") or {}
+        return f"{fmt.ms(st.get('p50'))} [{fmt.ms(st.get('p20'))}–{fmt.ms(st.get('p80'))}]"
+
+    body = []
+    for key in sorted(pts, key=lambda k: (fmt.natural(k[0]), k[4], -k[5])):
+        model, h, kv, d, n, doc = key
+        by = pts[key]
+        p50 = {b: (by[b].get("forward_backward_ms") or {}).get("p50") for b in by if by[b].get("status") == "ok"}
+        packed = min((p50[b] for b in ("flex", "varlen") if p50.get(b)), default=None)
+        lead = fmt.times(packed / p50["sdpa-causal"]) if packed and p50.get("sdpa-causal") else DASH
+        body.append([model, f"{h}/{kv}×{d}", n, doc, *(cell(by.get(b)) for b in ATTENTION_KERNELS), lead])
+    return ("#### Attention kernels, forward + backward per layer call\n\n"
+            + fmt.table(["model", "heads/KV × dim", "row tokens", "document tokens",
+                         *(f"{b} ms" for b in ATTENTION_KERNELS), "causal SDPA's lead over the fastest packed"], body)
+            + "\n\nOne attention call of bf16 q, k, v (batch 1), CUDA events after a warm-up, p50 [p20–p80]: "
+              "`python -m harness.bench.attention`. `sdpa-causal` (no mask, stock's kernel for a row of one "
+              "document) runs only on such rows; `auto` runs it there, and flex or varlen where a row holds "
+              "boundaries.")
+
+
 # The report's parts (harness.measured)
 def bench_tables(rows: list[dict], spec: dict) -> str:
-    return packing_tables(rows, spec)
+    return "\n\n".join(t for t in (packing_tables(rows, spec), attention_kernel_table(rows)) if t)
 
 
 def sweep_targets(steps: list[dict], rows: list[dict], spec: dict) -> str:
