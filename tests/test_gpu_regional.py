@@ -65,3 +65,30 @@ def test_compiled_layers_match_eager_bf16(name, backend, attn):
     d = R.describe(comp)
     assert "compile_error" not in d and d["layer_calls"]["eager"] == 0 and d["layer_calls"]["compiled"] > 0
     assert d["flex_traced"] == (backend == "flex")  # flex inside the layer graph, no graph break
+
+
+def test_auto_runs_causal_sdpa_on_whole_rows_in_compiled_and_eager_layers_bf16():
+    """Rows of one document each under auto: compiled layers trace causal SDPA into their graph
+    (the stack's pre-hook marks the batch), eager layers call it; a packed batch between two such
+    batches runs flex (compiled) or varlen (eager). Each step's loss and gradients stay those of
+    flex on the same batch, the first step included."""
+    batches = [[[256], [256]], [[100, 156], [256]], [[256], [256]]]
+    ref, comp, eager = (_build("qwen3-0.6b-tiny", b, c) for b, c in (("flex", False), ("auto", True), ("auto", False)))
+    comp.load_state_dict(ref.state_dict())
+    eager.load_state_dict(ref.state_dict())
+    P.reset_counters()
+    for lengths in batches:
+        want = _run(ref, lengths, True)
+        for model in (comp, eager):
+            loss, grads = _run(model, lengths, True)
+            assert abs(loss.item() - want[0].item()) < 2e-2 * abs(want[0].item()), lengths
+            worst = max((_rel(grads[k], want[1][k]), k) for k in want[1])
+            assert worst[0] < 5e-2, (lengths, worst)
+    assert P.counters()["causal_batches"] == 2 and P.counters()["flex_batches"] == 1, P.counters()
+    layers = eager.config.num_hidden_layers
+    kernels = P.kernels()
+    # the eager model, forward and recompute per layer: causal SDPA on the whole rows, varlen on the
+    # packed batch; the flex reference ran flex eagerly on all three
+    assert kernels["sdpa-causal"] == 2 * 2 * layers and kernels["varlen"] == 2 * layers, kernels
+    d = R.describe(comp)
+    assert "compile_error" not in d and d["layer_calls"]["eager"] == 0, d

@@ -60,8 +60,9 @@ def attention_kernels(model, optim_applied: dict) -> dict:
     its calls since ``optim.packing.reset_counters()`` (None where only its use is known), and
     ``attention_fallback`` says why optim.packing's fused flex could not run (None if it could).
 
-    Kernels: ``flex-fused``, ``flex-unfused``, ``varlen``, ``sdpa-mask`` (optim.packing's eager
-    path), ``flex-fused-traced`` (flex traced into optim.regional's compiled layers), and for a
+    Kernels: ``flex-fused``, ``flex-unfused``, ``varlen``, ``sdpa-mask``, ``sdpa-causal``
+    (optim.packing's eager path), ``flex-fused-traced`` and ``sdpa-causal-traced`` (traced into
+    optim.regional's compiled layers, each where a batch ran it), and for a
     stock model its attention implementation (``stock-<name>``); ``flex-unfused`` also when torch
     warned that flex_attention ran uncompiled anywhere in this process (stock flex included)."""
     from torch.nn.attention import flex_attention as torch_flex
@@ -78,7 +79,13 @@ def attention_kernels(model, optim_applied: dict) -> dict:
 
         d = regional.describe(model)
         if d.get("flex_traced") and d.get("layer_calls", {}).get("compiled"):
-            ran["flex-fused-traced"] = None  # inside the compiled graph: no per-call count
+            from optim import packing
+
+            batches = packing.counters()  # inside the compiled graph: no per-call count, batches only
+            if batches.get("flex_batches") or not batches.get("causal_batches"):
+                ran["flex-fused-traced"] = None
+            if batches.get("causal_batches"):
+                ran["sdpa-causal-traced"] = None
     if not ran:
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if impl is not None:

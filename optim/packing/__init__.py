@@ -26,6 +26,10 @@ Backends (switch ``packing_backend``):
   * ``varlen``: FlashAttention-2 varlen (``torch.nn.attention.varlen.varlen_attn``) on
     ``cu_seqlens``/``max_seqlen`` (CUDA, fp16/bf16 only).
 
+``auto`` runs a batch whose rows are one document each (nothing to keep apart, as in long-context
+training) with plain causal SDPA, torch's fastest causal kernel, in eager and compiled layers alike,
+on models without attention sinks or sliding windows; other batches get the table in ``backends``.
+
 What runs where (``routing``): calls without a KV cache run the packed attention, a padded
 ``attention_mask`` turned into documents (each row's real tokens one, each run of padding another);
 calls with a KV cache, ``generate()`` and masks of another form run the implementation ``enable``
@@ -69,7 +73,9 @@ from optim.packing.backends import (
     flex_core,
     flex_output,
     fused_flex_failure,
+    one_document_per_row,
     resolve_backend,
+    sdpa_causal,
     varlen_available,
 )
 from optim.packing import routing
@@ -157,12 +163,14 @@ def packed_attention_forward(
         # the window recorded by enable(), not _layer_window: that reads layer_idx, and a graph
         # guarded on layer_idx would be compiled once per layer
         window = int(sliding_window) if sliding_window else getattr(module, "_optim_packing_window", None)
+        sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+        if packing_structures.get(CAUSAL) and window is None and sinks is None:
+            return sdpa_causal(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
         block_mask = packing_structures.get(window)
         if block_mask is not None:
             from torch.nn.attention.flex_attention import flex_attention
 
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
             gqa = query.shape[1] != key.shape[1]
             out, lse = flex_core(flex_attention, query, key, value, block_mask, scale, gqa, sinks is not None)
             return flex_output(out, lse, sinks, query.dtype), None
@@ -203,6 +211,9 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
         entry.first_module, entry.owner_grad = id(module), True
     if settings.cache and grad and entry.first_module == id(module):
         query = ReleaseOnBackward.apply(query, entry.key, device)
+    if settings.backend == "auto" and sinks is None and (window is None or window >= T) and one_document_per_row(entry):
+        KERNEL_CALLS["sdpa-causal"] += 1
+        return sdpa_causal(query, key, value, scale), None
     backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
     out = KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
     return out, None
@@ -235,8 +246,10 @@ def register() -> None:
 
 
 def _prebuild_hook(module, args, kwargs):
-    """Forward pre-hook of a decoder stack under compiled layers: the batch's flex BlockMasks."""
-    settings, windows = vars(module)[_PREBUILT]
+    """Forward pre-hook of a decoder stack under compiled layers: the batch's flex BlockMasks, or,
+    under ``auto`` for a batch of one document per row on a model with neither sinks nor sliding
+    windows, the mark that has the layers run causal SDPA in their graph (no mask to build)."""
+    settings, windows, plain = vars(module)[_PREBUILT]
     meta, cu, max_len = kwargs.get(FORWARD_KWARG), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if (meta is None and (cu is None or max_len is None)) or kwargs.get(STRUCTURES_KWARG) is not None \
             or in_stock_mode():
@@ -247,16 +260,25 @@ def _prebuild_hook(module, args, kwargs):
     if ref is None or param is None:
         return None
     device, pos = ref.device, kwargs.get("position_ids")
-    if resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) != "flex":
+    flex = resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) == "flex"
+    causal_ok = plain and settings.backend == "auto"
+    if not (flex or causal_ok):
         return None
     B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
     entry = entry_for(meta, pos, B, T, device, True, settings.validate, cu, max_len)
+    if causal_ok and one_document_per_row(entry):
+        COUNTERS["causal_batches"] += 1
+        return args, {**kwargs, STRUCTURES_KWARG: {CAUSAL: True}}
+    if not flex:
+        return None
+    COUNTERS["flex_batches"] += 1
     masks = {w: cached_structure(entry, ("flex", w), functools.partial(build_flex_block_mask, entry, w), True)
              for w in windows}
     return args, {**kwargs, STRUCTURES_KWARG: masks}
 
 
 _PREBUILT = "_optim_packing_prebuild"
+CAUSAL = "causal"  # the key of packing_structures that marks a batch of one document per row
 
 
 def prebuild_structures(model) -> int:
@@ -277,11 +299,13 @@ def prebuild_structures(model) -> int:
         return 0
     windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
                            key=lambda w: -1 if w is None else w))
+    # causal SDPA serves a batch of whole-row documents only where no layer has sinks or a window
+    plain = windows == (None,) and all(getattr(m, "sinks", None) is None for m in _attention_modules(model))
     n = 0
     for m in routing.decoder_stacks(model):
         if _PREBUILT not in vars(m):
             m.register_forward_pre_hook(_prebuild_hook, with_kwargs=True)
-        vars(m)[_PREBUILT] = (settings, windows)
+        vars(m)[_PREBUILT] = (settings, windows, plain)
         n += 1
     return n
 

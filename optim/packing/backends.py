@@ -272,9 +272,29 @@ def _varlen(entry, q, k, v, scale, window, sinks, cache):
 KERNELS = {"sdpa": _sdpa, "flex": _flex, "varlen": _varlen}
 
 
+def one_document_per_row(entry) -> bool:
+    """Whether every row of the batch is one document (no boundary inside a row): read from host
+    values alone (``max_seqlen`` and the shape of ``cu_seqlens``), no sync. An entry built on the
+    device from position_ids (a CUDA-graph capture) has no host lengths: False."""
+    cu = entry.cu_seqlens
+    return cu is not None and entry.max_seqlen == entry.T and cu.numel() == entry.B + 1
+
+
+def sdpa_causal(q, k, v, scale):
+    """Rows of one document each: plain causal SDPA, no mask, what the fastest kernel torch has for
+    causal attention runs (flash or cuDNN). (B, H, T, D) in, (B, T, H, D) out. Traceable: compiled
+    layers run it inside their graph."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
 # What ``packing_backend = "auto"`` picks on CUDA, by whether optim.regional compiles the decoder
 # layers. The rows that back each choice are in results/ (H100 and H200, bf16, LoRA, packed
 # documents, one process per point) and reports/packing and reports/user set them side by side.
+# Before this table, ``auto`` runs ``sdpa_causal`` on any batch whose rows are one document each
+# (on models without attention sinks or sliding windows): no boundary to keep, and torch's causal
+# SDPA beat flex and varlen at every length the ``attention_kernel`` rows of results/packing/
+# measured (``python -m harness.bench.attention``; reports/packing, "Attention kernels").
 AUTO_ON_CUDA = {
     # Compiled layers: flex is traced into the layer's graph (its BlockMasks prebuilt outside), so
     # one graph serves every layer and batch; varlen and sdpa stay eager behind a graph break.

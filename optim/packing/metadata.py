@@ -28,8 +28,9 @@ BACKENDS = PACKING_BACKENDS
 # Build and sync counters: what the bench reports per training step ("count, don't assume").
 COUNTERS: collections.Counter = collections.Counter()
 # Calls per attention kernel that actually ran on the eager path: "flex-fused", "flex-unfused"
-# (CPU only), "varlen", "sdpa-mask". Flex traced into compiled layers (optim.regional) runs
-# inside the layer's graph and is not counted here; it is always the fused kernel.
+# (CPU only), "varlen", "sdpa-mask", "sdpa-causal" (rows of one document each). Kernels traced into
+# compiled layers (optim.regional) run inside the layer's graph and are not counted here; the
+# batches that ran each are (COUNTERS "flex_batches", "causal_batches").
 KERNEL_CALLS: collections.Counter = collections.Counter()
 
 
