@@ -133,16 +133,17 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     env, rows = collect(), []
     for n in args.lengths:
-        for d in args.doc_lens:
+        # 0 is the row's own length: a document length given twice is measured once
+        for d in dict.fromkeys(n if d in (0, n) else d for d in args.doc_lens):
             for b in args.backends:
-                one_doc = d in (0, n)
+                one_doc = d == n
                 if (b == "sdpa-causal" and not one_doc) or (b == "sdpa" and n > args.sdpa_max) \
                         or (b in ("flex", "varlen") and device.type != "cuda"):
                     continue
                 try:
                     row = measure(b, n, d, warmup=args.warmup, repeats=args.repeats, device=device, **geometry)
                 except torch.OutOfMemoryError as e:
-                    row = {"kind": "attention_kernel", "backend": b, "seq_len": n, "doc_len": d or n, **geometry,
+                    row = {"kind": "attention_kernel", "backend": b, "seq_len": n, "doc_len": d, **geometry,
                            "status": "oom", "message": str(e).split("\n")[0]}
                 finally:
                     P.release()
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["model"] = args.model
                 rows.append(row)
                 both = (row.get("forward_backward_ms") or {}).get("p50")
-                print(f"{args.model} T={n} doc={d or n} {b:12s} fwd {(row.get('forward_ms') or {}).get('p50') or 0:9.2f} ms"
+                print(f"{args.model} T={n} doc={d} {b:12s} fwd {(row.get('forward_ms') or {}).get('p50') or 0:9.2f} ms"
                       f"  fwd+bwd {both or 0:9.2f} ms  {row.get('forward_backward_tflops') or 0:6.1f} TFLOP/s  {row['status']}",
                       flush=True)
         path = store(args, rows, env, "harness.bench.attention", argv)  # each length's rows as soon as measured
