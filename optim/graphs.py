@@ -99,7 +99,10 @@ def check_checkpointing(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def capture_paths():
-    """Inside: transformers takes the code paths it takes while a CUDA stream captures."""
+    """Inside: transformers takes the code paths it takes while a CUDA stream captures, and
+    optim.packing makes no kernel choice from host lengths (the capture has none)."""
+    from optim.packing.metadata import CAPTURE_PATHS
+
     patched = []
     for name in _CAPTURE_PATH_MODULES:
         try:
@@ -109,9 +112,11 @@ def capture_paths():
         if hasattr(mod, "is_tracing"):
             patched.append((mod, mod.is_tracing))
             mod.is_tracing = lambda *args, **kwargs: True
+    CAPTURE_PATHS["depth"] += 1
     try:
         yield
     finally:
+        CAPTURE_PATHS["depth"] -= 1
         for mod, fn in patched:
             mod.is_tracing = fn
 

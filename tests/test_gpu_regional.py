@@ -72,6 +72,8 @@ def test_auto_runs_causal_sdpa_on_whole_rows_in_compiled_and_eager_layers_bf16()
     (the stack's pre-hook marks the batch), eager layers call it; a packed batch between two such
     batches runs flex (compiled) or varlen (eager). Each step's loss and gradients stay those of
     flex on the same batch, the first step included."""
+    if not P.varlen_available():
+        pytest.skip("varlen_attn is not available in this torch build")
     batches = [[[256], [256]], [[100, 156], [256]], [[256], [256]]]
     ref, comp, eager = (_build("qwen3-0.6b-tiny", b, c) for b, c in (("flex", False), ("auto", True), ("auto", False)))
     comp.load_state_dict(ref.state_dict())

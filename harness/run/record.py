@@ -82,7 +82,7 @@ def attention_kernels(model, optim_applied: dict) -> dict:
             from optim import packing
 
             batches = packing.counters()  # inside the compiled graph: no per-call count, batches only
-            if batches.get("flex_batches") or not batches.get("causal_batches"):
+            if batches.get("flex_batches"):  # batches whose BlockMasks the stack's pre-hook built
                 ran["flex-fused-traced"] = None
             if batches.get("causal_batches"):
                 ran["sdpa-causal-traced"] = None

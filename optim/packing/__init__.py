@@ -27,8 +27,9 @@ Backends (switch ``packing_backend``):
     ``cu_seqlens``/``max_seqlen`` (CUDA, fp16/bf16 only).
 
 ``auto`` runs a batch whose rows are one document each (nothing to keep apart, as in long-context
-training) with plain causal SDPA, torch's fastest causal kernel, in eager and compiled layers alike,
-on models without attention sinks or sliding windows; other batches get the table in ``backends``.
+training) with plain causal SDPA, in eager and compiled layers alike, on models without attention
+sinks or sliding windows and where flash serves it (``backends.causal_applies``); other batches
+get the table in ``backends``.
 
 What runs where (``routing``): calls without a KV cache run the packed attention, a padded
 ``attention_mask`` turned into documents (each row's real tokens one, each run of padding another);
@@ -72,6 +73,7 @@ from optim.packing.backends import (
     FusedFlexUnavailable,
     flex_core,
     flex_output,
+    causal_applies,
     fused_flex_failure,
     one_document_per_row,
     resolve_backend,
@@ -164,7 +166,9 @@ def packed_attention_forward(
         # guarded on layer_idx would be compiled once per layer
         window = int(sliding_window) if sliding_window else getattr(module, "_optim_packing_window", None)
         sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-        if packing_structures.get(CAUSAL) and window is None and sinks is None:
+        # the hook marks whole rows; the layer's own settings may since name a backend (kept as named)
+        if packing_structures.get(CAUSAL) and window is None and sinks is None \
+                and getattr(module, "_optim_packing", _DEFAULT).backend == "auto":
             return sdpa_causal(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
         block_mask = packing_structures.get(window)
         if block_mask is not None:
@@ -211,7 +215,8 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
         entry.first_module, entry.owner_grad = id(module), True
     if settings.cache and grad and entry.first_module == id(module):
         query = ReleaseOnBackward.apply(query, entry.key, device)
-    if settings.backend == "auto" and sinks is None and (window is None or window >= T) and one_document_per_row(entry):
+    if settings.backend == "auto" and sinks is None and (window is None or window >= T) \
+            and causal_applies(device, query.dtype, D) and one_document_per_row(entry):
         KERNEL_CALLS["sdpa-causal"] += 1
         return sdpa_causal(query, key, value, scale), None
     backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
@@ -249,7 +254,7 @@ def _prebuild_hook(module, args, kwargs):
     """Forward pre-hook of a decoder stack under compiled layers: the batch's flex BlockMasks, or,
     under ``auto`` for a batch of one document per row on a model with neither sinks nor sliding
     windows, the mark that has the layers run causal SDPA in their graph (no mask to build)."""
-    settings, windows, plain = vars(module)[_PREBUILT]
+    settings, windows, plain, head_dim = vars(module)[_PREBUILT]
     meta, cu, max_len = kwargs.get(FORWARD_KWARG), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if (meta is None and (cu is None or max_len is None)) or kwargs.get(STRUCTURES_KWARG) is not None \
             or in_stock_mode():
@@ -261,7 +266,7 @@ def _prebuild_hook(module, args, kwargs):
         return None
     device, pos = ref.device, kwargs.get("position_ids")
     flex = resolve_backend(settings.backend, device, param.dtype, compiled=settings.compiled) == "flex"
-    causal_ok = plain and settings.backend == "auto"
+    causal_ok = plain and settings.backend == "auto" and causal_applies(device, param.dtype, head_dim)
     if not (flex or causal_ok):
         return None
     B, T = (meta.batch_size, meta.seq_len) if meta is not None else tuple(ref.shape[:2])
@@ -300,12 +305,14 @@ def prebuild_structures(model) -> int:
     windows = tuple(sorted({_layer_window(m, None) for m in _attention_modules(model)},
                            key=lambda w: -1 if w is None else w))
     # causal SDPA serves a batch of whole-row documents only where no layer has sinks or a window
-    plain = windows == (None,) and all(getattr(m, "sinks", None) is None for m in _attention_modules(model))
+    attention = list(_attention_modules(model))
+    plain = windows == (None,) and all(getattr(m, "sinks", None) is None for m in attention)
+    head_dim = max((int(getattr(m, "head_dim", 0) or 0) for m in attention), default=0)
     n = 0
     for m in routing.decoder_stacks(model):
         if _PREBUILT not in vars(m):
             m.register_forward_pre_hook(_prebuild_hook, with_kwargs=True)
-        vars(m)[_PREBUILT] = (settings, windows, plain)
+        vars(m)[_PREBUILT] = (settings, windows, plain, head_dim)
         n += 1
     return n
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from optim._fallback import passes_through, recompile_limit
-from optim.packing.metadata import KERNEL_CALLS
+from optim.packing.metadata import CAPTURE_PATHS, KERNEL_CALLS
 from optim.packing.structures import build_flex_block_mask, build_sdpa_mask, build_varlen_args, cached_structure
 
 log = logging.getLogger("optim.packing")
@@ -280,10 +280,23 @@ def one_document_per_row(entry) -> bool:
     return cu is not None and entry.max_seqlen == entry.T and cu.numel() == entry.B + 1
 
 
+def causal_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Where ``sdpa_causal`` may stand in for the packed kernels: on CUDA in fp16/bf16 with a head
+    dim flash takes (elsewhere SDPA with grouped KV heads falls back to the math kernel, which holds
+    B x H x T x T scores, where flex and varlen hold none); on the CPU, whose packed kernel is the
+    masked SDPA. Never between ``optim.graphs``' warm-up and capture: the capture reads boundaries
+    from position_ids on the device, with no host lengths to tell whole rows, so the warm-up must
+    take the kernel the capture takes."""
+    if CAPTURE_PATHS["depth"]:
+        return False
+    if device.type == "cuda":
+        return dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+    return True
+
+
 def sdpa_causal(q, k, v, scale):
-    """Rows of one document each: plain causal SDPA, no mask, what the fastest kernel torch has for
-    causal attention runs (flash or cuDNN). (B, H, T, D) in, (B, T, H, D) out. Traceable: compiled
-    layers run it inside their graph."""
+    """Rows of one document each: plain causal SDPA, no mask (stock's kernel for such a row).
+    (B, H, T, D) in, (B, T, H, D) out. Traceable: compiled layers run it inside their graph."""
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).contiguous()
 
@@ -292,9 +305,10 @@ def sdpa_causal(q, k, v, scale):
 # layers. The rows that back each choice are in results/ (H100 and H200, bf16, LoRA, packed
 # documents, one process per point) and reports/packing and reports/user set them side by side.
 # Before this table, ``auto`` runs ``sdpa_causal`` on any batch whose rows are one document each
-# (on models without attention sinks or sliding windows): no boundary to keep, and torch's causal
-# SDPA beat flex and varlen at every length the ``attention_kernel`` rows of results/packing/
-# measured (``python -m harness.bench.attention``; reports/packing, "Attention kernels").
+# (on models without attention sinks or sliding windows, where ``causal_applies``): no boundary to
+# keep, and causal SDPA beat flex and varlen at every length the ``attention_kernel`` rows of
+# results/packing/ measured, 4096 to 131072 tokens with Llama-3.1-8B's heads in bf16 on the H100
+# (``python -m harness.bench.attention``; reports/packing, "Attention kernels").
 AUTO_ON_CUDA = {
     # Compiled layers: flex is traced into the layer's graph (its BlockMasks prebuilt outside), so
     # one graph serves every layer and batch; varlen and sdpa stay eager behind a graph break.

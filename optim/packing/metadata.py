@@ -32,6 +32,8 @@ COUNTERS: collections.Counter = collections.Counter()
 # compiled layers (optim.regional) run inside the layer's graph and are not counted here; the
 # batches that ran each are (COUNTERS "flex_batches", "causal_batches").
 KERNEL_CALLS: collections.Counter = collections.Counter()
+# Raised by optim.graphs around a CUDA-graph's warm-up and capture: no kernel choice from host lengths
+CAPTURE_PATHS = {"depth": 0}
 
 
 def reset_counters() -> None:
