@@ -196,3 +196,31 @@ def test_the_report_gives_the_offload_bound_of_a_profiled_probe_at_its_longest_l
     # at the longest length only: (4 - 1) * min(5, 100) = 15 ms, 0.8 % of the 2000 ms step
     assert "| m | user-long | 65536 | 3.00 | 4 | 5.00 | 100.0 | 15.0 | 2000.0 | 0.8 % |" in text
     assert "| m | stock | 8192 |" not in text
+
+
+def test_a_peer_that_never_ran_bounds_nothing_and_a_skipped_probe_is_shown():
+    """A peer refused at its first length (skipped) neither trains nor runs out: the verdicts stand
+    on the peers that did. A skipped probe above a trained length is shown, but bounds nothing."""
+    from harness.report import context as report
+
+    rows = [_row("liger", "peer", 16384, "ok", 900.0), _row("liger", "peer", 20480, "oom"),
+            _row("unsloth", "unsloth", 8192, "skipped"),
+            _row("user", "user", 16384, "ok", 800.0), _row("user", "user", 32768, "ok", 2000.0),
+            _row("user", "user", 65536, "oom"),
+            _row("user-long", "ours", 16384, "ok", 1000.0), _row("user-long", "ours", 32768, "skipped")]
+    text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
+                                                 "faster_at_peer_longest": True, "fits": 131072}]})
+    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `liger`); ours could go " \
+           "longer: no probe above failed | yes |" in text
+    assert "| ours faster than the best peer at its longest length, m (g) | 800.0 vs 900.0 ms at 16384 | yes |" in text
+    # user-long ended at a skipped probe: ours' longest is open-ended, so 131072 is not yet known
+    assert "| ours trains at 131072 tokens, m (g) | longest 32768 | not yet known |" in text
+    assert "| m | user-long | ours | 16384 | 32768 (skipped) |" in text
+
+
+def test_ours_out_of_memory_at_its_first_length_does_not_fit():
+    from harness.report import context as report
+
+    rows = [_row("user", "user", 8192, "oom"), _row("stock", "stock", 8192, "ok", 500.0)]
+    text = report.lead(rows, rows, {"targets": [{"model": "m", "fits": 16384}]})
+    assert "| ours trains at 16384 tokens, m (g) | trained at no length probed | no |" in text

@@ -45,13 +45,16 @@ def _by(rows: list[dict]) -> dict[tuple, list[dict]]:
 
 def longest(rows: list[dict]) -> tuple[dict | None, int | None, str]:
     """Of one variant's probes on one GPU type: the row at the longest length that trained, the
-    shortest length above it that did not, and that probe's status ("" where none)."""
+    shortest length above it that did not, and that probe's status ("" where none). A length that
+    ran out of memory or time is preferred: only such a probe bounds the variant's longest; a
+    skipped or failed one (Unsloth past the model's positions) only ended the search."""
     seen = outcomes(rows, rows[0].get("model"), rows[0].get("variant"), None)
     ok = [n for n, st in seen.items() if st in TRAINS]
     best = max(ok, default=None)
-    above = sorted(n for n, st in seen.items() if st in FAILS and (best is None or n > best))
+    higher = [n for n, st in seen.items() if st not in TRAINS and (best is None or n > best)]
+    above = min((n for n in higher if seen[n] in FAILS), default=min(higher, default=None))
     row = next((r for r in rows if best is not None and int(r["seq_len"]) == best and r.get("status") == "ok"), None)
-    return row, (above[0] if above else None), (seen[above[0]] if above else "")
+    return row, above, (seen[above] if above is not None else "")
 
 
 def _host_gib(row: dict | None) -> float | None:
@@ -123,17 +126,22 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
     return "\n\n".join(parts)
 
 
-def _bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float]:
+def _bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
     """What the probes of these variants prove about the longest of them: at least the longest
     length one trained, and at most one under the shortest length above it that did not train
     (out of memory or time), infinite where a variant's search has no such probe (unfinished,
-    stopped at ``max_len``, or ended by a skipped or failed probe: a lower bound only)."""
-    lo, up = None, 0.0
+    stopped at ``max_len``, or ended by a skipped or failed probe: a lower bound only). Variants that
+    neither trained nor ran out of memory or time (unavailable, refused) bound nothing; (None, None)
+    where none is left."""
+    lo, up = None, None
     for k in keys:
         row, above, why = longest(groups[k])
+        bounded = above is not None and why in FAILS
+        if row is None and not bounded:  # never trained nor ran out (unavailable, refused): no bound
+            continue
         if row is not None:
             lo = max(lo or 0, int(row["seq_len"]))
-        up = max(up, above - 1 if above is not None and why in FAILS else float("inf"))
+        up = max(up or 0, above - 1 if bounded else float("inf"))
     return lo, up
 
 
@@ -183,14 +191,16 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                 shown = f"{fmt.ms(ours_ms)} vs {fmt.ms(peer_ms)} ms at {p_len}" if ours_ms and peer_ms else "not measured"
                 settled = p_up != float("inf")  # the peers' longest is known, not only a lower bound
                 if ours_ms and peer_ms and not settled:
-                    shown += "; the peers' search went no further, so their longest is not known yet"
+                    shown += "; a peer's search went no further (no probe above failed), so the peers' longest is not known yet"
                 body.append([f"ours faster than the best peer at its longest length, {where}", shown,
                              (fmt.met(ours_ms < peer_ms) if settled else "not yet known") if ours_ms and peer_ms
                              else fmt.DASH])
             if "fits" in t:
                 n = int(t["fits"])
-                body.append([f"ours trains at {n} tokens, {where}", f"longest {o_len}" if o_len else "not measured",
-                             _verdict(o_len, o_up, n) if o_len else fmt.DASH])
+                probed = o_len or (o_up is not None and o_up < float("inf"))  # or ran out at its first length
+                body.append([f"ours trains at {n} tokens, {where}",
+                             (f"longest {o_len}" if o_len else "trained at no length probed") if probed else "not measured",
+                             _verdict(o_len, o_up, n) if probed else fmt.DASH])
     return "Targets:\n\n" + fmt.table(["target", "measured", "met?"], body)
 
 
