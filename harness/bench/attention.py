@@ -10,8 +10,8 @@ the p20-p80 spread. The kernels are ``optim.packing``'s own, called as its layer
 - ``varlen``: FlashAttention-2 varlen on ``cu_seqlens`` (what ``auto`` runs in eager layers);
 - ``sdpa``: SDPA with the block-diagonal additive mask (a T x T mask: left out past
   ``--sdpa-max``, where it would not fit);
-- ``sdpa-causal``: SDPA with ``is_causal=True`` and no mask, what stock transformers runs for a
-  row of one document: only such rows are timed with it.
+- ``sdpa-causal``: SDPA with ``is_causal=True`` and no mask (``optim.packing``'s kernel for rows
+  of one document each under ``auto``, and stock's for such a row): only such rows are timed with it.
 
 It says which kernel is fastest at which document length, the evidence ``optim.packing``'s
 ``auto`` choice cites. Rows (``kind = "attention_kernel"``) go to ``results/packing/<gpu>.jsonl``,
@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 import optim.packing as P
+from optim.packing import backends as PB
 from harness.bench import add_store_arguments, store
 from harness.measure.timing import percentiles
 from harness.workload import models as registry
@@ -38,12 +38,9 @@ SDPA_MAX = 32768  # the additive mask is T x T: 2 GiB in bf16 at 32768
 
 
 def _kernel(backend: str):
-    """``(entry, q, k, v, scale) -> out``: optim.packing's kernel, or stock's causal SDPA."""
+    """``(entry, q, k, v, scale) -> out``: optim.packing's kernel, as its layers call it."""
     if backend == "sdpa-causal":
-        def causal(entry, q, k, v, scale):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-            return out.transpose(1, 2)
-        return causal
+        return lambda entry, q, k, v, scale: PB.sdpa_causal(q, k, v, scale)
     fn = P.KERNELS[backend]
     return lambda entry, q, k, v, scale: fn(entry, q, k, v, scale, None, None, True)
 
@@ -92,6 +89,7 @@ def measure(backend: str, seq_len: int, doc_len: int, *, heads: int, kv_heads: i
     grad = torch.randn(1, seq_len, heads, head_dim, device=device, dtype=dtype, generator=gen)
     entry = P.build_entry(("attention-bench", backend, seq_len, doc), P.PackedMetadata.from_lengths([lengths]), device)
     kernel, scale = _kernel(backend), head_dim ** -0.5
+    P.reset_counters()  # this row's kernel calls alone
 
     def forward():
         with torch.no_grad():
@@ -125,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     add_store_arguments(ap, "packing")
     args = ap.parse_args(argv)
+    for n in args.lengths:
+        for d in args.doc_lens:
+            if d < 0 or (d and n % d):
+                ap.error(f"--doc-lens {d} does not divide --lengths {n} (0 is the row's own length)")
     from harness.measure.env import collect
 
     spec = registry.get(args.model)

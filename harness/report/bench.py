@@ -44,7 +44,8 @@ def _device(g: BenchGroup) -> str:
 
 def _provenance(g: BenchGroup, experiment: str) -> str:
     e = g.env
-    shas = {str(s)[:12] for s in [e.get("git_sha")] + [r.get("git_sha") for r in g.rows] if s}
+    shas = {str(s)[:12] for s in [e.get("git_sha")] + [r.get("git_sha") or (r.get("env") or {}).get("git_sha")
+                                                       for r in g.rows] if s}
     setup = ", ".join(f"{k} {e[k]}" for k in ("torch", "transformers", "peft", "cuda", "driver") if e.get(k))
     commands = sorted({fmt.command(r["command"]) for r in g.rows if r.get("command")})
     made = (f" written by {fmt.distinct(f'`{c}`' for c in commands)}" if commands

@@ -431,10 +431,11 @@ def attention_kernel_table(rows: list[dict]) -> str:
     return ("#### Attention kernels, forward + backward per layer call\n\n"
             + fmt.table(["model", "heads/KV × dim", "row tokens", "document tokens",
                          *(f"{b} ms" for b in ATTENTION_KERNELS), "causal SDPA's lead over the fastest packed"], body)
-            + "\n\nOne attention call of bf16 q, k, v (batch 1), CUDA events after a warm-up, p50 [p20–p80]: "
+            + f"\n\nOne attention call of {fmt.distinct(r.get('dtype') for r in rows_of_kind(rows, 'attention_kernel'))} "
+              "q, k, v (batch 1), CUDA events after a warm-up, p50 [p20–p80]: "
               "`python -m harness.bench.attention`. `sdpa-causal` (no mask, stock's kernel for a row of one "
-              "document) runs only on such rows; `auto` runs it there, and flex or varlen where a row holds "
-              "boundaries.")
+              "document) runs only on such rows; `auto` runs it there (without sinks or sliding windows), and "
+              "flex or varlen where a row holds boundaries.")
 
 
 # The report's parts (harness.measured)
