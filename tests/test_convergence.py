@@ -281,6 +281,13 @@ def test_unsloth_is_refused_past_the_models_positions_where_it_would_rescale_rop
         with pytest.raises(peers.PeerUnavailable, match="past qwen3-0.6b's 40960 positions"):
             unsloth_stack.check(spec, device=torch.device("cuda"), lora_rank=16, max_seq_length=65536)
         unsloth_stack.check(spec, device=torch.device("cuda"), lora_rank=16, max_seq_length=40960)  # within: fine
+        # llama3 RoPE (Llama 3.1) Unsloth keeps past the window, only widening it: the same model runs
+        llama = models.get("llama-3.1-8b")
+        assert unsloth_stack.rope(llama.config())["rope_type"] == "llama3"
+        unsloth_stack.check(llama, device=torch.device("cuda"), lora_rank=16, max_seq_length=262144)
+        with pytest.raises(peers.PeerUnavailable, match="past qwen3-8b-yarn's 131072 positions"):
+            unsloth_stack.check(models.get("qwen3-8b-yarn"), device=torch.device("cuda"), lora_rank=16,
+                                max_seq_length=262144)
     finally:
         del __import__("sys").modules["unsloth"]
 

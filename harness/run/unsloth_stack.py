@@ -9,8 +9,10 @@ builds it, so the point measures what an Unsloth user gets.
   every missing weight at load, so the weights are random, as every harness point's are (or, with
   ``base``, another stack's bare model saved there, so both train from the very same weights).
 - ``max_seq_length`` is the point's length. Past the model's ``max_position_embeddings`` Unsloth
-  rescales RoPE (a different model from the other stacks'), so such a point is refused, and a load
-  whose RoPE differs from the shape's config is an error.
+  puts linear RoPE scaling on the model (a different model from the other stacks'), so such a point
+  is refused; llama3 RoPE (Llama 3.1) it keeps, only widening the window, as the other stacks run
+  it past its positions: that point runs. A load whose RoPE differs from the shape's config is an
+  error.
 - ``FastLanguageModel.get_peft_model(..., use_gradient_checkpointing="unsloth")``: its LoRA on
   the same projections and rank as the harness's peft build, its own checkpointing (which
   offloads the checkpoints to host memory), then ``FastLanguageModel.for_training``.
@@ -96,7 +98,8 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_l
     if not lora_rank:
         raise PeerUnavailable("the Unsloth stack trains LoRA adapters; this point sets no lora_rank")
     window = getattr(spec.config(), "max_position_embeddings", None)
-    if max_seq_length and window and max_seq_length > window:
+    # Unsloth's loader (_extended_rope_scaling) keeps native llama3 RoPE past the window, else linear
+    if max_seq_length and window and max_seq_length > window and rope(spec.config())["rope_type"] != "llama3":
         raise PeerUnavailable(f"{max_seq_length} tokens is past {spec.name}'s {window} positions: Unsloth would rescale "
                               "its RoPE, and train another model than the stacks beside it")
     if batch_size != 1:
