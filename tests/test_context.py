@@ -52,6 +52,23 @@ def test_next_length_doubles_until_a_failure_then_bisects_to_the_resolution():
     assert next_length([8192], [4096, 16384], 4096, 1 << 20, 1024) == 12288  # a failure below a success is noise
 
 
+def test_two_peaks_predict_where_the_card_fills_and_the_search_goes_there():
+    from harness.run.context import HEADROOM, predict
+
+    # 10 GiB + 1 GiB per 1000 tokens on an 80 GiB card: full (at the headroom) near 66000 tokens
+    peaks = {1000: 11.0, 2000: 12.0, 500: 10.5}
+    assert predict(peaks, 80.0) == int(2000 + (HEADROOM * 80 - 12.0) / 0.001)
+    assert predict({1000: 11.0}, 80.0) is None and predict(peaks, None) is None
+    assert predict({1000: 11.0, 2000: 11.0}, 80.0) is None  # a peak that does not grow predicts nothing
+    # past twice the longest that trained: there, rounded down, at most four times the length
+    assert next_length([8192, 16384], [], 4096, 1 << 20, 1024, predicted=50000) == 49152
+    assert next_length([1024, 2048], [], 1024, 1 << 20, 1024, predicted=50000) == 8192
+    # not past twice: doubling; at or below the length: a sixteenth up, then a failure bisects
+    assert next_length([8192, 16384], [], 4096, 1 << 20, 1024, predicted=30000) == 32768
+    assert next_length([65536], [], 4096, 1 << 20, 1024, predicted=60000) == 65536 + 4096
+    assert next_length([65536], [69632], 4096, 1 << 20, 1024, predicted=60000) == 67584  # a failure: bisect
+
+
 class _Fake:
     """A sweep whose points train up to ``limit`` tokens and run out of memory beyond."""
 
@@ -85,6 +102,31 @@ def test_a_search_finds_the_longest_length_to_its_resolution_and_a_rerun_runs_no
     fake.code = "d"
     other = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": "d"})
     assert other.probes[0][0] == 64
+
+
+class _PeakFake(_Fake):
+    """Peaks of 10 GiB + 1 GiB per 1000 tokens on an 80 GiB card; out of memory past ``limit``."""
+
+    def run_point(self, exp):
+        super().run_point(exp)
+        row = self.rows[-1]
+        if row["status"] == "ok":
+            row["peak_allocated_gib"] = 10 + row["seq_len"] / 1000
+            row["env"]["memory_total_gib"] = 80.0
+
+
+def test_a_search_with_peaks_jumps_to_where_the_card_fills_and_probes_less(tmp_path):
+    exp = _exp(tmp_path)
+    kw = dict(max_len=1 << 20, resolution=1024, code="c")
+    with_peaks, doubling = _PeakFake(limit=68000), _PeakFake(limit=68000)
+    s = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, run_point=with_peaks.run_point,
+                       rows_of=lambda: with_peaks.rows, **kw)
+    d = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, run_point=doubling.run_point,
+                       rows_of=lambda: doubling.rows, use_peaks=False, **kw)
+    assert s.longest == d.longest and 68000 - 1024 < s.longest <= 68000
+    # from 128 tokens on, at most four times the length a probe, then the predicted 65536 and up
+    assert with_peaks.runs[:8] == [64, 128, 512, 2048, 8192, 32768, 65536, 69632], with_peaks.runs
+    assert len(with_peaks.runs) < len(doubling.runs) and max(with_peaks.runs) < max(doubling.runs) == 131072
 
 
 def test_an_error_ends_the_variants_search_and_says_where(tmp_path):

@@ -8,7 +8,9 @@ of memory is an ``oom`` row like any other; one past its time limit is an ``erro
 message says it timed out. At such a length the stack does not train. Per model and variant the search doubles the length from
 the file's first ``seq_lens`` entry until a probe does not train or ``max_len`` is reached, then
 bisects between the longest length that trained and the shortest that did not, to ``resolution``
-tokens. A point that fails otherwise (another ``error``, ``skipped``) ends that variant's search:
+tokens. Once two lengths have trained, their peaks predict where the card fills (a line through
+them, ``predict``), and the search goes there rather than doubling past it: a long probe costs
+minutes (attention's time grows with the square of the length), so fewer of them. A point that fails otherwise (another ``error``, ``skipped``) ends that variant's search:
 its row says why.
 
 The rows are the sweep's, in ``results/<experiment>/<gpu>.jsonl``, each point identified by its
@@ -30,16 +32,49 @@ from harness.run.experiment import Experiment
 TRAINS, FAILS = ("ok",), ("oom", "timeout")
 
 
-def next_length(trained: list[int], failed: list[int], start: int, max_len: int, resolution: int) -> int | None:
+# Past the longest length that trained, with none above it failed yet, a predicted limit (``predict``)
+# moves the search at most this many times the length: a fit is a guess, and past it a probe is slow.
+MAX_JUMP = 4
+HEADROOM = 0.95  # of the card's memory, what a predicted length may fill (the allocator needs room)
+
+
+def predict(peaks: dict[int, float], capacity_gib: float | None) -> int | None:
+    """The length whose peak would fill ``HEADROOM`` of the card, on the line through the peaks of
+    the two longest lengths that trained (a stack whose memory grows linearly in the length: the
+    checkpoints and chunked MLPs and loss of every stack here; a T x T one grows faster, so the fit
+    guesses long, and that probe fails and bounds the search). None with fewer than two peaks, no
+    capacity, or a peak that does not grow."""
+    if capacity_gib is None or len(peaks) < 2:
+        return None
+    (t1, p1), (t2, p2) = sorted(peaks.items())[-2:]
+    slope = (p2 - p1) / (t2 - t1)
+    if slope <= 0:
+        return None
+    return int(t2 + (HEADROOM * capacity_gib - p2) / slope)
+
+
+def next_length(trained: list[int], failed: list[int], start: int, max_len: int, resolution: int,
+                predicted: int | None = None) -> int | None:
     """The next length to probe, given the lengths that trained and those that did not; None when
     the search is over: the longest trainable length is known to ``resolution`` tokens, or is
-    ``max_len`` or more, or is below ``resolution``."""
+    ``max_len`` or more, or is below ``resolution``. Until a length fails, the search doubles; with
+    a ``predicted`` limit past twice the longest that trained, it goes there instead (rounded down
+    to ``resolution``, at most ``MAX_JUMP`` times the length), and with one at or below that length,
+    a sixteenth of it up, so a failure bounds the search soon."""
     lo = max(trained, default=None)
     hi = min((f for f in failed if lo is None or f > lo), default=None)
     if lo is None and hi is None:
         return start
     if hi is None:
-        return None if lo >= max_len else min(2 * lo, max_len)
+        if lo >= max_len:
+            return None
+        if predicted is not None:
+            guess = predicted // resolution * resolution
+            if guess > 2 * lo:
+                return min(guess, MAX_JUMP * lo, max_len)
+            if guess <= lo:  # the fit says full: a step up (a sixteenth, in resolution steps) finds the failure
+                return min(lo + max(resolution, lo // 16 // resolution * resolution), max_len)
+        return min(2 * lo, max_len)
     low = lo if lo is not None else 0
     if hi - low <= resolution:
         return None
@@ -61,6 +96,19 @@ def outcomes(rows: list[dict], model: str, variant: str, code: str | None) -> di
     return out
 
 
+def peaks(rows: list[dict], model: str, variant: str, code: str | None) -> tuple[dict[int, float], float | None]:
+    """Length -> peak allocated GiB of this model's and variant's probes that trained (by ``code``),
+    and the card's memory as those rows recorded it."""
+    out, capacity = {}, None
+    for r in rows:
+        if (r.get("kind", "step") == "step" and r.get("model") == model and r.get("variant") == variant
+                and r.get("status") == "ok" and r.get("peak_allocated_gib")
+                and (code is None or (r.get("env") or {}).get("code_id") == code)):
+            out[int(r["seq_len"])] = float(r["peak_allocated_gib"])
+            capacity = (r.get("env") or {}).get("memory_total_gib") or capacity
+    return out, capacity
+
+
 @dataclass
 class Search:
     model: str
@@ -72,9 +120,10 @@ class Search:
 
 def search(exp: Experiment, model: str, variant: str, results_root: str | Path, *, max_len: int,
            resolution: int, run_point, rows_of, code: str | None, deadline: float | None = None,
-           probe_warmup: int = 1, probe_steps: int = 2) -> Search:
+           probe_warmup: int = 1, probe_steps: int = 2, use_peaks: bool = True) -> Search:
     """One model's and variant's search. ``run_point(exp)`` runs the one-point experiment it is
-    given (the sweep); ``rows_of()`` reads the results file again after it."""
+    given (the sweep); ``rows_of()`` reads the results file again after it. ``use_peaks``: past the
+    lengths that trained, go where their peaks predict the card fills (``predict``), not only double."""
     one = dataclasses.replace(experiment_mod.subset(exp, models=[model], variants=[variant]),
                               warmup_steps=probe_warmup, measured_steps=probe_steps)
     s = Search(model, variant)
@@ -86,7 +135,9 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
             s.stopped = f"the probe at {n} tokens ended {bad[n]!r}: see its row"
             break
         trained = [n for n, st in seen.items() if st in TRAINS]
-        length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution)
+        predicted = predict(*peaks(rows_of(), model, variant, code)) if use_peaks else None
+        length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
+                             predicted)
         if length is None or length in seen:
             break
         if deadline is not None and time.monotonic() > deadline:
@@ -105,7 +156,7 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
 
 def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: int, command: str = "",
         stop_after_s: float | None = None, progress: bool = True, probe_warmup: int = 1,
-        probe_steps: int = 2) -> list[Search]:
+        probe_steps: int = 2, use_peaks: bool = True) -> list[Search]:
     """Every model and variant of ``exp``, one search each, in the file's order."""
     from harness.measure.env import code_id
     from harness.run import sweep
@@ -126,5 +177,5 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
         for variant in exp.variants:
             out.append(search(exp, model, variant, results_root, max_len=max_len, resolution=resolution,
                               run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
-                              probe_warmup=probe_warmup, probe_steps=probe_steps))
+                              probe_warmup=probe_warmup, probe_steps=probe_steps, use_peaks=use_peaks))
     return out
