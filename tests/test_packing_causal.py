@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _lora import randomize_lora_b
+from _packed_step import assert_same_step as _same, packed_step as _step
 
 import optim.packing as P
 import optim.regional as R
@@ -24,24 +25,6 @@ def _build(name="llama-3.2-1b-tiny", compile_layers=False, backend="auto"):
     if compile_layers:
         R.enable(model, compile_layers=True)
     return model
-
-
-def _step(model, lengths, seed=0):
-    meta = P.PackedMetadata.from_lengths(lengths)
-    ids = torch.randint(0, 100, (meta.batch_size, meta.seq_len), generator=torch.Generator().manual_seed(seed))
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, position_ids=meta.position_ids(), use_cache=False,
-                 **P.packed_kwargs(meta)).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _same(got, ref):
-    (lg, gg), (lr, gr) = got, ref
-    torch.testing.assert_close(lg, lr, rtol=1e-5, atol=1e-6)
-    assert gg.keys() == gr.keys() and any("lora_A" in k for k in gr)
-    for k in gr:
-        torch.testing.assert_close(gg[k], gr[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 def _entry(lengths):

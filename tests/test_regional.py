@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from _lora import randomize_lora_b
+from _packed_step import assert_same_step as _assert_same, packed_step as _step
 
 import optim
 import optim.moe as M
@@ -28,23 +29,6 @@ def _build(name, compile_layers, moe_backend=None):
         M.enable(model, moe_backend=moe_backend)
     R.enable(model, compile_layers=compile_layers)
     return model
-
-
-def _step(model, lengths):
-    meta = P.PackedMetadata.from_lengths(lengths)
-    ids = torch.randint(0, 100, (meta.batch_size, meta.seq_len), generator=torch.Generator().manual_seed(0))
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, position_ids=meta.position_ids(), **P.packed_kwargs(meta)).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_same(eager, comp):
-    (le, ge), (lc, gc) = eager, comp
-    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
-    assert ge.keys() == gc.keys() and any("lora_A" in k for k in ge)
-    for k in ge:
-        torch.testing.assert_close(gc[k], ge[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("name, moe_backend", [("qwen3-0.6b-tiny", None), ("gpt-oss-20b-tiny", "sorted")])
