@@ -13,12 +13,16 @@ projections run once more (two thirds of the MLP's forward); the saving is the t
 one chunk's worth. It is a trade of time for memory, so it is off by default: turn it on for
 lengths that do not fit otherwise.
 
+Without grad the chunks run too, and no tokens x intermediate tensor is made at all: the forward
+of a layer whose recompute comes later runs so (``optim.offload`` runs each checkpointed layer
+under ``torch.no_grad`` and recomputes it in the backward), and there the MLP's own forward would
+make gate(x), up(x) and their product whole, if only for a moment.
+
 The math is the unchunked MLP's: the same projections, biases included (peft's LoRA computed as
 ``optim.lora`` computes it, in the model's dtype), SiLU and its gradient as torch computes them.
 An MLP it cannot compute so runs its own forward: another activation, a projection that is
 neither a frozen ``nn.Linear`` nor a plain LoRA layer over one (see ``optim.lora`` for which
-are), or a trained base weight. Batches of at most N tokens, evaluation and ``torch.no_grad`` run
-the MLP's own forward too. The function runs outside ``torch.compile`` (``optim.regional`` compiles
+are), or a trained base weight. Batches of at most N tokens run the MLP's own forward too. The function runs outside ``torch.compile`` (``optim.regional`` compiles
 the rest of the layer around it): its loop over chunks and its backward's recompute are eager.
 """
 
@@ -192,7 +196,7 @@ def _chunked(mlp, x, chunk: int):
 def _chunked_forward(self, x, *args, **kwargs):
     chunk = vars(self).get("_optim_mlp_chunk")
     tokens = x.numel() // x.shape[-1]
-    if args or kwargs or not isinstance(chunk, int) or not torch.is_grad_enabled() or tokens <= chunk:
+    if args or kwargs or not isinstance(chunk, int) or tokens <= chunk:
         return super(type(self), self).forward(x, *args, **kwargs)
     out = _chunked(self, x, chunk)
     return super(type(self), self).forward(x) if out is None else out
@@ -236,6 +240,11 @@ def disable(model: nn.Module) -> nn.Module:
             vars(m).pop("_optim_mlp_calls", None)
     vars(owner(model)).pop(_STATE, None)
     return model
+
+
+def run_stats(model: nn.Module) -> dict[str, Any]:
+    """How many MLP calls ran in chunks in the steps so far, for a results row."""
+    return {"mlp_stats": describe(model) or None}
 
 
 def describe(model: nn.Module) -> dict[str, Any]:

@@ -116,12 +116,13 @@ def test_one_mlp_with_lora_and_biases_matches_and_keeps_only_its_input(bias):
 
 def test_what_it_cannot_chunk_runs_the_mlps_own_forward():
     x = torch.randn(2, 300, 32)
-    # a trained base weight, a GELU MLP, no grad, a batch within one chunk
+    # a trained base weight, a GELU MLP, a batch within one chunk (with grad and without)
     trained = _peft_mlp()
     trained.base_model.model.gate_proj.base_layer.weight.requires_grad_(True)
     gelu = _MLP()
     gelu.act_fn = nn.GELU()
-    for model, arg, grad in ((trained, x, True), (gelu, x, True), (_peft_mlp(), x, False), (_peft_mlp(), x[:, :100], True)):
+    for model, arg, grad in ((trained, x, True), (gelu, x, True), (_peft_mlp(), x[:, :100], True),
+                             (_peft_mlp(), x[:, :100], False)):
         M.enable(model, mlp_chunk=256)
         with torch.set_grad_enabled(grad):
             model(arg)
@@ -144,3 +145,52 @@ def test_enable_disable_keep_parameters_and_state_dict_and_the_switch_reads_its_
     assert M.describe(model) == {"mlp_chunk": "off", "chunked_mlps": 0, "chunked_calls": 0}
     with pytest.raises(ValueError, match="mlp_chunk=100 is not valid"):
         optim.enable(model, mlp_chunk=100)
+
+
+class _Widest(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most tokens of any tensor an op makes whose last dimension is ``width``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.width, self.most = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.width:
+                self.most = max(self.most, t.numel() // self.width)
+        return out
+
+
+def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made():
+    """optim.offload runs each checkpointed layer's forward under no_grad and recomputes it in the
+    backward: there too the MLP runs in chunks, so no op makes a tensor of more tokens than a chunk
+    at the intermediate width (the MLP's own forward makes gate(x), up(x) and their product whole);
+    the loss and gradients stay those of the same offloaded model unchunked."""
+    spec = models.get("qwen3-0.6b-tiny")
+    inter = spec.config().intermediate_size
+    b = _batch(spec, 0)  # 2 x 600 tokens, chunks of 256
+    x = torch.randn(2, 300, 32)
+    model = _peft_mlp()
+    ref = model(x).detach()
+    M.enable(model, mlp_chunk=256)
+    with torch.no_grad(), _Widest(96) as seen:
+        y = model(x)
+    assert M.describe(model)["chunked_calls"] == 1 and seen.most == 256
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+    def build(**switches):
+        m = randomize_lora_b(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4), seed=3)
+        return optim.enable(m, only=("lora", "mlp", "offload"), offload="double", **switches)
+
+    ref_loss, ref_grads = _step(build(), b)
+    model = build(mlp_chunk=256)
+    with _Widest(inter) as seen:
+        loss, grads = _step(model, b)
+    layers = spec.config().num_hidden_layers
+    assert M.describe(model)["chunked_calls"] == 2 * layers  # the no_grad forward and the recompute
+    assert seen.most == 256, seen.most
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert set(grads) == set(ref_grads)
+    for n, g in ref_grads.items():
+        assert ((grads[n] - g).norm() / g.norm()).item() < 1e-5, n
