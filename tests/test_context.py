@@ -60,11 +60,13 @@ def test_two_peaks_predict_where_the_card_fills_and_the_search_goes_there():
     assert predict(peaks, 80.0) == int(2000 + (HEADROOM * 80 - 12.0) / 0.001)
     assert predict({1000: 11.0}, 80.0) is None and predict(peaks, None) is None
     assert predict({1000: 11.0, 2000: 11.0}, 80.0) is None  # a peak that does not grow predicts nothing
-    # past twice the longest that trained: there, rounded down, at most four times the length
+    # past the longest that trained: there, rounded down, at most four times the length
     assert next_length([8192, 16384], [], 4096, 1 << 20, 1024, predicted=50000) == 49152
     assert next_length([1024, 2048], [], 1024, 1 << 20, 1024, predicted=50000) == 8192
-    # not past twice: doubling; at or below the length: a sixteenth up, then a failure bisects
-    assert next_length([8192, 16384], [], 4096, 1 << 20, 1024, predicted=30000) == 32768
+    # within twice the length too: not a doubling past the line (262144 trained, full near 372800)
+    assert next_length([8192, 16384], [], 4096, 1 << 20, 1024, predicted=30000) == 29696
+    assert next_length([131072, 262144], [], 8192, 1 << 21, 16384, predicted=372800) == 360448
+    # at or below the length: a sixteenth up, then a failure bisects
     assert next_length([65536], [], 4096, 1 << 20, 1024, predicted=60000) == 65536 + 4096
     assert next_length([65536], [69632], 4096, 1 << 20, 1024, predicted=60000) == 67584  # a failure: bisect
 
@@ -266,3 +268,23 @@ def test_ours_out_of_memory_at_its_first_length_does_not_fit():
     rows = [_row("user", "user", 8192, "oom"), _row("stock", "stock", 8192, "ok", 500.0)]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "fits": 16384}]})
     assert "| ours trains at 16384 tokens, m (g) | trained at no length probed | no |" in text
+
+
+def test_a_step_timed_without_a_warm_up_judges_no_speed():
+    """A probe of ``--probe-warmup 0`` times its first step, compiling included: at the best peer's
+    longest length, such a row of ours or the peer's leaves the speed target not yet known, and says
+    why; the same rows with a warm-up step are judged."""
+    from harness.report import context as report
+
+    def rows(warmup):
+        return [_row("unsloth", "unsloth", 16384, "ok", 2000.0) | {"warmup_steps": 1},
+                _row("unsloth", "unsloth", 20480, "oom"),
+                _row("user-long", "ours", 16384, "ok", 2600.0) | {"warmup_steps": warmup},
+                _row("user-long", "ours", 32768, "ok", 9000.0) | {"warmup_steps": warmup}]
+
+    spec = {"targets": [{"model": "m", "faster_at_peer_longest": True}]}
+    cold = report.lead(rows(0), rows(0), spec)
+    assert ("| ours faster than the best peer at its longest length, m (g) | 2600.0 vs 2000.0 ms at 16384; timed "
+            "without a warm-up step (the first step, compiling included): `user-long` | not yet known |") in cold
+    warm = report.lead(rows(1), rows(1), spec)
+    assert "| ours faster than the best peer at its longest length, m (g) | 2600.0 vs 2000.0 ms at 16384 | no |" in warm

@@ -192,9 +192,14 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                 settled = p_up != float("inf")  # the peers' longest is known, not only a lower bound
                 if ours_ms and peer_ms and not settled:
                     shown += "; a peer's search went no further (no probe above failed), so the peers' longest is not known yet"
+                # a probe without a warm-up step timed its first step: compiling and autotuning included
+                cold = [r for r in (at, peers[best_peer][0] if best_peer else None) if r and r.get("warmup_steps") == 0]
+                if ours_ms and peer_ms and cold:
+                    shown += ("; timed without a warm-up step (the first step, compiling included): "
+                              + ", ".join(f"`{r.get('variant')}`" for r in cold))
                 body.append([f"ours faster than the best peer at its longest length, {where}", shown,
-                             (fmt.met(ours_ms < peer_ms) if settled else "not yet known") if ours_ms and peer_ms
-                             else fmt.DASH])
+                             (fmt.met(ours_ms < peer_ms) if settled and not cold else "not yet known")
+                             if ours_ms and peer_ms else fmt.DASH])
             if "fits" in t:
                 n = int(t["fits"])
                 probed = o_len or (o_up is not None and o_up < float("inf"))  # or ran out at its first length

@@ -58,9 +58,10 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
     """The next length to probe, given the lengths that trained and those that did not; None when
     the search is over: the longest trainable length is known to ``resolution`` tokens, or is
     ``max_len`` or more, or is below ``resolution``. Until a length fails, the search doubles; with
-    a ``predicted`` limit past twice the longest that trained, it goes there instead (rounded down
-    to ``resolution``, at most ``MAX_JUMP`` times the length), and with one at or below that length,
-    a sixteenth of it up, so a failure bounds the search soon."""
+    a ``predicted`` limit past the longest that trained, it goes there instead (rounded down to
+    ``resolution``, at most ``MAX_JUMP`` times the length: doubling past the line would probe where
+    the card is predicted full, the slowest probe of all), and with one at or below that length, a
+    sixteenth of it up, so a failure bounds the search soon."""
     lo = max(trained, default=None)
     hi = min((f for f in failed if lo is None or f > lo), default=None)
     if lo is None and hi is None:
@@ -70,7 +71,7 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
             return None
         if predicted is not None:
             guess = predicted // resolution * resolution
-            if guess > 2 * lo:
+            if guess > lo:
                 return min(guess, MAX_JUMP * lo, max_len)
             if guess <= lo:  # the fit says full: a step up (a sixteenth, in resolution steps) finds the failure
                 return min(lo + max(resolution, lo // 16 // resolution * resolution), max_len)
