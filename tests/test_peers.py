@@ -83,6 +83,9 @@ def test_user_stack_is_plain_optim_enable_and_liger_on_cpu_is_skipped(tmp_path, 
 
     applied = set(optim.MODULES) - {"optim.offload"}  # off by default: it trades time for memory
     assert set(rows["b"]["optim"]) == applied
+    # what the run did, read after it: every step's packed forwards (at enable time, none)
+    steps = rows["b"]["warmup_steps"] + rows["b"]["measured_steps"]
+    assert rows["b"]["optim"]["optim.packing"]["forwards"]["packed"] == steps
     from optim.offload import SWITCHES as offload_switches
 
     assert rows["b"]["switches_resolved"] == {k: sw.default for k, sw in optim.SWITCHES.items()

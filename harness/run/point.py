@@ -359,7 +359,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         "total_params": sum(p.numel() for p in model.parameters()),
         "device_type": device.type,
         "attn_implementation_used": model.config._attn_implementation,
-        "optim": optim_applied,
+        "optim": record.optim_after(model, optim_applied),
         # every optim switch of the modules applied, as it resolved (OPTIM_* variables included)
         "switches_resolved": {k: v for m in optim_applied.values() for k, v in m.get("resolved", {}).items()},
         "pinned_core": pinned_core,

@@ -55,6 +55,17 @@ def optim_stats(model, optim_applied: dict) -> dict:
     return out
 
 
+def optim_after(model, optim_applied: dict) -> dict:
+    """``optim.enabled(model)`` read after the run: each applied module's description with its
+    counters over every step (chunked MLP calls, recomputes, compiled layer calls), which at
+    enable time are all 0; ``optim_applied`` itself where no module was applied."""
+    if not optim_applied:
+        return optim_applied
+    import optim
+
+    return optim.enabled(model)
+
+
 def attention_kernels(model, optim_applied: dict) -> dict:
     """Which attention kernels ran, not which were asked for: ``attention_kernels`` maps each to
     its calls since ``optim.packing.reset_counters()`` (None where only its use is known), and
