@@ -43,7 +43,8 @@ FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "doc_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type",
-             "corpus", "adapter_seed")  # convergence: another corpus, order or seed is another measurement
+             "corpus", "adapter_seed",  # convergence: another corpus, order or seed is another measurement
+             "stack", "settings")  # memory: another stack or set of switches is another measurement
 
 
 def now() -> str:

@@ -1,0 +1,82 @@
+"""Where a step's memory peak goes, read from the CUDA caching allocator's memory history
+(``torch.cuda.memory._record_memory_history``): its alloc and free events replayed in order, the
+most bytes live at once found, and the blocks live then grouped by the code that allocated them.
+
+The replay counts a block from its ``alloc`` to its ``free_requested`` (the tensor's release; a
+block used on another stream is returned to the pool later, at ``free_completed``, but it holds no
+tensor in between). Blocks allocated before the history started are not in it: the replay is of
+what the recorded step allocated, above what it started with. Marker blocks of ``MARK`` + 512·k
+bytes, allocated and freed at once, split the step into phases (``phase_marker``); they are not
+counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+MARK = 1_000_448  # a marker block's size: a multiple of the allocator's 512-byte rounding, unlike a tensor's
+# Frames worth naming: the code a reader can act on (the model, the adapters, optim, the peers'
+# kernels) and the graphs inductor generated for it; torch's own frames in between are skipped.
+KEEP = ("/optim/", "/transformers/", "/peft/", "/harness/", "torchinductor", "/unsloth", "/liger_kernel/",
+        "torch/nn/functional", "torch/utils/checkpoint")
+
+
+def phase_marker(k: int) -> int:
+    """The size of phase ``k``'s marker block."""
+    return MARK + 512 * k
+
+
+def site(frames: list[dict], depth: int = 3) -> str:
+    """The allocating code: the innermost ``depth`` frames worth naming (``KEEP``), innermost first,
+    each as path:line:function with the path from the package on; "(no frame)" where none is."""
+    out = []
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if any(k in name for k in KEEP):
+            short = name.split("/site-packages/")[-1]
+            for root in ("/optim/", "/harness/"):  # a source checkout: from the package on
+                if root in short:
+                    short = root[1:] + short.split(root, 1)[1]
+            if "torchinductor" in short:
+                short = "inductor-generated " + short.rsplit("/", 1)[-1]
+            out.append(f"{short}:{f.get('line')}:{f.get('name')}")
+        if len(out) == depth:
+            break
+    return " < ".join(out) or "(no frame)"
+
+
+def replay(events: list[dict], phases: tuple[str, ...] = (), depth: int = 3) -> dict:
+    """The recorded step's peak: ``peak_bytes`` (live at once, above the start), ``peak_event``
+    (its index), ``phase`` (the last marker's name before it, None without markers), ``groups``
+    (the blocks live at the peak by ``site``: ``site``, ``bytes``, ``blocks``, most bytes first)
+    and ``events``. ``phases[k]`` names marker k (``phase_marker``)."""
+    markers = {phase_marker(k): name for k, name in enumerate(phases)}
+    live: dict[int, int] = {}
+    cur = best = 0
+    best_i, phase, best_phase = -1, None, None
+    for i, e in enumerate(events):
+        action, size = e.get("action"), int(e.get("size", 0))
+        if action == "alloc" and size in markers:
+            phase = markers[size]
+            continue
+        if action == "alloc":
+            live[e["addr"]] = size
+            cur += size
+            if cur > best:
+                best, best_i, best_phase = cur, i, phase
+        elif action == "free_requested" and e.get("addr") in live:
+            cur -= live.pop(e["addr"])
+    at: dict[int, tuple[int, str]] = {}
+    for e in events[:best_i + 1]:  # the blocks live at the peak, with their sites
+        action, size = e.get("action"), int(e.get("size", 0))
+        if action == "alloc" and size not in markers:
+            at[e["addr"]] = (size, site(e.get("frames") or [], depth))
+        elif action == "free_requested":
+            at.pop(e.get("addr"), None)
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, where in at.values():
+        groups[where][0] += size
+        groups[where][1] += 1
+    return {"peak_bytes": best, "peak_event": best_i, "phase": best_phase, "events": len(events),
+            "groups": [{"site": s, "bytes": b, "blocks": n}
+                       for s, (b, n) in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))]}
