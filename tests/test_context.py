@@ -169,7 +169,7 @@ def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tm
     # both searches stopped at --max-len, with no probe above that failed: neither longest is known,
     # so the ratio is no verdict; a length ours trained at is one
     assert ("| ours' longest ≥ 1.0× the best peer's, qwen3-0.6b-tiny (cpu) | 1.00× (128 `user` vs 128 `stock`); "
-            "ours and the peers' could go longer: no probe above failed | not yet known |") in text
+            "ours and the peers' could go longer: no probe above ran out of memory | not yet known |") in text
     assert "| ours trains at 128 tokens, qwen3-0.6b-tiny (cpu) | longest 128 | yes |" in text
 
 
@@ -196,11 +196,12 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
     assert "| m | unsloth | unsloth | 16384 | 20480 (oom) |" in text
     assert "| m | user | user | 32768 | 65536 (timeout) |" in text
     # ours are the user and ours roles (not the ablation); of the peers tied at 16384, the fastest
-    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `compiled`) | yes |" in text
+    assert ("| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `compiled`); ours could go "
+            "longer: no probe above ran out of memory (timed out, the point's time limit: `user` at 65536) | yes |") in text
     # of ours' rows at that length, the fastest (a-slow's 2500 ms is not it)
     assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 1800.0 ms at 16384 | yes |" in text
-    # the peers' longest is under 20480, ours' under 65536: at 32768 ours is 1.5x whatever they reach
-    assert "| ours trains at 65536 tokens, m (g) | longest 32768 | no |" in text
+    # a probe past the point's time limit is the harness's limit, not the card's: 65536 is not yet known
+    assert "| ours trains at 65536 tokens, m (g) | longest 32768 | not yet known |" in text
 
 
 @pytest.mark.parametrize("peer, ours, verdict", [
@@ -212,12 +213,19 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
     ([("ok", 16384)], [("ok", 16384), ("oom", 20480)], "no"),
     # a peer stopped by a skipped probe (past the model's positions) is a lower bound, not its limit
     ([("ok", 16384), ("skipped", 32768)], [("ok", 16384), ("ok", 65536)], "not yet known"),
+    # and so is one stopped by a probe past the point's time limit: not the card's limit
+    ([("ok", 16384), ("timeout", 20480)], [("ok", 16384), ("ok", 32768)], "not yet known"),
+    # ours timed out: bounded by no failure, ours is a lower bound that already reaches the goal
+    ([("ok", 16384), ("oom", 20480)], [("ok", 16384), ("ok", 32768), ("timeout", 65536)], "yes"),
 ])
 def test_a_verdict_on_the_longest_lengths_only_where_the_probes_settle_it(peer, ours, verdict):
     from harness.report import context as report
 
-    rows = [_row("unsloth", "unsloth", n, st, 100.0 if st == "ok" else None) for st, n in peer]
-    rows += [_row("user", "user", n, st, 100.0 if st == "ok" else None) for st, n in ours]
+    def probe(variant, st, n):  # a point past its time limit is an error row that says so
+        row = _row(variant, variant, n, "error" if st == "timeout" else st, 100.0 if st == "ok" else None)
+        return row | ({"message": "timed out after 600 s"} if st == "timeout" else {})
+
+    rows = [probe("unsloth", st, n) for st, n in peer] + [probe("user", st, n) for st, n in ours]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
                                                  "faster_at_peer_longest": True}]})
     line = next(x for x in text.splitlines() if x.startswith("| ours' longest"))
@@ -255,7 +263,7 @@ def test_a_peer_that_never_ran_bounds_nothing_and_a_skipped_probe_is_shown():
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
                                                  "faster_at_peer_longest": True, "fits": 131072}]})
     assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `liger`); ours could go " \
-           "longer: no probe above failed | yes |" in text
+           "longer: no probe above ran out of memory | yes |" in text
     assert "| ours faster than the best peer at its longest length, m (g) | 800.0 vs 900.0 ms at 16384 | yes |" in text
     # user-long ended at a skipped probe: ours' longest is open-ended, so 131072 is not yet known
     assert "| ours trains at 131072 tokens, m (g) | longest 32768 | not yet known |" in text

@@ -1,7 +1,9 @@
 """The longest trainable length per model and stack, from ``python -m harness context``'s probes.
 
 Each probe is a step row at one length (``harness.run.context``): ``ok`` trained, ``oom`` or a
-timed-out ``error`` did not. Per GPU type and model, a table gives each variant's longest length
+timed-out ``error`` did not. Only running out of memory bounds a verdict: a probe past the point's
+time limit is the harness's limit, not the card's (the search bisects below it all the same), so a
+variant stopped by one has a lower bound only, as one stopped on time or at a skipped probe. Per GPU type and model, a table gives each variant's longest length
 that trained, the shortest above it that did not, and the probe's step time, tokens/s, peak and
 the host memory its offloaded checkpoints held. Peers are the variants of roles ``stock``,
 ``stock-compiled``, ``peer`` and ``unsloth``; ours are the rest.
@@ -128,15 +130,15 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
 
 def _bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
     """What the probes of these variants prove about the longest of them: at least the longest
-    length one trained, and at most one under the shortest length above it that did not train
-    (out of memory or time), infinite where a variant's search has no such probe (unfinished,
-    stopped at ``max_len``, or ended by a skipped or failed probe: a lower bound only). Variants that
-    neither trained nor ran out of memory or time (unavailable, refused) bound nothing; (None, None)
-    where none is left."""
+    length one trained, and at most one under the shortest length above it that ran out of memory,
+    infinite where a variant's search has no such probe (unfinished, stopped at ``max_len``, or
+    ended by a timed-out, skipped or failed probe: a lower bound only). Variants that neither
+    trained nor ran out of memory (unavailable, refused, timed out at their first length) bound
+    nothing; (None, None) where none is left."""
     lo, up = None, None
     for k in keys:
         row, above, why = longest(groups[k])
-        bounded = above is not None and why in FAILS
+        bounded = above is not None and why == "oom"
         if row is None and not bounded:  # never trained nor ran out (unavailable, refused): no bound
             continue
         if row is not None:
@@ -178,7 +180,10 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                 shown = f"{fmt.times(ratio)} ({o_len} `{best_ours}` vs {p_len} `{best_peer}`)" if ratio else "not measured"
                 open_ended = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
                 if ratio and open_ended:
-                    shown += f"; {' and '.join(open_ended)} could go longer: no probe above failed"
+                    shown += f"; {' and '.join(open_ended)} could go longer: no probe above ran out of memory"
+                timed = sorted(f"`{v}` at {x[1]}" for v, x in mine.items() if x[2] == "timeout")
+                if ratio and timed:
+                    shown += f" (timed out, the point's time limit: {', '.join(timed)})"
                 body.append([f"ours' longest ≥ {goal}× the best peer's, {where}", shown,
                              _verdict(o_len / p_up if o_len and p_up else None, o_up / p_len, goal)
                              if ratio else fmt.DASH])
@@ -191,7 +196,8 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                 shown = f"{fmt.ms(ours_ms)} vs {fmt.ms(peer_ms)} ms at {p_len}" if ours_ms and peer_ms else "not measured"
                 settled = p_up != float("inf")  # the peers' longest is known, not only a lower bound
                 if ours_ms and peer_ms and not settled:
-                    shown += "; a peer's search went no further (no probe above failed), so the peers' longest is not known yet"
+                    shown += ("; a peer's search went no further (no probe above ran out of memory), so the peers' "
+                              "longest is not known yet")
                 # a probe without a warm-up step timed its first step: compiling and autotuning included
                 cold = [r for r in (at, peers[best_peer][0] if best_peer else None) if r and r.get("warmup_steps") == 0]
                 if ours_ms and peer_ms and cold:
