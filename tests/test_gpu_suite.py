@@ -1,0 +1,39 @@
+"""tools/gpu_suite.py: the GPU suite's shards planned over a host's GPUs and run as real pytest
+processes, a failing shard failing the run."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "tools" / "gpu_suite.py")
+suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(suite)
+
+
+def test_shard_one_takes_two_gpus_and_the_rest_go_to_the_lane_free_soonest():
+    seconds = [130.0, 400.0, 300.0, 200.0, 250.0, 310.0, 290.0]
+    lanes = suite.plan(["0", "1", "2", "3"], seconds)
+    assert lanes[0][0] == (1, "0,1") and all(k != 1 for lane in lanes[1:] for k, _ in lane)
+    assert sorted(k for lane in lanes for k, _ in lane) == list(range(1, 8))
+    assert all(gpus == str(i) for i, lane in enumerate(lanes) for k, gpus in lane if k != 1)
+    # lanes 2 and 3 start at once with the two longest; every lane ends within the longest shard of the others
+    assert [lane[0][0] for lane in lanes[2:]] == [2, 6]
+    ends = [sum(seconds[k - 1] for k, _ in lane) + (seconds[0] if i == 1 else 0) for i, lane in enumerate(lanes)]
+    assert max(ends) - min(ends) <= max(seconds)
+    # one GPU: every shard in turn on it; one shard: one GPU, whatever is visible
+    assert suite.plan(["5"], seconds) == [[(1, "5"), (2, "5"), (6, "5"), (3, "5"), (7, "5"), (5, "5"), (4, "5")]]
+    assert suite.plan(["0", "1"], [10.0]) == [[(1, "0")], []]
+    assert len(suite.shard_seconds(7)) == 7 and all(s > 0 for s in suite.shard_seconds(7))
+
+
+def test_the_shards_run_as_pytest_processes_and_a_failing_one_fails_the_run(tmp_path, capsys):
+    # the CPU tests of one file, through the same shards: one shard runs them, the other has none
+    assert suite.main(["--gpus", "0", "1", "--shards", "2", "--logs", str(tmp_path / "ok"), "--",
+                       "-m", "not gpu", "tests/test_memtrace.py"]) == 0
+    out = capsys.readouterr().out
+    assert "every shard passed" in out and "5 passed" in out and "5 deselected" in out, out
+    assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["shard-1-of-2.log", "shard-2-of-2.log"]
+    # pytest refusing its arguments is a failed shard, named, and the run's exit status
+    assert suite.main(["--gpus", "0", "--shards", "2", "--logs", str(tmp_path / "bad"), "--", "--no-such-option"]) == 1
+    out = capsys.readouterr().out
+    assert "failed: shard(s) 1, 2" in out and "[exit 4]" in out, out

@@ -1,0 +1,145 @@
+"""The GPU suite over this host's GPUs at once: its shards (``--shard K/N``) in one lane per GPU.
+
+Shard 1 holds the tests that need two GPUs and runs first on the first two; the other shards go,
+longest first by ``tests/gpu_durations.json``, to the lane that would be free soonest, and each
+lane runs its shards one after another (one pytest process per shard, never two on one GPU: the
+recompute tests fill the card on purpose). Logs go under ``--logs``; a table of every shard's
+result is printed last, and the exit status is 1 when any shard failed (no tests selected is a pass).
+
+    python3 tools/gpu_suite.py                      # every visible GPU, 7 shards
+    python3 tools/gpu_suite.py --gpus 0 1 2 3 --reverse 3 5 7 -- -x
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSING = (0, 5)  # pytest: all passed; no tests collected (a shard of nothing)
+
+
+def _conftest():
+    spec = importlib.util.spec_from_file_location("_suite_conftest", ROOT / "tests" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def shard_seconds(n: int) -> list[float]:
+    """Each shard's expected wall seconds, from the durations the shards are balanced by."""
+    conf = _conftest()
+    seconds = json.loads(conf.DURATIONS.read_text())["files"] if conf.DURATIONS.exists() else {}
+    files = sorted(set(seconds) | {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_gpu_*.py")})
+    return [sum(seconds.get(f, conf.UNKNOWN_FILE_S) for f in shard) for shard in conf.shard_files(files, n, seconds)]
+
+
+def plan(gpus: list[str], seconds: list[float]) -> list[list[tuple[int, str]]]:
+    """Per lane (one per GPU), the shards it runs in order, each with the GPUs it sees: shard 1 on
+    the first two GPUs where there are two (lane 1 waits for it), the rest longest first to the
+    lane that would be free soonest."""
+    lanes: list[list[tuple[int, str]]] = [[] for _ in gpus]
+    free = [0.0] * len(gpus)
+    two = len(gpus) > 1 and len(seconds) > 1  # a lone shard holds one-GPU tests too: one GPU
+    lanes[0].append((1, ",".join(gpus[:2] if two else gpus[:1])))
+    free[0] = seconds[0]
+    if two:
+        free[1] = seconds[0]
+    for k in sorted(range(2, len(seconds) + 1), key=lambda k: (-seconds[k - 1], k)):
+        i = min(range(len(gpus)), key=lambda j: (free[j], j))
+        lanes[i].append((k, gpus[i]))
+        free[i] += seconds[k - 1]
+    return lanes
+
+
+def summary_line(log: str) -> str:
+    """pytest's closing line ("3 passed, 1 skipped in 12.00s"), or its last line."""
+    lines = [x.strip("= ") for x in log.strip().splitlines() if x.strip()]
+    found = [x for x in lines if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)|no tests ran", x)]
+    return (found or lines or [""])[-1]
+
+
+def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path, timeout: float | None) -> list[dict]:
+    lanes = plan(gpus, shard_seconds(n))
+    logs.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    first_done = threading.Event()
+
+    def shard(k: int, visible: str) -> None:
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--no-header", "-rs", "-m", "gpu",
+               "--shard", f"{k}/{n}", *(["--reverse"] if k in reverse else []), *extra]
+        log = logs / f"shard-{k}-of-{n}.log"
+        t0 = time.time()
+        with open(log, "w") as out:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                    env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        results.append({"shard": k, "gpus": visible, "rc": rc, "seconds": round(time.time() - t0),
+                        "summary": summary_line(log.read_text()), "log": str(log)})
+
+    def lane(i: int) -> None:
+        if i == 1 and "," in lanes[0][0][1]:
+            first_done.wait()  # shard 1 sees this GPU too
+        for k, visible in lanes[i]:
+            shard(k, visible)
+            if k == 1:
+                first_done.set()
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(gpus))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(results, key=lambda r: r["shard"])
+
+
+def visible_gpus() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(prog="python3 tools/gpu_suite.py", description=__doc__.split("\n\n")[0],
+                                 epilog="pytest arguments after --")
+    ap.add_argument("--gpus", nargs="+", default=None, help="the GPUs to use (default: every visible one)")
+    ap.add_argument("--shards", type=int, default=7)
+    ap.add_argument("--reverse", type=int, nargs="*", default=[], metavar="K", help="shards run in reverse order")
+    ap.add_argument("--logs", type=Path, default=None, help="folder for each shard's log (default: a new temporary one)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds a shard may run")
+    args = ap.parse_args(ours)
+    gpus = args.gpus if args.gpus is not None else visible_gpus()
+    if not gpus:
+        ap.error("no GPU: nvidia-smi lists none (name them with --gpus)")
+    if args.shards < 1 or any(not 1 <= k <= args.shards for k in args.reverse):
+        ap.error(f"--shards must be at least 1 and --reverse name shards 1 to {args.shards}")
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
+    results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout)
+    width = max(len(r["summary"]) for r in results)
+    print(f"logs: {logs}")
+    print(f"{'shard':>7}  {'GPUs':<7} {'s':>5}  {'result':<{width}}")
+    for r in results:
+        print(f"{r['shard']:>3}/{args.shards:<3}  {r['gpus']:<7} {r['seconds']:>5}  {r['summary']}"
+              + ("" if r["rc"] in PASSING else f"   [exit {r['rc']}]"))
+    failed = [r["shard"] for r in results if r["rc"] not in PASSING]
+    print("every shard passed" if not failed else f"failed: shard(s) {', '.join(map(str, failed))}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
