@@ -178,6 +178,9 @@ def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made(
         y = model(x)
     assert M.describe(model)["chunked_calls"] == 1 and seen.most == 256
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():  # generation's mode: nothing saved, nothing refused
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-6)
+    assert M.describe(model)["chunked_calls"] == 2
 
     def build(**switches):
         m = randomize_lora_b(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4), seed=3)
