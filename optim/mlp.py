@@ -22,7 +22,7 @@ The math is the unchunked MLP's: the same projections, biases included (peft's L
 ``optim.lora`` computes it, in the model's dtype), SiLU and its gradient as torch computes them.
 An MLP it cannot compute so runs its own forward: another activation, a projection that is
 neither a frozen ``nn.Linear`` nor a plain LoRA layer over one (see ``optim.lora`` for which
-are), or a trained base weight. Batches of at most N tokens run the MLP's own forward too. The function runs outside ``torch.compile`` (``optim.regional`` compiles
+are), a trained base weight, or autocast. Batches of at most N tokens run the MLP's own forward too. The function runs outside ``torch.compile`` (``optim.regional`` compiles
 the rest of the layer around it): its loop over chunks and its backward's recompute are eager.
 """
 
@@ -50,6 +50,8 @@ def _projection(module, x: torch.Tensor):
     if type(module) is nn.Linear:
         if module.weight.requires_grad or (module.bias is not None and module.bias.requires_grad):
             return None
+        if x.dtype != module.weight.dtype or torch.is_autocast_enabled(x.device.type):
+            return None  # autocast's dtypes are the MLP's own forward's to choose, as optim.lora leaves them
         return module.weight, module.bias, None, None, 0.0
     if PeftLinear is not None and isinstance(module, PeftLinear) and fusable(module):
         name = fused_adapter(module, x, {})
@@ -171,7 +173,8 @@ class _Empty:
     def get(self, like):
         key = (like.device, like.dtype)
         if key not in self.cache:
-            self.cache[key] = torch.empty(0, device=like.device, dtype=like.dtype)
+            with torch.inference_mode(False):  # made in inference_mode, it could never be saved for a backward
+                self.cache[key] = torch.empty(0, device=like.device, dtype=like.dtype)
         return self.cache[key]
 
 

@@ -197,3 +197,24 @@ def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made(
     assert set(grads) == set(ref_grads)
     for n, g in ref_grads.items():
         assert ((grads[n] - g).norm() / g.norm()).item() < 1e-5, n
+
+
+def test_an_mlp_without_adapters_chunks_in_inference_mode_and_then_trains():
+    """Projections without LoRA pass an empty stand-in for their adapters; one made first under
+    inference_mode would be an inference tensor, refused by every later backward. Under autocast
+    the MLP's own forward runs (its dtypes are autocast's to choose)."""
+    torch.manual_seed(0)
+    model = _MLP()
+    model.requires_grad_(False)
+    x = torch.randn(2, 300, 32)
+    ref = model(x)
+    M.enable(model, mlp_chunk=256)
+    M._NONE.cache.clear()  # as in a fresh process: the first call makes the stand-in
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-6)
+    xg = x.clone().requires_grad_(True)
+    model(xg).sum().backward()  # saves the stand-in for its backward
+    assert xg.grad is not None and M.describe(model)["chunked_calls"] == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+    assert M.describe(model)["chunked_calls"] == 2
