@@ -296,3 +296,32 @@ def test_a_step_timed_without_a_warm_up_judges_no_speed():
             "without a warm-up step (the first step, compiling included): `user-long` | not yet known |") in cold
     warm = report.lead(rows(1), rows(1), spec)
     assert "| ours faster than the best peer at its longest length, m (g) | 2600.0 vs 2000.0 ms at 16384 | no |" in warm
+
+
+def test_an_oom_bounds_past_a_timeout_below_it_and_a_peer_that_only_timed_out_bounds_nothing():
+    """Ours trained 16384, ran out of memory at 32768 (doubling), and the bisection's 24576 timed
+    out: the out-of-memory probe still bounds ours below 32768. A peer whose only probe timed out,
+    at its first length, is not a peer that never ran: its longest is unknown, so no verdict
+    stands on the other peer alone."""
+    from harness.report import context as report
+
+    def timed_out(variant, role, n):
+        return _row(variant, role, n, "error") | {"message": "timed out after 600 s"}
+
+    ours = [_row("user", "user", 16384, "ok", 1000.0), _row("user", "user", 32768, "oom"),
+            timed_out("user", "user", 24576)]
+    peer = [_row("unsloth", "unsloth", 16384, "ok", 900.0), _row("unsloth", "unsloth", 20480, "oom")]
+    spec = {"targets": [{"model": "m", "min_over_best_peer": 2.0, "fits": 32768}]}
+    text = report.lead(ours + peer, ours + peer, spec)
+    assert "| ours trains at 32768 tokens, m (g) | longest 16384 | no |" in text
+    assert text.count("could go longer") == 0 and "| ours' longest ≥ 2.0× the best peer's, m (g) | 1.00× " in text
+    assert next(x for x in text.splitlines() if x.startswith("| ours' longest")).endswith("| no |")
+    # a second peer, timed out at its first length: the peers' longest is no longer bounded
+    slow = [timed_out("liger", "peer", 16384)]
+    ours_long = [_row("user", "user", 16384, "ok", 1000.0), _row("user", "user", 65536, "ok", 9000.0)]
+    rows = ours_long + peer + slow
+    text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]})
+    line = next(x for x in text.splitlines() if x.startswith("| ours' longest"))
+    assert line.endswith("| not yet known |") and "`liger` at 16384" in line, line
+    assert report.lead(ours_long + peer, ours_long + peer, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]}) \
+        .count("| yes |") == 1  # without it, the verdict stands

@@ -48,8 +48,8 @@ def _by(rows: list[dict]) -> dict[tuple, list[dict]]:
 def longest(rows: list[dict]) -> tuple[dict | None, int | None, str]:
     """Of one variant's probes on one GPU type: the row at the longest length that trained, the
     shortest length above it that did not, and that probe's status ("" where none). A length that
-    ran out of memory or time is preferred: only such a probe bounds the variant's longest; a
-    skipped or failed one (Unsloth past the model's positions) only ended the search."""
+    ran out of memory or time is preferred to a skipped or failed one (Unsloth past the model's
+    positions), which only ended the search. What bounds a verdict is ``_oom_above``'s."""
     seen = outcomes(rows, rows[0].get("model"), rows[0].get("variant"), None)
     ok = [n for n, st in seen.items() if st in TRAINS]
     best = max(ok, default=None)
@@ -57,6 +57,13 @@ def longest(rows: list[dict]) -> tuple[dict | None, int | None, str]:
     above = min((n for n in higher if seen[n] in FAILS), default=min(higher, default=None))
     row = next((r for r in rows if best is not None and int(r["seq_len"]) == best and r.get("status") == "ok"), None)
     return row, above, (seen[above] if above is not None else "")
+
+
+def _oom_above(rows: list[dict], best: int | None) -> int | None:
+    """The shortest length above ``best`` (any length where None) whose probe ran out of memory:
+    the only probe that bounds a variant's longest, whatever timed out below it."""
+    seen = outcomes(rows, rows[0].get("model"), rows[0].get("variant"), None)
+    return min((n for n, st in seen.items() if st == "oom" and (best is None or n > best)), default=None)
 
 
 def _host_gib(row: dict | None) -> float | None:
@@ -130,20 +137,21 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
 
 def _bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
     """What the probes of these variants prove about the longest of them: at least the longest
-    length one trained, and at most one under the shortest length above it that ran out of memory,
-    infinite where a variant's search has no such probe (unfinished, stopped at ``max_len``, or
-    ended by a timed-out, skipped or failed probe: a lower bound only). Variants that neither
-    trained nor ran out of memory (unavailable, refused, timed out at their first length) bound
-    nothing; (None, None) where none is left."""
+    length one trained, and at most one under the shortest length above it that ran out of memory
+    (``_oom_above``), infinite where a variant has no such probe (unfinished, stopped at
+    ``max_len``, or by timed-out, skipped or failed probes: a lower bound only, or none). Variants
+    that neither trained, ran out of memory nor timed out (unavailable, refused) bound nothing;
+    (None, None) where none is left."""
     lo, up = None, None
     for k in keys:
         row, above, why = longest(groups[k])
-        bounded = above is not None and why == "oom"
-        if row is None and not bounded:  # never trained nor ran out (unavailable, refused): no bound
+        best = int(row["seq_len"]) if row is not None else None
+        oom = _oom_above(groups[k], best)
+        if row is None and oom is None and why != "timeout":  # never ran (unavailable, refused): no bound
             continue
-        if row is not None:
-            lo = max(lo or 0, int(row["seq_len"]))
-        up = max(up or 0, above - 1 if bounded else float("inf"))
+        if best is not None:
+            lo = max(lo or 0, best)
+        up = max(up or 0, oom - 1 if oom is not None else float("inf"))
     return lo, up
 
 
@@ -208,7 +216,7 @@ def _targets(groups: dict, targets: list[dict]) -> str:
                              if ours_ms and peer_ms else fmt.DASH])
             if "fits" in t:
                 n = int(t["fits"])
-                probed = o_len or (o_up is not None and o_up < float("inf"))  # or ran out at its first length
+                probed = o_len or o_up is not None  # or ran out of memory or time at its first length
                 body.append([f"ours trains at {n} tokens, {where}",
                              (f"longest {o_len}" if o_len else "trained at no length probed") if probed else "not measured",
                              _verdict(o_len, o_up, n) if probed else fmt.DASH])
