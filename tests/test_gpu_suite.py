@@ -23,6 +23,8 @@ def test_shard_one_takes_two_gpus_and_the_rest_go_to_the_lane_free_soonest():
     # one GPU: every shard in turn on it; one shard: one GPU, whatever is visible
     assert suite.plan(["5"], seconds) == [[(1, "5"), (2, "5"), (6, "5"), (3, "5"), (7, "5"), (5, "5"), (4, "5")]]
     assert suite.plan(["0", "1"], [10.0]) == [[(1, "0")], []]
+    # a selection that leaves one-GPU tests in shard 1: one GPU for it too, and lane 1 starts at once
+    assert suite.plan(["0", "1"], seconds, two=False)[0][0] == (1, "0") and suite.plan(["0", "1"], seconds, two=False)[1]
     assert len(suite.shard_seconds(7)) == 7 and all(s > 0 for s in suite.shard_seconds(7))
 
 
@@ -32,8 +34,19 @@ def test_the_shards_run_as_pytest_processes_and_a_failing_one_fails_the_run(tmp_
                        "-m", "not gpu", "tests/test_memtrace.py"]) == 0
     out = capsys.readouterr().out
     assert "every shard passed" in out and "5 passed" in out and "5 deselected" in out, out
+    assert "0,1" not in out  # shard 1 held a one-GPU file: it saw one GPU
     assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["shard-1-of-2.log", "shard-2-of-2.log"]
     # pytest refusing its arguments is a failed shard, named, and the run's exit status
     assert suite.main(["--gpus", "0", "--shards", "2", "--logs", str(tmp_path / "bad"), "--", "--no-such-option"]) == 1
     out = capsys.readouterr().out
     assert "failed: shard(s) 1, 2" in out and "[exit 4]" in out, out
+
+
+def test_a_shard_past_its_time_is_killed_and_fails_and_the_visible_gpus_are_the_schedulers(tmp_path, capsys,
+                                                                                           monkeypatch):
+    assert suite.main(["--gpus", "0", "--shards", "2", "--timeout", "0.2", "--logs", str(tmp_path), "--",
+                       "tests/test_memtrace.py"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("[exit timeout]") == 2 and "failed: shard(s) 1, 2" in out, out
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert suite.visible_gpus() == ["2", "3"]

@@ -1,6 +1,7 @@
 """The GPU suite over this host's GPUs at once: its shards (``--shard K/N``) in one lane per GPU.
 
-Shard 1 holds the tests that need two GPUs and runs first on the first two; the other shards go,
+Shard 1 holds the tests that need two GPUs and runs first on the first two (on one, where the
+selection leaves other tests in it: they must see one GPU); the other shards go,
 longest first by ``tests/gpu_durations.json``, to the lane that would be free soonest, and each
 lane runs its shards one after another (one pytest process per shard, never two on one GPU: the
 recompute tests fill the card on purpose). Logs go under ``--logs``; a table of every shard's
@@ -17,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,20 +38,31 @@ def _conftest():
 
 
 def shard_seconds(n: int) -> list[float]:
-    """Each shard's expected wall seconds, from the durations the shards are balanced by."""
+    """Each shard's expected wall seconds, from the durations the shards are balanced by (every GPU
+    test file is listed there: tests/test_gpu_shards.py sees to it)."""
     conf = _conftest()
     seconds = json.loads(conf.DURATIONS.read_text())["files"] if conf.DURATIONS.exists() else {}
-    files = sorted(set(seconds) | {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_gpu_*.py")})
-    return [sum(seconds.get(f, conf.UNKNOWN_FILE_S) for f in shard) for shard in conf.shard_files(files, n, seconds)]
+    return [sum(seconds.get(f, conf.UNKNOWN_FILE_S) for f in shard) for shard in conf.shard_files(sorted(seconds), n, seconds)]
 
 
-def plan(gpus: list[str], seconds: list[float]) -> list[list[tuple[int, str]]]:
+def shard_one_needs_two(n: int, extra: list[str]) -> bool:
+    """Whether pytest's shard 1 of ``n`` holds only two-GPU files, as it does where they are
+    selected: then it sees two GPUs. Anything else in it must see one (with two visible, Trainer
+    wraps a model in nn.DataParallel)."""
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", "gpu",
+           "--shard", f"1/{n}", *extra]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout
+    files = {line.split("::")[0] for line in out.splitlines() if "::" in line}
+    return bool(files) and files <= set(_conftest().TWO_GPU_FILES)
+
+
+def plan(gpus: list[str], seconds: list[float], two: bool = True) -> list[list[tuple[int, str]]]:
     """Per lane (one per GPU), the shards it runs in order, each with the GPUs it sees: shard 1 on
-    the first two GPUs where there are two (lane 1 waits for it), the rest longest first to the
-    lane that would be free soonest."""
+    the first two GPUs where there are two and it needs them (``two``; lane 1 waits for it), the
+    rest longest first to the lane that would be free soonest."""
     lanes: list[list[tuple[int, str]]] = [[] for _ in gpus]
     free = [0.0] * len(gpus)
-    two = len(gpus) > 1 and len(seconds) > 1  # a lone shard holds one-GPU tests too: one GPU
+    two = two and len(gpus) > 1 and len(seconds) > 1  # a lone shard holds one-GPU tests too: one GPU
     lanes[0].append((1, ",".join(gpus[:2] if two else gpus[:1])))
     free[0] = seconds[0]
     if two:
@@ -68,8 +81,25 @@ def summary_line(log: str) -> str:
     return (found or lines or [""])[-1]
 
 
+def _pytest(cmd: list[str], log: Path, visible: str, timeout: float | None):
+    """pytest's exit status, "timeout" (its whole process group killed: no worker left on the
+    GPU), or why it could not start."""
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "CUDA_VISIBLE_DEVICES": visible})
+        except OSError as e:
+            return f"not started: {e}"
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "timeout"
+
+
 def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path, timeout: float | None) -> list[dict]:
-    lanes = plan(gpus, shard_seconds(n))
+    lanes = plan(gpus, shard_seconds(n), shard_one_needs_two(n, extra) if len(gpus) > 1 else False)
     logs.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     first_done = threading.Event()
@@ -79,22 +109,23 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
                "--shard", f"{k}/{n}", *(["--reverse"] if k in reverse else []), *extra]
         log = logs / f"shard-{k}-of-{n}.log"
         t0 = time.time()
-        with open(log, "w") as out:
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                    env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+        try:
+            rc = _pytest(cmd, log, visible, timeout)
+            summary = summary_line(log.read_text(errors="replace"))
+        except Exception as e:  # the runner's own failure is the shard's: never a shard without a result
+            rc, summary = f"runner error: {e!r}", ""
         results.append({"shard": k, "gpus": visible, "rc": rc, "seconds": round(time.time() - t0),
-                        "summary": summary_line(log.read_text()), "log": str(log)})
+                        "summary": summary, "log": str(log)})
 
     def lane(i: int) -> None:
         if i == 1 and "," in lanes[0][0][1]:
             first_done.wait()  # shard 1 sees this GPU too
         for k, visible in lanes[i]:
-            shard(k, visible)
-            if k == 1:
-                first_done.set()
+            try:
+                shard(k, visible)
+            finally:
+                if k == 1:
+                    first_done.set()  # whatever became of it: lane 1 must not wait forever
 
     threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(gpus))]
     for t in threads:
@@ -105,6 +136,10 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
 
 
 def visible_gpus() -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES where set (a scheduler's assignment),
+    else every one nvidia-smi lists."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -130,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--shards must be at least 1 and --reverse name shards 1 to {args.shards}")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout)
-    width = max(len(r["summary"]) for r in results)
+    got = {r["shard"] for r in results}
+    results += [{"shard": k, "gpus": "-", "rc": "no result", "seconds": 0, "summary": "", "log": ""}
+                for k in range(1, args.shards + 1) if k not in got]
+    results.sort(key=lambda r: r["shard"])
+    width = max(len("result"), *(len(r["summary"]) for r in results))
     print(f"logs: {logs}")
     print(f"{'shard':>7}  {'GPUs':<7} {'s':>5}  {'result':<{width}}")
     for r in results:
