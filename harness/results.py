@@ -44,7 +44,7 @@ FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM
 BENCH_KEY = ("kind", "model", "seq_len", "doc_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type",
              "corpus", "adapter_seed",  # convergence: another corpus, order or seed is another measurement
-             "stack", "settings")  # memory: another stack or set of switches is another measurement
+             "stack", "settings", "lora_rank")  # memory: another stack, set of switches or rank is another measurement
 
 
 def now() -> str:

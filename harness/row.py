@@ -165,7 +165,7 @@ MEASURED = {
                                 "was timed with its compile)",
     "attention_kernels": "{kernel: calls or None}: the attention kernels that ran (harness.run.record)",
     "attention_fallback": "why optim.packing's fused flex could not run, or None",
-    "optim": "per optim module applied: what it did, read after the run (its counters over every step), and resolved, the value each of its switches took",
+    "optim": "per optim module applied: what it did, read after the run (its counters over every step run in Python, warm-up included; with cuda_graph, the warm-up and the capture), and resolved, the value each of its switches took",
     "switches_resolved": "the value each switch took, flat",
     "setup_s": "where the point's wall time went: wait, build, enable, shard, warmup, capture, measured (s)",
     "launched_s": "the sweep process's age when it launched the point",

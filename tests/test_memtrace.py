@@ -28,9 +28,12 @@ def _free(addr, size, completed=False):
     return {"action": "free_completed" if completed else "free_requested", "addr": addr, "size": size}
 
 
+MARKER = {"filename": "/src/harness/bench/memory.py", "line": 70, "name": "mark"}
+
+
 def _mark(k):
     size = memtrace.phase_marker(k)
-    return [_alloc(999 + k, size), _free(999 + k, size), _free(999 + k, size, True)]
+    return [_alloc(999 + k, size, TORCH, MARKER), _free(999 + k, size), _free(999 + k, size, True)]
 
 
 def test_site_names_the_innermost_frames_worth_acting_on():
@@ -62,6 +65,22 @@ def test_replay_finds_the_peak_its_phase_and_the_blocks_live_then():
     # without phase names no phase is named; a marker, freed at once, adds nothing to the peak
     plain = memtrace.replay(events)
     assert plain["phase"] is None and plain["peak_bytes"] == out["peak_bytes"]
+
+
+def test_a_tensor_of_a_markers_size_is_a_tensor_and_sizes_round_to_the_allocators_blocks():
+    """A marker is its size, allocated by the bench's mark, in order: a tensor the model makes at
+    that size, or a marker's size out of order, counts as a tensor. Requests round up to 512 bytes."""
+    m0, m1 = memtrace.phase_marker(0), memtrace.phase_marker(1)
+    events = [_alloc(1, m1, TORCH, MARKER), _free(1, m1),  # marker 1 before marker 0: not a marker
+              *_mark(0),
+              _alloc(2, m1, MLP),  # a tensor of marker 1's size, from the model
+              _alloc(3, 100, OPTIM),  # 100 bytes: a 512-byte block
+              *_mark(1)]
+    out = memtrace.replay(events, ("forward", "backward"))
+    assert out["phase"] == "forward" and out["peak_bytes"] == m1 + 512
+    assert {g["site"]: g["bytes"] for g in out["groups"]} == {"optim/mlp.py:90:forward": m1,
+                                                              "optim/lora.py:77:lora_forward": 512}
+    assert m0 % 512 == 0
 
 
 def test_the_bench_reads_its_switches_and_refuses_bad_arguments(capsys):

@@ -31,6 +31,7 @@ from harness.workload import models as registry
 
 PHASES = ("forward", "backward", "optimizer")
 GIB = 2**30
+MAX_EVENTS = 4_000_000  # the history is a ring of this many events: a longer step loses its first ones
 
 
 def parse_settings(pairs: list[str]) -> dict:
@@ -85,7 +86,7 @@ def measure(model_name: str, seq_len: int, doc_len: int, stack: str, settings: d
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python")
     try:
         loss = step(True)
         torch.cuda.synchronize()
@@ -93,7 +94,11 @@ def measure(model_name: str, seq_len: int, doc_len: int, stack: str, settings: d
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     allocator_peak = torch.cuda.max_memory_allocated()
-    found = memtrace.replay(snap["device_traces"][torch.cuda.current_device()], PHASES)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    if len(events) >= MAX_EVENTS:  # the ring wrapped: the step's first events (its start, a peak) are gone
+        raise RuntimeError(f"the step made {len(events)} or more allocator events, past the history's "
+                           f"{MAX_EVENTS}: its replay would miss the first ones")
+    found = memtrace.replay(events, PHASES)
     kib = 1024 * seq_len
     groups = [{**g, "gib": g["bytes"] / GIB, "kib_per_token": g["bytes"] / kib} for g in found["groups"]]
     rest = groups[top:]
@@ -133,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
 
     env = collect()
     row = {"kind": "memory_peak", "model": args.model, "seq_len": args.seq_len, "doc_len": args.doc_len,
-           "stack": args.stack, "settings": settings, "lora_rank": args.lora_rank, "warmup_steps": args.warmup}
+           "stack": args.stack, "settings": dict(sorted(settings.items())), "lora_rank": args.lora_rank,
+           "warmup_steps": args.warmup}
     try:
         row.update(measure(args.model, args.seq_len, args.doc_len, args.stack, settings, warmup=args.warmup,
                            lora_rank=args.lora_rank, top=args.top))

@@ -2,11 +2,14 @@
 (``torch.cuda.memory._record_memory_history``): its alloc and free events replayed in order, the
 most bytes live at once found, and the blocks live then grouped by the code that allocated them.
 
-The replay counts a block from its ``alloc`` to its ``free_requested`` (the tensor's release; a
-block used on another stream is returned to the pool later, at ``free_completed``, but it holds no
-tensor in between). Blocks allocated before the history started are not in it: the replay is of
-what the recorded step allocated, above what it started with. Marker blocks of ``MARK`` + 512·k
-bytes, allocated and freed at once, split the step into phases (``phase_marker``); they are not
+The replay counts a block from its ``alloc`` to its ``free_requested``: the tensor's release, where
+the allocator's ``allocated_bytes`` falls too (a block used on another stream, as offload's copies
+are, goes back to the pool later, at ``free_completed``: the replay does not count that wait). The
+history records each request's size; the replay rounds it up to the allocator's 512 bytes, but a
+large block's unsplit remainder it cannot see, so it can read a little under the allocator's
+peak. Blocks allocated before the history started are not in it: the replay is of what the
+recorded step allocated, above what it started with. Marker blocks split the step into phases
+(``phase_marker``): allocated and freed at once, in order, from the bench's ``mark``; they are not
 counted.
 """
 
@@ -14,7 +17,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-MARK = 1_000_448  # a marker block's size: a multiple of the allocator's 512-byte rounding, unlike a tensor's
+MARK = 1_000_448  # a marker block's size; a tensor may have it too, so a marker is also known by its frame and order
+MARK_FRAME = "mark"  # the function that allocates the markers (harness.bench.memory)
+ROUND = 512  # the caching allocator's smallest block: every request is rounded up to a multiple
 # Frames worth naming: the code a reader can act on (the model, the adapters, optim, the peers'
 # kernels) and the graphs inductor generated for it; torch's own frames in between are skipped.
 KEEP = ("/optim/", "/transformers/", "/peft/", "/harness/", "torchinductor", "/unsloth", "/liger_kernel/",
@@ -24,6 +29,13 @@ KEEP = ("/optim/", "/transformers/", "/peft/", "/harness/", "torchinductor", "/u
 def phase_marker(k: int) -> int:
     """The size of phase ``k``'s marker block."""
     return MARK + 512 * k
+
+
+def _is_marker(e: dict, k: int) -> bool:
+    """Marker ``k``: its size, allocated by ``MARK_FRAME`` where the event has frames."""
+    frames = e.get("frames") or []
+    return (e.get("action") == "alloc" and int(e.get("size", 0)) == phase_marker(k)
+            and (not frames or any(f.get("name") == MARK_FRAME for f in frames)))
 
 
 def site(frames: list[dict], depth: int = 3) -> str:
@@ -50,14 +62,17 @@ def replay(events: list[dict], phases: tuple[str, ...] = (), depth: int = 3) -> 
     (its index), ``phase`` (the last marker's name before it, None without markers), ``groups``
     (the blocks live at the peak by ``site``: ``site``, ``bytes``, ``blocks``, most bytes first)
     and ``events``. ``phases[k]`` names marker k (``phase_marker``)."""
-    markers = {phase_marker(k): name for k, name in enumerate(phases)}
+    marks: dict[int, str] = {}  # the events that are markers, and the phase each starts
+    for i, e in enumerate(events):
+        if len(marks) < len(phases) and _is_marker(e, len(marks)):
+            marks[i] = phases[len(marks)]
     live: dict[int, int] = {}
     cur = best = 0
     best_i, phase, best_phase = -1, None, None
     for i, e in enumerate(events):
-        action, size = e.get("action"), int(e.get("size", 0))
-        if action == "alloc" and size in markers:
-            phase = markers[size]
+        action, size = e.get("action"), -(-int(e.get("size", 0)) // ROUND) * ROUND
+        if i in marks:
+            phase = marks[i]
             continue
         if action == "alloc":
             live[e["addr"]] = size
@@ -67,9 +82,9 @@ def replay(events: list[dict], phases: tuple[str, ...] = (), depth: int = 3) -> 
         elif action == "free_requested" and e.get("addr") in live:
             cur -= live.pop(e["addr"])
     at: dict[int, tuple[int, str]] = {}
-    for e in events[:best_i + 1]:  # the blocks live at the peak, with their sites
-        action, size = e.get("action"), int(e.get("size", 0))
-        if action == "alloc" and size not in markers:
+    for i, e in enumerate(events[:best_i + 1]):  # the blocks live at the peak, with their sites
+        action, size = e.get("action"), -(-int(e.get("size", 0)) // ROUND) * ROUND
+        if action == "alloc" and i not in marks:
             at[e["addr"]] = (size, site(e.get("frames") or [], depth))
         elif action == "free_requested":
             at.pop(e.get("addr"), None)
