@@ -66,6 +66,7 @@ def test_two_peaks_predict_where_the_card_fills_and_the_search_goes_there():
     # within twice the length too: not a doubling past the line (262144 trained, full near 372800)
     assert next_length([8192, 16384], [], 4096, 1 << 20, 1024, predicted=30000) == 29696
     assert next_length([131072, 262144], [], 8192, 1 << 21, 16384, predicted=372800) == 360448
+    assert next_length([2500, 5000], [], 2500, 1 << 20, 1024, predicted=5200) == 6024  # not 5120: a resolution up
     # at or below the length: a sixteenth up, then a failure bisects
     assert next_length([65536], [], 4096, 1 << 20, 1024, predicted=60000) == 65536 + 4096
     assert next_length([65536], [69632], 4096, 1 << 20, 1024, predicted=60000) == 67584  # a failure: bisect

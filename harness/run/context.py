@@ -71,8 +71,8 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
             return None
         if predicted is not None:
             guess = predicted // resolution * resolution
-            if guess > lo:
-                return min(guess, MAX_JUMP * lo, max_len)
+            if guess > lo:  # at least a resolution up: a length not on the grid could leave a sliver
+                return min(max(guess, lo + resolution), MAX_JUMP * lo, max_len)
             if guess <= lo:  # the fit says full: a step up (a sixteenth, in resolution steps) finds the failure
                 return min(lo + max(resolution, lo // 16 // resolution * resolution), max_len)
         return min(2 * lo, max_len)
