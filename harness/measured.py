@@ -57,7 +57,7 @@ REGISTRY: dict[str, Measured] = {m.name: m for m in (
     Measured("loss", (), (), ("loss_kernel",), "harness.report.loss"),
     Measured("user", ("stock", "compiled", "liger", "unsloth", "user"), ("targets",), ("trainer",), "harness.report.user"),
     Measured("scaling", ("stock", "ours"), ("targets",), (), "harness.report.scaling"),
-    Measured("context", (), ("targets",), (), "harness.report.context"),
+    Measured("context", (), ("targets",), (), "harness.report.context", "harness.report.blog.context"),
     Measured("memory", (), (), ("memory_peak",), "harness.report.memory"),
     Measured("convergence", (), ("max_held_out_over_ln_vocab", "max_rel_gap_curve", "max_rel_gap_held_out"),
              ("convergence",), "harness.report.convergence"),

@@ -22,7 +22,7 @@ PLAN = ROOT / "experiments" / "blog.toml"
 
 def test_the_shipped_plan_parses_and_its_steps_name_real_files():
     p = plan.load(PLAN)
-    assert set(p.sources) == {"user", "packing", "offload", "moe", "scaling", "convergence"}
+    assert set(p.sources) == {"user", "packing", "offload", "moe", "context", "scaling", "convergence"}
     for step in p.steps:
         if step.sweep:
             assert experiment.load(ROOT / "experiments" / step.sweep).points()

@@ -326,3 +326,22 @@ def test_an_oom_bounds_past_a_timeout_below_it_and_a_peer_that_only_timed_out_bo
     assert line.endswith("| not yet known |") and "`liger` at 16384" in line, line
     assert report.lead(ours_long + peer, ours_long + peer, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]}) \
         .count("| yes |") == 1  # without it, the verdict stands
+
+
+def test_the_blog_section_gives_each_stacks_longest_and_the_headline_what_the_probes_bound():
+    from harness.report.blog import context as blog
+
+    rows = [_row("unsloth", "unsloth", 16384, "ok", 900.0), _row("unsloth", "unsloth", 20480, "oom"),
+            _row("user-long", "ours", 32768, "ok", 2000.0) | {"offload_stats": {"host_buffer_bytes": 3 * 2**30}},
+            _row("user-long", "ours", 65536, "oom"), _row("stock", "stock", 8192, "ok", 500.0),
+            _row("stock", "stock", 16384, "oom"), {**_row("x", "unsloth", 1, "ok"), "kind": "memory_peak"}]
+    text, head = blog.part(rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]}, None)
+    assert text.startswith("## 4. Long context on one GPU") and "### G" in text
+    assert "| m | `user-long` | ours | 32768 | 65536 (oom) | – | 3.00 |" in text
+    assert "| m | `stock` | stock | 8192 | 16384 (oom) |" in text and "`x`" not in text  # step rows only
+    assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 (2.00×)"}
+    assert "Targets: met or not" in text
+    # a search still open on either side is said to be
+    rows.pop(1)
+    assert blog.part(rows, {}, None)[1].measured["G"].endswith("the peers' not yet bounded")
+    assert blog.part([], {}, None)[0] == ""

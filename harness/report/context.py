@@ -38,7 +38,8 @@ PEER_ROLES = ("stock", "stock-compiled", "peer", "unsloth")
 DASH_NOT_REACHED = "none probed"
 
 
-def _by(rows: list[dict]) -> dict[tuple, list[dict]]:
+def by_variant(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """(gpu slug, model, variant) -> that variant's probes."""
     out: dict[tuple, list[dict]] = {}
     for r in rows:
         out.setdefault((r.get("gpu_slug") or "unknown", r.get("model"), r.get("variant")), []).append(r)
@@ -101,7 +102,7 @@ def _bound_table(rows: list[tuple[str, str, dict]]) -> str:
 
 
 def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None = None) -> str:
-    groups = _by(steps)
+    groups = by_variant(steps)
     if not groups:
         return ""
     parts = ["## The longest trainable length per stack",
@@ -131,11 +132,11 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
             parts.append(plots.embed_figure(path, f"longest trained length per variant ({slug})"))
     targets = spec.get("targets") or []
     if targets:
-        parts.append(_targets(groups, targets))
+        parts.append(targets_md(groups, targets))
     return "\n\n".join(parts)
 
 
-def _bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
+def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
     """What the probes of these variants prove about the longest of them: at least the longest
     length one trained, and at most one under the shortest length above it that ran out of memory
     (``_oom_above``), infinite where a variant has no such probe (unfinished, stopped at
@@ -165,8 +166,8 @@ def _verdict(low: float | None, high: float, goal: float) -> str:
     return "not yet known"
 
 
-def _targets(groups: dict, targets: list[dict]) -> str:
-    """Each target judged from what the searches prove (``_bounds``): a verdict only where the
+def targets_md(groups: dict, targets: list[dict]) -> str:
+    """Each target judged from what the searches prove (``bounds``): a verdict only where the
     probes settle it, "not yet known" where a search would have to go on."""
     body = []
     for slug in sorted({k[0] for k in groups}):
@@ -179,8 +180,8 @@ def _targets(groups: dict, targets: list[dict]) -> str:
             best_peer = max(peers, key=lambda v: (int(peers[v][0]["seq_len"]), -(fmt.stat(peers[v][0], "step_ms") or 0))
                             if peers[v][0] else (0, 0), default=None)
             best_ours = max(ours, key=lambda v: int(ours[v][0]["seq_len"]) if ours[v][0] else 0, default=None)
-            p_len, p_up = _bounds(groups, [(slug, model, v) for v in peers])
-            o_len, o_up = _bounds(groups, [(slug, model, v) for v in ours])
+            p_len, p_up = bounds(groups, [(slug, model, v) for v in peers])
+            o_len, o_up = bounds(groups, [(slug, model, v) for v in ours])
             where = f"{model} ({slug})"
             if "min_over_best_peer" in t:
                 goal = t["min_over_best_peer"]

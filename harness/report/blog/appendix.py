@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.report import context as context_report
 from harness.report import convergence as convergence_report
 from harness.report import moe as moe_report
 from harness.report import offload as offload_report
@@ -74,6 +75,8 @@ def targets(per_experiment: dict[str, tuple[list[dict], dict]], note: str = "", 
             goals = scaling_report.scaling_targets(pts, sc.get("targets") or [], sc.get("ours", "ours"))
             if goals:
                 texts.append(fmt.table(["target", "measured", "met?"], goals))
+        if "context" in spec and (goals := spec["context"].get("targets")):
+            texts.append(context_report.targets_md(context_report.by_variant(steps), goals))
         if any(r.get("kind") == "convergence" for r in rows):
             texts.append(convergence_report.targets_md(rows))
         texts = [t for text in texts if text for t in _target_tables(text)]

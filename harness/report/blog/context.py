@@ -1,0 +1,62 @@
+"""The long-context section: per GPU and model, each stack's longest trainable single-document
+length, what optim needs to get there, and the targets, as far as the probes settle them."""
+
+from __future__ import annotations
+
+from harness.report import context as report
+from harness.report import fmt
+from harness.report.blog.common import Headline
+from harness.report.blog.style import gpu_short
+from harness.roles import OURS, role_of
+
+
+def _claim(groups: dict, slug: str, model: str) -> str | None:
+    """Ours' longest against the best peer's, as the probes bound them: "ours 262144 vs the best
+    peer's 262144 (both could go longer)"."""
+    keys = [k for k in groups if k[0] == slug and k[1] == model]
+    ours = [k for k in keys if role_of(groups[k][0]) in OURS]
+    peers = [k for k in keys if role_of(groups[k][0]) in report.PEER_ROLES]
+    o_len, o_up = report.bounds(groups, ours)
+    p_len, p_up = report.bounds(groups, peers)
+    if not o_len or not p_len:
+        return None
+    open_ = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
+    return (f"{model}: ours {o_len} tokens vs the best peer's {p_len} ({fmt.times(o_len / p_len)})"
+            + (f"; {' and '.join(open_)} not yet bounded" if open_ else ""))
+
+
+def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
+    """Its part of the blog (harness.measured)."""
+    head = Headline("Long context: checkpoints in pinned host memory, MLPs in chunks, causal attention",
+                    "activations that grow with the length until the card is full")
+    groups = report.by_variant([r for r in rows if r.get("kind", "step") == "step"])
+    if not groups:
+        return "", head
+    parts = ["## 4. Long context on one GPU",
+             "The longest single-document length each stack trains one full step at (forward, backward, "
+             "AdamW; bf16, LoRA r=16 on every linear layer), searched by `python -m harness context`: "
+             "doubling, then toward where the peaks of the lengths that trained say the card fills, then "
+             "bisection, each probe a fresh process. \"ours\" is `optim` with what it needs for length (every "
+             "checkpoint recomputed and kept in pinned host memory, reloaded double-buffered; the MLPs in token "
+             "chunks); an out-of-memory probe is the only one that bounds a length from above. Every table, "
+             "step time and the offload bound at each length: [reports/context](context/README.md)."]
+    for slug in sorted({k[0] for k in groups}):
+        gpu = gpu_short(next(r.get("device_name") for rs in groups.values() for r in rs if r.get("gpu_slug") == slug))
+        body = []
+        for (g, model, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+            if g != slug:
+                continue
+            row, above, why = report.longest(rs)
+            host = ((row or {}).get("offload_stats") or {}).get("host_buffer_bytes")
+            body.append([model, f"`{variant}`", role_of(rs[0]), row["seq_len"] if row else "none",
+                         f"{above} ({why})" if above else report.DASH_NOT_REACHED,
+                         fmt.num((row or {}).get("peak_allocated_gib"), ".2f") if row else fmt.DASH,
+                         fmt.num(host / 2**30, ".2f") if host else fmt.DASH])
+        parts += [f"### {gpu}", fmt.table(["model", "stack", "role", "longest trained", "shortest that did not",
+                                           "peak GiB", "host GiB (offload)"], body)]
+        claims = [c for m in sorted({k[1] for k in groups if k[0] == slug}) if (c := _claim(groups, slug, m))]
+        if claims:
+            head.measured[gpu] = "; ".join(claims)
+    if spec.get("targets"):
+        parts.append("Its targets are judged under \"Targets: met or not\", `context`.")
+    return "\n\n".join(parts), head
