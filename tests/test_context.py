@@ -332,7 +332,9 @@ def test_the_blog_section_gives_each_stacks_longest_and_the_headline_what_the_pr
     from harness.report.blog import context as blog
 
     rows = [_row("unsloth", "unsloth", 16384, "ok", 900.0), _row("unsloth", "unsloth", 20480, "oom"),
-            _row("user-long", "ours", 32768, "ok", 2000.0) | {"offload_stats": {"host_buffer_bytes": 3 * 2**30}},
+            _row("user-long", "ours", 32768, "ok", 2000.0) | {"offload_stats": {"host_buffer_bytes": 3 * 2**30},
+                                                              "switches": {"recompute": "all", "mlp_chunk": 4096,
+                                                                           "attn_implementation": "sdpa"}},
             _row("user-long", "ours", 65536, "oom"), _row("stock", "stock", 8192, "ok", 500.0),
             _row("stock", "stock", 16384, "oom"), {**_row("x", "unsloth", 1, "ok"), "kind": "memory_peak"}]
     text, head = blog.part(rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]}, None)
@@ -341,6 +343,7 @@ def test_the_blog_section_gives_each_stacks_longest_and_the_headline_what_the_pr
     assert "| m | `stock` | stock | 8192 | 16384 (oom) |" in text and "`x`" not in text  # step rows only
     assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 (2.00×)"}
     assert "Targets: met or not" in text
+    assert "Ours, as each row ran it: `user-long`: `optim.enable(model, mlp_chunk=4096, recompute='all')`." in text
     # a search still open on either side is said to be
     rows.pop(1)
     assert blog.part(rows, {}, None)[1].measured["G"].endswith("the peers' not yet bounded")

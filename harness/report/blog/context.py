@@ -25,6 +25,14 @@ def _claim(groups: dict, slug: str, model: str) -> str | None:
             + (f"; {' and '.join(open_)} not yet bounded" if open_ else ""))
 
 
+def _call(row: dict) -> str:
+    """The ``optim.enable`` call a row of ours ran, from its switches."""
+    from harness.variant_keys import optim_settings
+
+    flat = {k: v for per in optim_settings(row.get("switches") or {}).values() for k, v in per.items()}
+    return "`optim.enable(model" + "".join(f", {k}={v!r}" for k, v in sorted(flat.items())) + ")`"
+
+
 def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
     """Its part of the blog (harness.measured)."""
     head = Headline("Long context: checkpoints in pinned host memory, MLPs in chunks, causal attention",
@@ -36,10 +44,12 @@ def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
              "The longest single-document length each stack trains one full step at (forward, backward, "
              "AdamW; bf16, LoRA r=16 on every linear layer), searched by `python -m harness context`: "
              "doubling, then toward where the peaks of the lengths that trained say the card fills, then "
-             "bisection, each probe a fresh process. \"ours\" is `optim` with what it needs for length (every "
-             "checkpoint recomputed and kept in pinned host memory, reloaded double-buffered; the MLPs in token "
-             "chunks); an out-of-memory probe is the only one that bounds a length from above. Every table, "
-             "step time and the offload bound at each length: [reports/context](context/README.md)."]
+             "bisection, each probe a fresh process; an out-of-memory probe is the only one that bounds a "
+             "length from above. Every table, step time and the offload bound at each length: "
+             "[reports/context](context/README.md)."]
+    calls = sorted({f"`{k[2]}`: {_call(rs[0])}" for k, rs in groups.items() if role_of(rs[0]) in OURS})
+    if calls:
+        parts.append("Ours, as each row ran it: " + "; ".join(calls) + ".")
     for slug in sorted({k[0] for k in groups}):
         gpu = gpu_short(next(r.get("device_name") for rs in groups.values() for r in rs if r.get("gpu_slug") == slug))
         body = []
