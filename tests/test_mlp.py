@@ -166,10 +166,10 @@ def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made(
     """optim.offload runs each checkpointed layer's forward under no_grad and recomputes it in the
     backward: there too the MLP runs in chunks, so no op makes a tensor of more tokens than a chunk
     at the intermediate width (the MLP's own forward makes gate(x), up(x) and their product whole);
-    the loss and gradients stay those of the same offloaded model unchunked."""
+    the loss and gradients stay those of the same offloaded model unchunked, at each of three steps
+    (2 x 600 tokens: chunks of 256 and a tail)."""
     spec = models.get("qwen3-0.6b-tiny")
     inter = spec.config().intermediate_size
-    b = _batch(spec, 0)  # 2 x 600 tokens, chunks of 256
     x = torch.randn(2, 300, 32)
     model = _peft_mlp()
     ref = model(x).detach()
@@ -186,17 +186,24 @@ def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made(
         m = randomize_lora_b(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4), seed=3)
         return optim.enable(m, only=("lora", "mlp", "offload"), offload="double", **switches)
 
-    ref_loss, ref_grads = _step(build(), b)
-    model = build(mlp_chunk=256)
-    with _Widest(inter) as seen:
-        loss, grads = _step(model, b)
+    ref, model = build(), build(mlp_chunk=256)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     layers = spec.config().num_hidden_layers
-    assert M.describe(model)["chunked_calls"] == 2 * layers  # the no_grad forward and the recompute
-    assert seen.most == 256, seen.most
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    assert set(grads) == set(ref_grads)
-    for n, g in ref_grads.items():
-        assert ((grads[n] - g).norm() / g.norm()).item() < 1e-5, n
+    for step in range(3):  # each step, the first included, on the weights the reference reached
+        b = _batch(spec, step)
+        ref_loss, ref_grads = _step(ref, b)
+        with _Widest(inter) as seen:
+            loss, grads = _step(model, b)
+        assert seen.most == 256, (step, seen.most)
+        assert loss == pytest.approx(ref_loss, rel=1e-5), step
+        assert set(grads) == set(ref_grads) and any("mlp.down_proj.lora_A" in n for n in grads)
+        for n, g in ref_grads.items():
+            assert ((grads[n] - g).norm() / g.norm()).item() < 1e-5, (step, n)
+        opt.step()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                p.copy_(q)
+    assert M.describe(model)["chunked_calls"] == 3 * 2 * layers  # per step: the no_grad forward and the recompute
 
 
 def test_an_mlp_without_adapters_chunks_in_inference_mode_and_then_trains():
