@@ -73,8 +73,8 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
             guess = predicted // resolution * resolution
             if guess > lo:  # at least a resolution up: a length not on the grid could leave a sliver
                 return min(max(guess, lo + resolution), MAX_JUMP * lo, max_len)
-            if guess <= lo:  # the fit says full: a step up (a sixteenth, in resolution steps) finds the failure
-                return min(lo + max(resolution, lo // 16 // resolution * resolution), max_len)
+            # the fit says full: a step up (a sixteenth, in resolution steps) finds the failure
+            return min(lo + max(resolution, lo // 16 // resolution * resolution), max_len)
         return min(2 * lo, max_len)
     low = lo if lo is not None else 0
     if hi - low <= resolution:
@@ -129,14 +129,15 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
                               warmup_steps=probe_warmup, measured_steps=probe_steps)
     s = Search(model, variant)
     while True:
-        seen = outcomes(rows_of(), model, variant, code)
+        rows = rows_of()  # read once a probe: the outcomes and the peaks of the same rows
+        seen = outcomes(rows, model, variant, code)
         bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS}
         if bad:
             n = min(bad)
             s.stopped = f"the probe at {n} tokens ended {bad[n]!r}: see its row"
             break
         trained = [n for n, st in seen.items() if st in TRAINS]
-        predicted = predict(*peaks(rows_of(), model, variant, code)) if use_peaks else None
+        predicted = predict(*peaks(rows, model, variant, code)) if use_peaks else None
         length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
                              predicted)
         if length is None or length in seen:
