@@ -54,8 +54,10 @@ def test_chunked_mlp_gives_the_unchunked_loss_and_gradients_at_every_step(name, 
         with torch.no_grad():  # the next step on the same weights
             for p, q in zip(model.parameters(), ref.parameters()):
                 p.copy_(q)
-    # each step: the forward and the checkpoint's recompute, per layer
-    assert M.describe(model) == {"mlp_chunk": 256, "chunked_mlps": layers, "chunked_calls": 2 * 3 * layers}
+    # each step: the forward and the checkpoint's recompute, per layer; torch's checkpoint reads
+    # what it recomputes, so nothing is skipped
+    assert M.describe(model) == {"mlp_chunk": 256, "chunked_mlps": layers, "tail_mlps": layers,
+                                 "chunked_calls": 2 * 3 * layers, "recompute_skips": 0}
 
 
 class _MLP(nn.Module):
@@ -142,7 +144,8 @@ def test_enable_disable_keep_parameters_and_state_dict_and_the_switch_reads_its_
     assert M.describe(model) == {} and not any(type(m).__name__.startswith("Chunked") for m in model.modules())
     monkeypatch.delenv("OPTIM_MLP_CHUNK")
     optim.enable(model, only=("mlp",))
-    assert M.describe(model) == {"mlp_chunk": "off", "chunked_mlps": 0, "chunked_calls": 0}
+    assert M.describe(model) == {"mlp_chunk": "off", "chunked_mlps": 0, "tail_mlps": 0, "chunked_calls": 0,
+                                 "recompute_skips": 0}
     with pytest.raises(ValueError, match="mlp_chunk=100 is not valid"):
         optim.enable(model, mlp_chunk=100)
 
@@ -167,7 +170,8 @@ def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made(
     backward: there too the MLP runs in chunks, so no op makes a tensor of more tokens than a chunk
     at the intermediate width (the MLP's own forward makes gate(x), up(x) and their product whole);
     the loss and gradients stay those of the same offloaded model unchunked, at each of three steps
-    (2 x 600 tokens: chunks of 256 and a tail)."""
+    (2 x 600 tokens: chunks of 256 and a tail). In offload's recompute the MLP's output is read by
+    nothing (Qwen3's layer adds it to the residual and returns): there it computes nothing."""
     spec = models.get("qwen3-0.6b-tiny")
     inter = spec.config().intermediate_size
     x = torch.randn(2, 300, 32)
@@ -203,7 +207,38 @@ def test_without_grad_and_under_offload_no_tokens_x_intermediate_tensor_is_made(
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref.parameters()):
                 p.copy_(q)
-    assert M.describe(model)["chunked_calls"] == 3 * 2 * layers  # per step: the no_grad forward and the recompute
+    seen = M.describe(model)  # per step: the no_grad forward and the recompute, which skips
+    assert (seen["chunked_calls"], seen["recompute_skips"], seen["tail_mlps"]) == (3 * 2 * layers, 3 * layers, layers)
+
+
+class _NormedTail(nn.Module):
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.post_feedforward_layernorm(hidden_states)  # reads the MLP's output
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class _Tail(nn.Module):
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.mlp(hidden_states)  # a comment does not matter
+        hidden_states = residual + hidden_states
+
+        return hidden_states
+
+
+def test_only_a_layer_that_adds_the_mlp_output_to_the_residual_and_returns_skips_it():
+    """The skip is read from the layer's source: an MLP output that anything else reads (a norm
+    after it, as in Gemma 2; a multiplier, as in Granite) is computed in the recompute as always."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer
+    from transformers.models.granite.modeling_granite import GraniteDecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+    assert M._residual_tail(_Tail) and M._residual_tail(LlamaDecoderLayer) and M._residual_tail(MistralDecoderLayer)
+    assert not any(M._residual_tail(c) for c in (_NormedTail, Gemma2DecoderLayer, GraniteDecoderLayer, nn.Linear))
 
 
 def test_an_mlp_without_adapters_chunks_in_inference_mode_and_then_trains():

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from optim._recomputing import outputs_unread
+
 if TYPE_CHECKING:
     from optim.offload.offloader import Offloader
 
@@ -140,8 +142,9 @@ class OffloadFunction(torch.autograd.Function):
                 if rng_devices:
                     set_device_states(fctx.rng_devices, fctx.rng_states)
             enabled, dtype, cache = fctx.autocast
+            # the recomputed outputs only root the backward below: their values are never read
             with torch.enable_grad(), torch.autocast(fctx.device_type, enabled=enabled,
-                                                     dtype=dtype, cache_enabled=cache):
+                                                     dtype=dtype, cache_enabled=cache), outputs_unread():
                 out = fctx.function(*fctx.rebuild(inputs), **fctx.kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs)
