@@ -172,3 +172,44 @@ def test_a_target_that_names_a_variant_judges_that_variants_row_against_the_same
     assert goals["`user-lowmem` ≥ 1× faster than the fastest peer" + at] == (pytest.approx(984.8 / 973.8), True)
     assert goals["`user-lowmem` peak ≤ 1× the lowest peer's" + at] == ((pytest.approx(19.02 / 17.38), 19.02, 17.38), False)
     assert goals["`not-run` peak ≤ 1× the lowest peer's" + at] == ("not measured", None)
+
+
+def test_a_peer_only_a_later_partial_run_measured_still_sets_the_fastest_and_the_lowest():
+    """A later run of some peers alone (a partial rerun, or the rest of a sweep killed halfway)
+    supersedes their earlier rows; the user's run then lacks them. The fastest peer and the lowest
+    peak are still of every peer measured at the point, each marked as from another run: a ratio
+    against a slower peer would overstate the user's path."""
+    def at(r, when, code):
+        return {**r, "recorded_at": when, "env": {"code_sha": code}, "baseline_variant": "stock"}
+
+    roles = {"stock": ("stock", ""), "stock-compiled": ("stock-compiled", "compiled"), "liger": ("peer", "liger"),
+             "unsloth": ("unsloth", "unsloth"), "user": ("user", "user")}
+
+    def row(v, ms, peak, when, code):
+        return {**at(_row("qwen3-0.6b", 8192, v, ms, peak), when, code), "role": roles[v][0], "stack": roles[v][1]}
+
+    old = [row(v, ms, pk, "2026-11-26T22:10:00+00:00", "a")
+           for v, ms, pk in (("stock", 469.8, 15.67), ("liger", 433.6, 2.47), ("user", 105.6, 11.21))]
+    new = [row(v, ms, pk, "2026-11-27T12:13:00+00:00", "b")
+           for v, ms, pk in (("stock-compiled", 237.2, 15.67), ("unsloth", 866.9, 1.80))]
+    (p,) = user_points(old + new, {})
+    assert (p["fastest_peer"], p["elsewhere"]) == ("compiled", {"compiled", "unsloth"})
+    assert p["over_fastest"] == pytest.approx(237.2 / 105.6)
+    spec = {"targets": [{"model": "qwen3-0.6b", "seq_len": 8192, "min_speedup_over_fastest": 1.2,
+                         "max_peak_over_lowest": 1.2}]}
+    goals = {g: m for g, m, _ in user_targets([p], spec["targets"])}
+    at_ = ", qwen3-0.6b at 8192 tokens (h100)"
+    assert str(goals["user ≥ 1.2× faster than the fastest peer" + at_]).endswith("(vs stock + compile, another run)")
+    assert "Unsloth's 1.80 GiB, another run" in str(goals["user peak ≤ 1.2× the lowest peer's" + at_])
+    md = user_md(old + new, {})
+    assert "| 237.2 [236.2–238.2] † |" in md and "| 433.6 [432.6–434.6] |" in md  # Liger is the user's run
+    # a variant the partial run measured is judged in that run, beside the peers it measured
+    lowmem = {**at(_row("qwen3-0.6b", 8192, "user-lowmem", 258.3, 1.84), "2026-11-27T12:15:00+00:00", "b"),
+              "role": "ablation", "stack": "user"}
+    (p,) = user_points(old + new + [lowmem], {})
+    spec = {"targets": [{"model": "qwen3-0.6b", "seq_len": 8192, "variant": "user-lowmem",
+                         "min_speedup_over_fastest": 1.0, "max_peak_over_lowest": 1.2}]}
+    goals = {g: (fmt.value(m), str(m), fmt.value(ok)) for g, m, ok in user_targets([p], spec["targets"])}
+    speed = goals["`user-lowmem` ≥ 1× faster than the fastest peer" + at_]
+    assert speed[0] == pytest.approx(237.2 / 258.3) and speed[1].endswith("(vs stock + compile)") and speed[2] is False
+    assert goals["`user-lowmem` peak ≤ 1.2× the lowest peer's" + at_][0] == (pytest.approx(1.84 / 1.80), 1.84, 1.80)

@@ -74,31 +74,51 @@ def _peak(r: dict | None) -> float | None:
     return fmt.number((r or {}).get("peak_allocated_gib")) if (r or {}).get("status") == "ok" else None
 
 
+def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
+    """The columns at one point, from the latest run with an ok row of ``names["user"]`` beside a
+    peer (``_side_by_side``), and the ratios a reader asks for."""
+    mine = _side_by_side(at, names)
+    got = {role: _best(mine, v) if v else None for role, v in names.items()}
+    # A peer that run lacks (a partial rerun, a crashed point) but another run measured: its
+    # latest ok row, so the fastest peer and the lowest peak are of every peer measured here.
+    elsewhere = set()
+    for role in PEERS:
+        if names[role] and (got[role] or {}).get("status") != "ok":
+            row = _latest([r for r in at if r.get("status") == "ok"], names[role])
+            if row is not None:
+                got[role] = row
+                elsewhere.add(role)
+    ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
+    fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
+    return {
+        "rows": got, "ms": ms, "peak": {role: _peak(r) for role, r in got.items()},
+        "hfu": fmt.number((got["user"] or {}).get("hfu")),
+        "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
+        "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
+        "fastest_peer": fastest,  # of the peers measured ok here
+        "elsewhere": elsewhere,  # peers whose row is from another run than the user's
+        "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
+        "run": mine,
+    }
+
+
 def user_points(rows: list[dict], spec: dict) -> list[dict]:
     """Per (gpu, model, seq_len) with any of the columns' variants: their rows (median repeat) from
-    one run (``_side_by_side``), the ratios a reader asks for, and the other variants' rows."""
+    one run (``_columns``), the ratios a reader asks for, and the other variants' rows."""
     names = variant_names(rows, spec)
     out = []
     for slug, g in steps_by_gpu(rows).items():
         keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in names.values()}
         for model, t in sorted(keys, key=lambda k: (fmt.natural(k[0]), fmt.number(k[1]) or 0)):
             at = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
-            mine = _side_by_side(at, names)
-            got = {role: _best(mine, v) if v else None for role, v in names.items()}
-            ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
+            cols = _columns(at, names)
             others = sorted({r["variant"] for r in at if r.get("variant") not in names.values()})
-            fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
             out.append({
-                "gpu": slug, "model": model, "seq_len": t, "rows": got, "ms": ms,
-                "peak": {role: _peak(r) for role, r in got.items()},
-                "hfu": fmt.number((got["user"] or {}).get("hfu")),
-                "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
-                "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
-                "fastest_peer": fastest,  # of the peers measured ok here
-                "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
+                "gpu": slug, "model": model, "seq_len": t, **cols,
                 # each other variant from the latest run that has it, and whether that is the columns' run
                 "others": {v: _latest(at, v) for v in others},
-                "others_same_run": {v: any(r.get("variant") == v for r in mine) for v in others},
+                "others_same_run": {v: any(r.get("variant") == v for r in cols["run"]) for v in others},
+                "at": at, "names": names,
             })
     return out
 
@@ -109,6 +129,11 @@ def _cell(r: dict | None) -> str:
     if r.get("status") == "skipped":
         return f"skipped: {str(r.get('message') or '')[:80]}"
     return fmt.spread(r, "step_ms")
+
+
+def _marked(cell: str) -> str:
+    """A peer's cell from another run than the user's path: its value kept, a dagger after."""
+    return fmt.Cell(f"{cell} †", fmt.value(cell))
 
 
 def _gib(x) -> str:
@@ -125,7 +150,9 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     many = len({p["gpu"] for p in pts}) > 1
     body = []
     for p in pts:
-        body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"], *(_cell(p["rows"][role]) for role in ROLES),
+        body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"],
+                     *(_marked(_cell(p["rows"][role])) if role in p["elsewhere"] else _cell(p["rows"][role])
+                       for role in ROLES),
                      fmt.joined(" / ", *(_gib(p["peak"][role]) for role in ROLES)),
                      fmt.joined("", fmt.times(p['over_fastest']), note=PEER_LABEL[p['fastest_peer']])
                      if p["over_fastest"] else DASH,
@@ -142,7 +169,8 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
             "stock transformers + peft, the same with its decoder layers compiled, the same with Liger-Kernel's "
             "patches, Unsloth as its documentation builds a model, and `optim.enable(model)` with its defaults (the variant's `stack`; – where the file has no "
             "such variant). The headline ratio is against the fastest of the peers measured at that point. Peak "
-            "is `torch.cuda.max_memory_allocated` over the measured steps.",
+            "is `torch.cuda.max_memory_allocated` over the measured steps. † marks a peer that the run of "
+            "the user's path lacks, from the latest run that measured it.",
             fmt.table(header, body)]
     others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
                (fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["others_same_run"][v] else "other run")
@@ -169,17 +197,14 @@ def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu) -> float | N
 
 
 def as_variant(p: dict, variant: str) -> dict | None:
-    """The point with ``variant``'s row in the user's place, where it ran in the columns' run."""
+    """The point with ``variant``'s row in the user's place: from the latest run that measured it
+    beside a peer, against that run's peers (and, as for the user's path, a peer it lacks from
+    another run)."""
     r = p["others"].get(variant)
-    if r is None or not p["others_same_run"].get(variant) or r.get("status") != "ok":
+    if r is None or r.get("status") != "ok":
         return None
-    ms = fmt.stat(r, "step_ms")
-    f = p["fastest_peer"]
-    return {**p, "rows": {**p["rows"], "user": r}, "ms": {**p["ms"], "user": ms},
-            "peak": {**p["peak"], "user": _peak(r)}, "hfu": fmt.number(r.get("hfu")),
-            "over_stock": p["ms"]["stock"] / ms if p["ms"]["stock"] and ms else None,
-            "over_liger": p["ms"]["liger"] / ms if p["ms"]["liger"] and ms else None,
-            "over_fastest": p["ms"][f] / ms if f and ms else None}
+    cols = _columns(p["at"], {**p["names"], "user": variant})
+    return {**p, **cols} if (cols["rows"]["user"] or {}).get("status") == "ok" else None
 
 
 def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] | None = None) -> list[list[str]]:
@@ -204,7 +229,8 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                                v <= t["max_graphed_trainer_ms"] if v else None))
             if "min_speedup_over_fastest" in t:
                 v = p and p["over_fastest"]
-                who = PEER_LABEL[p["fastest_peer"]] if v else ""
+                who = (PEER_LABEL[p["fastest_peer"]] + (", another run" if p["fastest_peer"] in p["elsewhere"] else "")
+                       if v else "")
                 checks.append((f"{subject} ≥ {t['min_speedup_over_fastest']:g}× faster than the fastest peer",
                                fmt.Cell(f"{v:.3f}× (vs {who})", v) if v else "not measured",
                                v >= t["min_speedup_over_fastest"] if v else None))
@@ -212,8 +238,9 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                 u = p and p["peak"]["user"]
                 low = min(((p["peak"][c], c) for c in PEERS if p["peak"][c]), default=(None, None)) if p else (None, None)
                 v = u / low[0] if u and low[0] else None
+                other = ", another run" if v and low[1] in p["elsewhere"] else ""
                 checks.append((f"{subject} peak ≤ {t['max_peak_over_lowest']:g}× the lowest peer's",
-                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {PEER_LABEL[low[1]]}'s {_gib(low[0])} GiB)", (v, u, low[0]))
+                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {PEER_LABEL[low[1]]}'s {_gib(low[0])} GiB{other})", (v, u, low[0]))
                                if v else "not measured",
                                v <= t["max_peak_over_lowest"] if v else None))
             if "min_speedup_over_liger" in t:
