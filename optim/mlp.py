@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from optim._hf import owner
-from optim._recomputing import outputs_unread_now
+from optim._recomputing import unread_module
 from optim.lora import PeftLinear, fused_adapter, fusable, lora_backward, lora_forward
 from optim.switches import switches_of
 
@@ -205,10 +205,13 @@ def _chunked(mlp, x, chunk: int):
     tensors, scalings, biases = _pack(projs)
     state = vars(mlp)
     state["_optim_mlp_calls"] = state.get("_optim_mlp_calls", 0) + 1
-    # In optim.offload's recompute of a layer whose forward ends ``residual + mlp(...)``, the
-    # output's value is read by nothing (the add's backward reads none): keep x, compute nothing.
-    skip = (state.get("_optim_mlp_tail", False) and torch.is_grad_enabled() and outputs_unread_now()
-            and not mlp._forward_hooks and not torch.nn.modules.module._global_forward_hooks)
+    # In optim.offload's recompute of this MLP's own layer, whose forward ends ``residual +
+    # mlp(...)``, the output's value is read by nothing (the add's backward reads none): keep x,
+    # compute nothing.
+    layer = unread_module()
+    skip = (layer is not None and torch.is_grad_enabled() and layer._modules.get("mlp") is mlp
+            and _residual_tail(type(layer)) and not mlp._forward_hooks
+            and not torch.nn.modules.module._global_forward_hooks)
     if skip:
         state["_optim_mlp_skipped"] = state.get("_optim_mlp_skipped", 0) + 1
     return _ChunkedMLP.apply(x, chunk, not skip, scalings, biases, *tensors)
@@ -268,7 +271,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     for layer in model.modules():
         mlp = layer._modules.get("mlp")
         if mlp is not None and "_optim_mlp_chunk" in vars(mlp) and _residual_tail(type(layer)):
-            mlp._optim_mlp_tail = True
+            mlp._optim_mlp_tail = True  # counted by describe(); _chunked reads the layer itself
     vars(owner(model))[_STATE] = {"mlp_chunk": chunk, "chunked_mlps": len(mlps)}
     return model
 

@@ -260,3 +260,54 @@ def test_an_mlp_without_adapters_chunks_in_inference_mode_and_then_trains():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(x).dtype == torch.bfloat16
     assert M.describe(model)["chunked_calls"] == 2
+
+
+def _tail_layer(seed):
+    torch.manual_seed(seed)
+    layer = _Tail()
+    layer.mlp = _MLP()
+    layer.mlp.requires_grad_(False)
+    return layer
+
+
+class _ReadsOutput(nn.Module):
+    """Two tail-shaped layers in one checkpointed block: the first one's output is the second's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _tail_layer(1), _tail_layer(2)
+
+    def forward(self, hidden_states):
+        return self.b(self.a(hidden_states))
+
+
+def _then_norm(layer, hidden_states):
+    return torch.nn.functional.rms_norm(layer(hidden_states), (32,))  # reads the layer's output
+
+
+@pytest.mark.parametrize("block,skips", [("layer", 1), ("bound", 1), ("partial", 1), ("partial call", 1),
+                                         ("two layers", 0), ("then norm", 0)])
+def test_under_a_standalone_offloader_only_the_recomputed_layers_own_mlp_skips(block, skips):
+    """The skip holds only when the callable recomputed is the tail-shaped layer's call itself: in a
+    block of two layers, or a function that norms the layer's output, that output is read, and the
+    MLP computes. Either way the input's gradient is the one without chunks or checkpoints."""
+    import functools
+
+    import optim.offload as oo
+    from optim._recomputing import module_of
+
+    model = _ReadsOutput() if block == "two layers" else _tail_layer(1)
+    # "partial" and "partial call": what transformers' checkpointed layers pass, by version
+    call = {"layer": model, "bound": model.forward, "partial": functools.partial(type(model).forward, model),
+            "partial call": functools.partial(super(type(model), model).__call__),
+            "two layers": model, "then norm": functools.partial(_then_norm, model)}[block]
+    assert module_of(call) is (None if block == "then norm" else model)
+    x = torch.randn(2, 600, 32, requires_grad=True)  # 1200 tokens: four chunks of 256 and a tail
+    w = torch.linspace(-1, 1, x.numel()).reshape(x.shape)
+    (call(x) * w).sum().backward()
+    ref, x.grad = x.grad, None
+    M.enable(model, mlp_chunk=256)
+    off = oo.Offloader("double", min_bytes=0)
+    (off(call, x) * w).sum().backward()
+    torch.testing.assert_close(x.grad, ref, rtol=1e-5, atol=1e-6)
+    assert M.describe(model)["recompute_skips"] == skips

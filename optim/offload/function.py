@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from optim._recomputing import outputs_unread
+from optim._recomputing import module_of, outputs_unread
 
 if TYPE_CHECKING:
     from optim.offload.offloader import Offloader
@@ -144,7 +144,7 @@ class OffloadFunction(torch.autograd.Function):
             enabled, dtype, cache = fctx.autocast
             # the recomputed outputs only root the backward below: their values are never read
             with torch.enable_grad(), torch.autocast(fctx.device_type, enabled=enabled,
-                                                     dtype=dtype, cache_enabled=cache), outputs_unread():
+                                                     dtype=dtype, cache_enabled=cache), outputs_unread(module_of(fctx.function)):
                 out = fctx.function(*fctx.rebuild(inputs), **fctx.kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs)
