@@ -34,11 +34,20 @@ def _own_call(module: nn.Module, func) -> bool:
         return False
     for cls in type(module).__mro__:
         own = vars(cls).get(name)
-        while own is not None:  # the function, then each one it wraps (decorators, checkpointing)
+        for _ in range(16):  # the function, then each one it wraps (decorators, checkpointing)
+            if own is None:
+                break
             if own is func:
                 return True
             own = getattr(own, "__wrapped__", None)
     return False
+
+
+def _runs(func):
+    """A bound method marked ``_optim_runs = "attr"`` runs ``self.attr`` with its own arguments
+    (``optim.regional``'s compiled checkpoint body): that callable, else ``func`` itself."""
+    target = getattr(getattr(func, "__func__", None), "_optim_runs", None)
+    return getattr(func.__self__, target) if target else func
 
 
 def module_of(function) -> nn.Module | None:
@@ -47,8 +56,9 @@ def module_of(function) -> nn.Module | None:
     argument (transformers' checkpointed layers, by version); else None."""
     while isinstance(function, functools.partial):
         head = function.args[0] if function.args else None
-        if isinstance(head, nn.Module) and not hasattr(function.func, "__self__"):
-            return head if len(function.args) == 1 and _own_call(head, function.func) else None
+        func = _runs(function.func)
+        if isinstance(head, nn.Module) and not hasattr(func, "__self__"):
+            return head if len(function.args) == 1 and _own_call(head, func) else None
         if function.args:
             return None  # positional arguments bound before the layer's own: not a plain call
         function = function.func

@@ -116,6 +116,8 @@ class _LayerCall:
     def _body(self, *args, **kwargs):  # kept by the checkpoint: the recompute calls it again
         return self._run(self.body_compiled, self.body, *args, **kwargs)
 
+    _body._optim_runs = "body"  # what it runs, compiled or not: optim._recomputing.module_of reads it
+
     def _run(self, compiled, eager, *args, **kwargs):
         state = self.state
         if state.failed is None:

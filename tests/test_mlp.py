@@ -285,29 +285,99 @@ def _then_norm(layer, hidden_states):
     return torch.nn.functional.rms_norm(layer(hidden_states), (32,))  # reads the layer's output
 
 
+def _alpha_hook(module):
+    """A forward hook that reads the output and scales it by a trained factor."""
+    module.alpha = nn.Parameter(torch.tensor(0.7))
+    module.register_forward_hook(lambda m, i, o: torch.tanh(o) * m.alpha)
+
+
+def _instance_forward(module):
+    orig = module.forward
+    module.forward = lambda h: torch.tanh(orig(h))
+
+
 @pytest.mark.parametrize("block,skips", [("layer", 1), ("bound", 1), ("partial", 1), ("partial call", 1),
-                                         ("two layers", 0), ("then norm", 0)])
+                                         ("two layers", 0), ("then norm", 0), ("layer hook", 0),
+                                         ("layer instance forward", 0), ("mlp hook", 0),
+                                         ("mlp instance forward", 0)])
 def test_under_a_standalone_offloader_only_the_recomputed_layers_own_mlp_skips(block, skips):
-    """The skip holds only when the callable recomputed is the tail-shaped layer's call itself: in a
-    block of two layers, or a function that norms the layer's output, that output is read, and the
-    MLP computes. Either way the input's gradient is the one without chunks or checkpoints."""
+    """The skip holds only when the callable recomputed is the tail-shaped layer's call itself and
+    nothing but the classes' forwards sees the outputs: in a block of two layers, a function that
+    norms the layer's output, a forward hook or a forward set on the layer or the MLP, the output is
+    read, and the MLP computes. Either way the gradients are those without checkpoints."""
     import functools
 
     import optim.offload as oo
     from optim._recomputing import module_of
 
     model = _ReadsOutput() if block == "two layers" else _tail_layer(1)
+    M.enable(model, mlp_chunk=256)  # the reference too runs the chunks: without a recompute, none skips
+    {"layer hook": lambda: _alpha_hook(model), "mlp hook": lambda: _alpha_hook(model.mlp),
+     "layer instance forward": lambda: _instance_forward(model),
+     "mlp instance forward": lambda: _instance_forward(model.mlp)}.get(block, lambda: None)()
     # "partial" and "partial call": what transformers' checkpointed layers pass, by version
     call = {"layer": model, "bound": model.forward, "partial": functools.partial(type(model).forward, model),
             "partial call": functools.partial(super(type(model), model).__call__),
-            "two layers": model, "then norm": functools.partial(_then_norm, model)}[block]
+            "two layers": model, "then norm": functools.partial(_then_norm, model)}.get(block, model)
     assert module_of(call) is (None if block == "then norm" else model)
     x = torch.randn(2, 600, 32, requires_grad=True)  # 1200 tokens: four chunks of 256 and a tail
     w = torch.linspace(-1, 1, x.numel()).reshape(x.shape)
+    params = [p for p in model.parameters() if p.requires_grad]
     (call(x) * w).sum().backward()
-    ref, x.grad = x.grad, None
-    M.enable(model, mlp_chunk=256)
+    ref = [t.grad for t in (x, *params)]
+    for t in (x, *params):
+        t.grad = None
+    assert M.describe(model)["recompute_skips"] == 0
     off = oo.Offloader("double", min_bytes=0)
     (off(call, x) * w).sum().backward()
-    torch.testing.assert_close(x.grad, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip([t.grad for t in (x, *params)], ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert M.describe(model)["recompute_skips"] == skips
+
+
+class _TailInBranch(nn.Module):
+    def forward(self, hidden_states, flag=False):
+        residual = hidden_states
+        if flag:
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+        else:
+            hidden_states = self.norm(self.mlp(hidden_states))
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+
+class _TwoCalls(nn.Module):
+    def forward(self, hidden_states):
+        residual = hidden_states + self.mlp(hidden_states)  # an earlier call whose output is read
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+def test_the_tail_is_the_last_top_level_statements_with_one_mlp_call():
+    """Read from the syntax tree, not from lines: the tail inside a branch, or a second call of the
+    MLP whose output is read, is no tail."""
+    assert M._residual_tail(_Tail)
+    assert not M._residual_tail(_TailInBranch) and not M._residual_tail(_TwoCalls)
+
+
+def test_regional_compiles_checkpoint_body_is_recognised_as_the_layers_own_call():
+    """With transformers >= 5.23 optim.regional hands the checkpoint its compiled body in place of
+    the layer's forward: the recompute is still the layer's own call, so its MLP may skip."""
+    import functools
+
+    from optim import regional
+    from optim._recomputing import module_of
+
+    spec = models.get("qwen3-0.6b-tiny")
+    built = models.build(spec, device="cpu", dtype=torch.float32)
+    layer = next(m for m in built.modules() if type(m).__name__ == "Qwen3DecoderLayer")
+    call = regional._LayerCall(layer, regional.CompileState(mode=None))
+    if call.body is None:
+        pytest.skip("transformers < 5.23 checkpoints the layer's call, not a body inside its forward")
+    seen = []
+    call._with_compiled_body(lambda fn, *a, **k: seen.append(fn))(functools.partial(call.body, layer, position_ids=None))
+    assert seen[0].func == call._body and module_of(seen[0]) is layer
+    assert module_of(functools.partial(call._body, layer, 1)) is None  # an argument bound before: not a plain call
