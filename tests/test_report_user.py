@@ -213,3 +213,29 @@ def test_a_peer_only_a_later_partial_run_measured_still_sets_the_fastest_and_the
     speed = goals["`user-lowmem` ≥ 1× faster than the fastest peer" + at_]
     assert speed[0] == pytest.approx(237.2 / 258.3) and speed[1].endswith("(vs stock + compile)") and speed[2] is False
     assert goals["`user-lowmem` peak ≤ 1.2× the lowest peer's" + at_][0] == (pytest.approx(1.84 / 1.80), 1.84, 1.80)
+
+
+def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not_filled_in():
+    """A variant whose latest run measured no peer is not judged across runs; a variant judged in a
+    paired run is not, once a later run measured it alone. A peer that failed in the user's run
+    keeps its failure rather than an older run's time."""
+    def row(v, ms, when, status="ok", role="ablation", stack="user"):
+        r = {**_row("qwen3-8b", 8192, v, ms, 20.0, status=status), "recorded_at": when,
+             "env": {"code_sha": when[:13]}, "baseline_variant": "stock", "role": role, "stack": stack}
+        return r
+
+    run1 = [row("stock", 1500.0, "2026-11-26T10:00:00+00:00", role="stock", stack=""),
+            row("liger", 1200.0, "2026-11-26T10:01:00+00:00", role="peer", stack="liger"),
+            row("user", 600.0, "2026-11-26T10:02:00+00:00", role="user"),
+            row("lowmem", 800.0, "2026-11-26T10:03:00+00:00")]
+    alone = [row("lowmem", 500.0, "2026-11-27T10:00:00+00:00")]
+    spec = {"targets": [{"model": "qwen3-8b", "seq_len": 8192, "variant": "lowmem", "min_speedup_over_fastest": 1.0}]}
+    goal = "`lowmem` ≥ 1× faster than the fastest peer, qwen3-8b at 8192 tokens (h100)"
+    assert _goals(run1, spec)[goal] == (pytest.approx(1200.0 / 800.0), True)
+    assert _goals(run1 + alone, spec)[goal] == ("not measured", None)  # neither 800 (stale) nor 500 (no peer)
+    oom = [row("stock", 1490.0, "2026-11-27T11:00:00+00:00", role="stock", stack=""),
+           row("user", 610.0, "2026-11-27T11:01:00+00:00", role="user"),
+           row("liger", None, "2026-11-27T11:02:00+00:00", status="oom", role="peer", stack="liger")]
+    (p,) = user_points(run1 + oom, {})
+    assert p["rows"]["liger"]["status"] == "oom" and p["elsewhere"] == set()
+    assert p["fastest_peer"] == "stock" and p["over_fastest"] == pytest.approx(1490.0 / 610.0)

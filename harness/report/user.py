@@ -64,6 +64,11 @@ def _side_by_side(rows: list[dict], names: dict[str, str | None]) -> list[dict]:
     return paired[-1] if paired else rows
 
 
+def _paired(rows: list[dict], names: dict[str, str | None]) -> bool:
+    """Whether some run has an ok row of the user's column beside an ok peer."""
+    return _side_by_side(rows, names) is not rows
+
+
 def _latest(rows: list[dict], variant: str) -> dict | None:
     """The variant's row from the latest run that has one."""
     runs = [run for run in split_runs(rows) if any(r.get("variant") == variant for r in run)]
@@ -80,10 +85,11 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
     mine = _side_by_side(at, names)
     got = {role: _best(mine, v) if v else None for role, v in names.items()}
     # A peer that run lacks (a partial rerun, a crashed point) but another run measured: its
-    # latest ok row, so the fastest peer and the lowest peak are of every peer measured here.
+    # latest ok row, so the fastest peer and the lowest peak are of every peer measured here. A
+    # peer that failed in that run keeps its failure: the newest word on it.
     elsewhere = set()
     for role in PEERS:
-        if names[role] and (got[role] or {}).get("status") != "ok":
+        if names[role] and got[role] is None:
             row = _latest([r for r in at if r.get("status") == "ok"], names[role])
             if row is not None:
                 got[role] = row
@@ -197,14 +203,15 @@ def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu) -> float | N
 
 
 def as_variant(p: dict, variant: str) -> dict | None:
-    """The point with ``variant``'s row in the user's place: from the latest run that measured it
-    beside a peer, against that run's peers (and, as for the user's path, a peer it lacks from
-    another run)."""
+    """The point with ``variant``'s row in the user's place, against the peers of its own latest
+    run (and, as for the user's path, a peer that run lacks from another run); None where that run
+    failed it or measured no peer beside it."""
     r = p["others"].get(variant)
-    if r is None or r.get("status") != "ok":
+    names = {**p["names"], "user": variant}
+    if r is None or r.get("status") != "ok" or not _paired(p["at"], names):
         return None
-    cols = _columns(p["at"], {**p["names"], "user": variant})
-    return {**p, **cols} if (cols["rows"]["user"] or {}).get("status") == "ok" else None
+    cols = _columns(p["at"], names)
+    return {**p, **cols} if any(x is r for x in cols["run"]) else None
 
 
 def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] | None = None) -> list[list[str]]:
