@@ -216,10 +216,19 @@ def _chunked(mlp, x, chunk: int):
     return _ChunkedMLP.apply(x, chunk, not skip, scalings, biases, *tensors)
 
 
+# Forward hooks that read nothing in a recompute: transformers' output capture (installed on the
+# layers once ``output_hidden_states`` is asked for) collects only inside the model's forward.
+_IDLE_HOOKS = ("transformers/utils/output_capturing.py",)
+
+
 def _runs_as_its_class(module: nn.Module) -> bool:
-    """No forward set on the instance and no forward hook, its own or global: nothing but the
-    class's forward sees the module's output."""
-    return ("forward" not in vars(module) and not module._forward_hooks
+    """No forward set on the instance and no forward hook, its own or global, but idle ones:
+    nothing but the class's forward sees the module's output."""
+    def idle(hook) -> bool:
+        code = getattr(hook, "__code__", None)
+        return code is not None and code.co_filename.replace("\\", "/").endswith(_IDLE_HOOKS)
+
+    return ("forward" not in vars(module) and all(idle(h) for h in module._forward_hooks.values())
             and not torch.nn.modules.module._global_forward_hooks)
 
 
