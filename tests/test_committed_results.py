@@ -107,6 +107,34 @@ def test_report_writes_the_block_and_a_newer_measurement_makes_the_old_figures_s
     assert "| 150.0 ms † |" in readme.read_text() and headline.problems(readme.read_text(), results) == []  # † another run
 
 
+def test_a_variant_held_to_a_memory_target_gets_its_sentence_beside_the_peers_of_its_run(tmp_path):
+    """The experiment kept beside the rows names the memory-first variant (a target with a variant
+    and max_peak_over_lowest): the block says its settings, its step against the fastest other and
+    its peak against the lowest other's, every figure keyed to its row."""
+    import shutil
+
+    from harness import cli
+
+    results = tmp_path / "results"
+    (results / "user" / "experiments").mkdir(parents=True)
+    shutil.copy(ROOT / "experiments" / "user.toml", results / "user" / "experiments" / "kept.toml")
+    rows = [_row("user", "stock", "stock", 800.0, "10:00", gib=9.0), _row("user", "liger", "peer", 600.0, "10:01"),
+            _row("user", "user", "user", 200.0, "10:02", gib=2.5),
+            {**_row("user", "user-lowmem-mlp-chunk", "ablation", 300.0, "10:03", gib=1.5), "stack": "user",
+             "switches": {"recompute": "all", "offload": "double", "mlp_chunk": 2048, "gradient_checkpointing": True}}]
+    for r in rows:
+        r.update(model="qwen3-8b", seq_len=8192)
+    (results / "user" / "gpu-x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{headline.BEGIN}\n{headline.END}\n")
+    assert cli.main(["report", "--results", str(results), "--reports", str(tmp_path / "reports")]) == 0
+    text = readme.read_text()
+    assert ("`user-lowmem-mlp-chunk` (recompute='all', offload='double', mlp_chunk=2048) at qwen3-8b 8192 on the H100: "
+            "300.0 ms, 2.00× against the fastest other (Liger-Kernel), peak 1.50 GiB against the lowest other's "
+            "2.00 GiB (Liger-Kernel)") in text
+    assert headline.problems(text, results) == []
+
+
 def test_a_readme_with_a_broken_block_gets_one_error_and_keeps_its_text(tmp_path, capsys):
     from harness import cli
 

@@ -89,6 +89,45 @@ def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
     return text
 
 
+def _memory_first(f: cite.Figures, root: Path) -> str:
+    """One sentence on each variant the user experiment holds to a memory target (a target naming a
+    ``variant`` with ``max_peak_over_lowest``): its settings, its step against the fastest other and
+    its peak against the lowest other, judged as the report's targets judge it."""
+    from harness.report import spec as spec_file
+    from harness.report import user as user_report
+
+    if not (root / "user").is_dir():
+        return ""
+    rows = data.load_rows(root, ["user"])
+    spec = spec_file.load(root, "user", rows)[0].get("user") or {}
+    wanted = [(t["model"], t.get("seq_len"), t["variant"]) for t in spec.get("targets") or []
+              if t.get("variant") and "max_peak_over_lowest" in t]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    said = []
+    for p in user_report.user_points(steps, spec):
+        for model, seq_len, variant in wanted:
+            v = user_report.as_variant(p, variant) if (p["model"], p["seq_len"]) == (model, seq_len) else None
+            if not v or not v["fastest_peer"]:
+                continue
+            row, fastest = v["rows"]["user"], v["rows"][v["fastest_peer"]]
+            low = min((v["rows"][c] for c in user_report.PEERS if v["peak"][c]),
+                      key=lambda r: float(r["peak_allocated_gib"]), default=None)
+            if low is None or row.get("peak_allocated_gib") is None:
+                continue
+            sw = row.get("switches") or {}
+            settings = ", ".join(f"{k}={sw[k]!r}" for k in ("recompute", "offload", "mlp_chunk") if k in sw)
+            apart = {c: ", another run" if c in v["elsewhere"] else "" for c in user_report.PEERS}
+            low_role = next(c for c in user_report.PEERS if v["rows"][c] is low)
+            said.append(f"`{variant}` ({settings}) at {model} {p['seq_len']} on the {data.gpu_short(str(row.get('device_name')))}: "
+                        f"{f.ms(row)}, {f.ratio(fastest, row)} against the fastest other "
+                        f"({user_report.PEER_LABEL[v['fastest_peer']]}{apart[v['fastest_peer']]}), peak {f.gib(row)} "
+                        f"against the lowest other's {f.gib(low)} ({user_report.PEER_LABEL[low_role]}{apart[low_role]})")
+    if not said:
+        return ""
+    return ("**Memory first**, the same call with the switches that trade speed for memory (a variant of "
+            "`experiments/user.toml`, each beside the peers of its own run): " + "; ".join(said) + ".")
+
+
 def render(results_root: Path | str) -> str:
     """The block, markers and keys included, from results/ alone."""
     root = Path(results_root)
@@ -101,6 +140,8 @@ def render(results_root: Path | str) -> str:
              "fastest of stock, stock + torch.compile, Liger-Kernel and Unsloth measured at that point. † marks a role "
              "measured by another run than the stock beside it.",
              _table(f, user)]
+    if line := _memory_first(f, root):
+        parts.append(line)
     for name in SWEEPS:
         if (root / name).is_dir() and (line := _range(f, name, data.role_points(data.load_rows(root, [name])))):
             parts.append(line)
