@@ -52,3 +52,18 @@ def test_a_shard_past_its_time_is_killed_and_fails_and_the_visible_gpus_are_the_
     assert out.count("[exit timeout]") == 2 and "failed: shard(s) 1, 2" in out, out
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
     assert suite.visible_gpus() == ["2", "3"]
+
+
+def test_only_runs_the_named_shards_and_lists_the_rest_as_not_run(tmp_path, capsys):
+    """A share of the suite, where one call cannot hold it all: the named shards run as the full
+    plan would run them, the others are listed as not run and fail nothing; a name out of range is
+    one clear error."""
+    assert suite.main(["--gpus", "0", "1", "--shards", "3", "--only", "2", "--logs", str(tmp_path), "--",
+                       "-m", "not gpu", "tests/test_memtrace.py"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n.*2/3 .*deselected", out) and "every shard run passed; not run: 1, 3" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-2-of-3.log"]
+    import pytest
+
+    with pytest.raises(SystemExit):
+        suite.main(["--gpus", "0", "--shards", "3", "--only", "4"])

@@ -9,6 +9,10 @@ result is printed last, and the exit status is 1 when any shard failed (no tests
 
     python3 tools/gpu_suite.py                      # every visible GPU, 7 shards
     python3 tools/gpu_suite.py --gpus 0 1 2 3 --reverse 3 5 7 -- -x
+    python3 tools/gpu_suite.py --only 2 6           # a share of them, where one call cannot hold all
+
+``--only`` runs the named shards as the full plan would (shard 1 on two GPUs included) and lists
+the others as not run: the suite passes when every share of it has.
 """
 
 from __future__ import annotations
@@ -98,8 +102,11 @@ def _pytest(cmd: list[str], log: Path, visible: str, timeout: float | None):
             return "timeout"
 
 
-def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path, timeout: float | None) -> list[dict]:
+def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path, timeout: float | None,
+        only: set[int] | None = None) -> list[dict]:
     lanes = plan(gpus, shard_seconds(n), shard_one_needs_two(n, extra) if len(gpus) > 1 else False)
+    if only is not None:  # a share of the suite (one call of several): the planned lanes, less the rest
+        lanes = [[(k, v) for k, v in lane if k in only] for lane in lanes]
     logs.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     first_done = threading.Event()
@@ -118,7 +125,7 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
                         "summary": summary, "log": str(log)})
 
     def lane(i: int) -> None:
-        if i == 1 and "," in lanes[0][0][1]:
+        if i == 1 and lanes[0] and lanes[0][0][0] == 1 and "," in lanes[0][0][1]:
             first_done.wait()  # shard 1 sees this GPU too
         for k, visible in lanes[i]:
             try:
@@ -157,26 +164,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reverse", type=int, nargs="*", default=[], metavar="K", help="shards run in reverse order")
     ap.add_argument("--logs", type=Path, default=None, help="folder for each shard's log (default: a new temporary one)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds a shard may run")
+    ap.add_argument("--only", type=int, nargs="+", default=None, metavar="K",
+                    help="run these shards alone (the suite split over calls; the rest are listed as not run)")
     args = ap.parse_args(ours)
     gpus = args.gpus if args.gpus is not None else visible_gpus()
     if not gpus:
         ap.error("no GPU: nvidia-smi lists none (name them with --gpus)")
-    if args.shards < 1 or any(not 1 <= k <= args.shards for k in args.reverse):
-        ap.error(f"--shards must be at least 1 and --reverse name shards 1 to {args.shards}")
+    if args.shards < 1 or any(not 1 <= k <= args.shards for k in args.reverse + (args.only or [])):
+        ap.error(f"--shards must be at least 1 and --reverse and --only name shards 1 to {args.shards}")
+    only = set(args.only) if args.only else None
     logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
-    results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout)
+    results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout, only)
     got = {r["shard"] for r in results}
     results += [{"shard": k, "gpus": "-", "rc": "no result", "seconds": 0, "summary": "", "log": ""}
-                for k in range(1, args.shards + 1) if k not in got]
+                for k in range(1, args.shards + 1) if k not in got and (only is None or k in only)]
+    results += [{"shard": k, "gpus": "-", "rc": "not run", "seconds": 0, "summary": "not run (--only)", "log": ""}
+                for k in range(1, args.shards + 1) if only is not None and k not in only]
     results.sort(key=lambda r: r["shard"])
     width = max(len("result"), *(len(r["summary"]) for r in results))
     print(f"logs: {logs}")
     print(f"{'shard':>7}  {'GPUs':<7} {'s':>5}  {'result':<{width}}")
     for r in results:
         print(f"{r['shard']:>3}/{args.shards:<3}  {r['gpus']:<7} {r['seconds']:>5}  {r['summary']}"
-              + ("" if r["rc"] in PASSING else f"   [exit {r['rc']}]"))
-    failed = [r["shard"] for r in results if r["rc"] not in PASSING]
-    print("every shard passed" if not failed else f"failed: shard(s) {', '.join(map(str, failed))}")
+              + ("" if r["rc"] in PASSING or r["rc"] == "not run" else f"   [exit {r['rc']}]"))
+    failed = [r["shard"] for r in results if r["rc"] not in PASSING and r["rc"] != "not run"]
+    skipped = [r["shard"] for r in results if r["rc"] == "not run"]
+    print(("every shard passed" if not skipped else f"every shard run passed; not run: {', '.join(map(str, skipped))}")
+          if not failed else f"failed: shard(s) {', '.join(map(str, failed))}")
     return 1 if failed else 0
 
 
