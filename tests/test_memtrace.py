@@ -42,6 +42,11 @@ def test_site_names_the_innermost_frames_worth_acting_on():
         "transformers/models/llama/modeling_llama.py:268:forward")
     assert memtrace.site([TORCH, OPTIM], depth=1) == "optim/lora.py:77:lora_forward"
     assert memtrace.site([TORCH]) == memtrace.site([]) == "(no frame)"
+    # with C++ stacks: the operator's file and function, its signature and the engine's frames dropped
+    flash = {"filename": "/pytorch/aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp", "line": 1021,
+             "name": "pytorch_flash::mha_bwd(at::Tensor const&, at::Tensor const&, float, bool)"}
+    engine = {"filename": "/pytorch/torch/csrc/autograd/engine.cpp", "line": 1100, "name": "torch::autograd::Engine::evaluate_function"}
+    assert memtrace.site([flash, engine, OPTIM], depth=2) == "aten flash_api.cpp:1021:pytorch_flash::mha_bwd < optim/lora.py:77:lora_forward"
 
 
 def test_replay_finds_the_peak_its_phase_and_the_blocks_live_then():
@@ -90,7 +95,7 @@ def test_the_bench_reads_its_switches_and_refuses_bad_arguments(capsys):
         bench.parse_settings(["mlp_chunk"])
     for argv, msg in ((["--stack", "stock", "--set", "recompute=all"], "needs --stack user"),
                       (["--seq-len", "1000", "--doc-len", "300"], "does not divide"),
-                      (["--set", "=4"], "key=value")):
+                      (["--set", "=4"], "key=value"), (["--stacks", "cpp"], "invalid choice")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err

@@ -55,7 +55,7 @@ def batch(seq_len: int, doc_len: int, vocab: int, device) -> dict:
 
 
 def measure(model_name: str, seq_len: int, doc_len: int, stack: str, settings: dict, *, warmup: int,
-            lora_rank: int, top: int) -> dict:
+            lora_rank: int, top: int, stacks: str = "python") -> dict:
     import optim
 
     spec = registry.get(model_name)
@@ -86,7 +86,7 @@ def measure(model_name: str, seq_len: int, doc_len: int, stack: str, settings: d
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks=stacks)
     try:
         loss = step(True)
         torch.cuda.synchronize()
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="sites named in the row; the rest summed")
+    ap.add_argument("--stacks", choices=("python", "all"), default="python",
+                    help="all: C++ frames too, naming the operator that allocated inside a kernel or the "
+                         "autograd engine (slower to record)")
     add_store_arguments(ap, "context")
     args = ap.parse_args(argv)
     try:
@@ -139,10 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     env = collect()
     row = {"kind": "memory_peak", "model": args.model, "seq_len": args.seq_len, "doc_len": args.doc_len,
            "stack": args.stack, "settings": dict(sorted(settings.items())), "lora_rank": args.lora_rank,
-           "warmup_steps": args.warmup}
+           "warmup_steps": args.warmup, "stacks": args.stacks}
     try:
         row.update(measure(args.model, args.seq_len, args.doc_len, args.stack, settings, warmup=args.warmup,
-                           lora_rank=args.lora_rank, top=args.top))
+                           lora_rank=args.lora_rank, top=args.top, stacks=args.stacks))
     except torch.OutOfMemoryError as e:
         row.update(status="oom", message=str(e).split("\n")[0])
     if row["status"] == "ok":

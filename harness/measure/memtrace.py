@@ -23,7 +23,9 @@ ROUND = 512  # the caching allocator's smallest block: every request is rounded 
 # Frames worth naming: the code a reader can act on (the model, the adapters, optim, the peers'
 # kernels) and the graphs inductor generated for it; torch's own frames in between are skipped.
 KEEP = ("/optim/", "/transformers/", "/peft/", "/harness/", "torchinductor", "/unsloth", "/liger_kernel/",
-        "torch/nn/functional", "torch/utils/checkpoint")
+        "torch/nn/functional", "torch/utils/checkpoint", "/ATen/native/")
+# ``/ATen/native/``: with C++ stacks recorded (``harness.bench.memory --stacks all``), the operator
+# that allocated inside an eager kernel or the autograd engine, e.g. FlashAttention's backward.
 
 
 def phase_marker(k: int) -> int:
@@ -49,9 +51,12 @@ def site(frames: list[dict], depth: int = 3) -> str:
             for root in ("/optim/", "/harness/"):  # a source checkout: from the package on
                 if root in short:
                     short = root[1:] + short.split(root, 1)[1]
+            func = str(f.get("name"))
             if "torchinductor" in short:
                 short = "inductor-generated " + short.rsplit("/", 1)[-1]
-            out.append(f"{short}:{f.get('line')}:{f.get('name')}")
+            elif "/ATen/native/" in name:  # a C++ frame: its file, and its function without the signature
+                short, func = "aten " + short.rsplit("/", 1)[-1], func.split("(", 1)[0]
+            out.append(f"{short}:{f.get('line')}:{func}")
         if len(out) == depth:
             break
     return " < ".join(out) or "(no frame)"
