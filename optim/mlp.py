@@ -30,8 +30,9 @@ the backward. Where the layer's forward ends ``hidden_states = residual + self.m
 returns that (Llama's layer and those made from it, read from its syntax tree), and no hook or
 instance forward sees the outputs, the MLP's output is read by nothing; the function then keeps
 its input and computes nothing: its own backward
-recomputes what it needs. Under offload a chunked MLP so costs one forward of its gate and up
-projections less than an unchunked one, instead of two thirds of a forward more.
+recomputes what it needs. Under offload an unchunked MLP runs each projection forward twice a
+step; a chunked one runs gate and up twice and down once (without the skip: gate and up three
+times, down twice).
 """
 
 from __future__ import annotations
