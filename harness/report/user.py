@@ -64,10 +64,6 @@ def _side_by_side(rows: list[dict], names: dict[str, str | None]) -> list[dict]:
     return paired[-1] if paired else rows
 
 
-def _paired(rows: list[dict], names: dict[str, str | None]) -> bool:
-    """Whether some run has an ok row of the user's column beside an ok peer."""
-    return _side_by_side(rows, names) is not rows
-
 
 def _latest(rows: list[dict], variant: str) -> dict | None:
     """The variant's row from the latest run that has one."""
@@ -105,6 +101,7 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
         "elsewhere": elsewhere,  # peers whose row is from another run than the user's
         "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
         "run": mine,
+        "paired": mine is not at,  # some run has the user's column beside an ok peer
     }
 
 
@@ -208,10 +205,10 @@ def as_variant(p: dict, variant: str) -> dict | None:
     failed it or measured no peer beside it."""
     r = p["others"].get(variant)
     names = {**p["names"], "user": variant}
-    if r is None or r.get("status") != "ok" or not _paired(p["at"], names):
+    if r is None or r.get("status") != "ok":
         return None
     cols = _columns(p["at"], names)
-    return {**p, **cols} if any(x is r for x in cols["run"]) else None
+    return {**p, **cols} if cols["paired"] and any(x is r for x in cols["run"]) else None
 
 
 def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] | None = None) -> list[list[str]]:
