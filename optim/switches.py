@@ -78,6 +78,17 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "packed attention kernel: auto = on CUDA flex with compiled layers, else varlen "
                 "(fp16/bf16, when torch has it); sdpa on CPU; off = leave the model's attention alone (stock)",
             ),
+            # "auto" splits only long batches, where the buffers matter: a short one gains a few MiB
+            # and runs eight backward calls instead of one.
+            Switch(
+                "attention_split",
+                ("auto", True, False),
+                "auto",
+                "run FlashAttention's backward one group of query heads at a time (CUDA, fp16/bf16): its "
+                "fp32 dQ accumulator and the dK, dV it writes per query head before summing over grouped KV "
+                "heads then exist for one group, not for all heads at once; auto = in batches of 32768 "
+                "tokens or more, where a row of one document then runs varlen instead of causal SDPA",
+            ),
             Switch(
                 "validate",
                 (True, False),

@@ -1,8 +1,9 @@
 """Numerics at length on CUDA: Qwen3-0.6B's layer shape with 8 of its 28 layers (six layer inputs
 offloaded, so the two staging buffers are each reused three times), LoRA r=16 on every linear
 layer, one 65536-token document per step. What optim needs for length (every recompute kept, checkpoints in
-pinned host memory reloaded double-buffered, MLPs in 4096-token chunks) against plain GPU
-checkpointing, the rest of ``optim.enable``'s defaults the same on both sides.
+pinned host memory reloaded double-buffered, MLPs in 4096-token chunks, and the attention backward
+split by heads, which ``auto`` does at this length) against plain GPU checkpointing with the attention
+backward whole, the rest of ``optim.enable``'s defaults the same on both sides.
 
 Both sides run in bf16 and may round differently (the chunked MLP runs eager, the plain one in the
 compiled layer), so their difference alone cannot say which is off. Each is judged against the
@@ -19,6 +20,7 @@ from _lora import cuda_lora_model, measured_step
 
 import optim
 import optim.offload
+import optim.packing
 from harness.run.experiment import DataSpec
 from harness.workload import models
 from harness.workload.data import make_batch
@@ -47,10 +49,13 @@ def test_length_switches_are_as_close_to_fp32_as_plain_checkpointing_at_65536_to
     spec = SPEC
     plain = cuda_lora_model(spec)
     fp32 = optim.enable(copy.deepcopy(plain).float())  # the same weights, upcast: the truth
-    plain = optim.enable(plain)  # the defaults: checkpointing on the GPU, no chunks, nothing offloaded
+    # the defaults but for the attention split: checkpointing on the GPU, no chunks, nothing offloaded,
+    # causal SDPA's backward whole
+    plain = optim.enable(plain, attention_split=False)
     long = optim.enable(cuda_lora_model(spec), recompute="all", offload="double", mlp_chunk=4096,
                         offload_profile=True)
     opt = torch.optim.AdamW([p for p in fp32.parameters() if p.requires_grad], lr=1e-4)
+    optim.packing.reset_counters()
     for step in range(2):
         b = make_batch(DataSpec(distribution="fixed", median_doc_len=1 << 20, seed=step), TOKENS, 1,
                        spec.vocab_size).to("cuda")
@@ -73,6 +78,9 @@ def test_length_switches_are_as_close_to_fp32_as_plain_checkpointing_at_65536_to
             for p, q, r in zip(plain.parameters(), long.parameters(), fp32.parameters()):
                 p.copy_(r)
                 q.copy_(r)
+    kernels = optim.packing.kernels()  # the split backward ran, and only on the length switches' side
+    # per step and layer: the forward and the recompute
+    assert kernels.get("varlen-split", 0) == 2 * 2 * spec.num_hidden_layers, kernels
     assert optim.offload.get(plain) is None  # the reference offloads nothing
     st = optim.offload.get(long).stats()
     # every layer input but the embedding output (a leaf autograd holds) and the last layer's

@@ -8,17 +8,19 @@ the p20-p80 spread. The kernels are ``optim.packing``'s own, called as its layer
 - ``flex``: flex_attention's fused kernel on the batch's document BlockMask (what ``auto`` runs in
   compiled layers, traced into the layer's graph);
 - ``varlen``: FlashAttention-2 varlen on ``cu_seqlens`` (what ``auto`` runs in eager layers);
+- ``varlen-split``: the same, its backward one group of query heads at a time (switch
+  ``attention_split``; what ``auto`` runs on long batches);
 - ``sdpa``: SDPA with the block-diagonal additive mask (a T x T mask: left out past
   ``--sdpa-max``, where it would not fit);
 - ``sdpa-causal``: SDPA with ``is_causal=True`` and no mask (``optim.packing``'s kernel for rows
   of one document each under ``auto``, and stock's for such a row): only such rows are timed with it.
 
-It says which kernel is fastest at which document length, the evidence ``optim.packing``'s
-``auto`` choice cites. Rows (``kind = "attention_kernel"``) go to ``results/packing/<gpu>.jsonl``,
+It says which kernel is fastest at which document length, and on CUDA what one forward + backward
+holds at its peak, the evidence ``optim.packing``'s ``auto`` choices cite. Rows (``kind = "attention_kernel"``) go to ``results/packing/<gpu>.jsonl``,
 beside the packing sweep's.
 
     python -m harness.bench.attention [--model llama-3.1-8b] [--lengths 8192 32768 65536]
-        [--doc-lens 0 2048] [--backends flex varlen sdpa sdpa-causal]
+        [--doc-lens 0 2048] [--backends flex varlen varlen-split sdpa sdpa-causal]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from harness.bench import add_store_arguments, store
 from harness.measure.timing import percentiles
 from harness.workload import models as registry
 
-BACKENDS = ("flex", "varlen", "sdpa", "sdpa-causal")
+BACKENDS = ("flex", "varlen", "varlen-split", "sdpa", "sdpa-causal")
 SDPA_MAX = 32768  # the additive mask is T x T: 2 GiB in bf16 at 32768
 
 
@@ -41,6 +43,8 @@ def _kernel(backend: str):
     """``(entry, q, k, v, scale) -> out``: optim.packing's kernel, as its layers call it."""
     if backend == "sdpa-causal":
         return lambda entry, q, k, v, scale: PB.sdpa_causal(q, k, v, scale)
+    if backend == "varlen-split":
+        return lambda entry, q, k, v, scale: P.KERNELS["varlen"](entry, q, k, v, scale, None, None, True, split=True)
     fn = P.KERNELS[backend]
     return lambda entry, q, k, v, scale: fn(entry, q, k, v, scale, None, None, True)
 
@@ -101,10 +105,19 @@ def measure(backend: str, seq_len: int, doc_len: int, *, heads: int, kv_heads: i
 
     fwd = _timed(forward, warmup, repeats, device)
     both = _timed(forward_backward, warmup, repeats, device)
+    peak = None
+    if device.type == "cuda":  # what one forward + backward holds at its peak, above its inputs
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / seq_len / 1024
     flops = attention_flops(lengths, heads, head_dim)
     return {"kind": "attention_kernel", "backend": backend, "seq_len": seq_len, "doc_len": doc, "num_docs": len(lengths),
             "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."),
             "forward_ms": fwd, "forward_backward_ms": both, "forward_flops": flops,
+            "forward_backward_peak_kib_per_token": peak,
             # the backward's useful FLOPs are 2.5x the forward's (dQ, dK, dV and the recomputed scores)
             "forward_tflops": flops / fwd["p50"] / 1e9 if fwd["p50"] else None,
             "forward_backward_tflops": 3.5 * flops / both["p50"] / 1e9 if both["p50"] else None,
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             for b in args.backends:
                 one_doc = d == n
                 if (b == "sdpa-causal" and not one_doc) or (b == "sdpa" and n > args.sdpa_max) \
-                        or (b in ("flex", "varlen") and device.type != "cuda"):
+                        or (b in ("flex", "varlen", "varlen-split") and device.type != "cuda"):
                     continue
                 try:
                     row = measure(b, n, d, warmup=args.warmup, repeats=args.repeats, device=device, **geometry)
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 both = (row.get("forward_backward_ms") or {}).get("p50")
                 print(f"{args.model} T={n} doc={d} {b:12s} fwd {(row.get('forward_ms') or {}).get('p50') or 0:9.2f} ms"
-                      f"  fwd+bwd {both or 0:9.2f} ms  {row.get('forward_backward_tflops') or 0:6.1f} TFLOP/s  {row['status']}",
+                      f"  fwd+bwd {both or 0:9.2f} ms  {row.get('forward_backward_tflops') or 0:6.1f} TFLOP/s"
+                      f"  peak {row.get('forward_backward_peak_kib_per_token') or 0:6.1f} KiB/token  {row['status']}",
                       flush=True)
         path = store(args, rows, env, "harness.bench.attention", argv)  # each length's rows as soon as measured
     print(path)

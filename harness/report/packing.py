@@ -397,7 +397,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
 
 
 
-ATTENTION_KERNELS = ("flex", "varlen", "sdpa", "sdpa-causal")
+ATTENTION_KERNELS = ("flex", "varlen", "varlen-split", "sdpa", "sdpa-causal")
 
 
 def attention_kernel_table(rows: list[dict]) -> str:
@@ -418,7 +418,9 @@ def attention_kernel_table(rows: list[dict]) -> str:
         if r.get("status") != "ok":
             return str(r.get("status"))
         st = r.get("forward_backward_ms") or {}
-        return f"{fmt.ms(st.get('p50'))} [{fmt.ms(st.get('p20'))}–{fmt.ms(st.get('p80'))}]"
+        peak = r.get("forward_backward_peak_kib_per_token")
+        held = f", {fmt.num(peak, '.1f')} KiB a token" if peak is not None else ""
+        return f"{fmt.ms(st.get('p50'))} [{fmt.ms(st.get('p20'))}–{fmt.ms(st.get('p80'))}]{held}"
 
     body = []
     for key in sorted(pts, key=lambda k: (fmt.natural(k[0]), k[4], -k[5])):
@@ -433,9 +435,11 @@ def attention_kernel_table(rows: list[dict]) -> str:
                          *(f"{b} ms" for b in ATTENTION_KERNELS), "causal SDPA's lead over the fastest packed"], body)
             + f"\n\nOne attention call of {fmt.distinct(r.get('dtype') for r in rows_of_kind(rows, 'attention_kernel'))} "
               "q, k, v (batch 1), CUDA events after a warm-up, p50 [p20–p80]: "
-              "`python -m harness.bench.attention`. `sdpa-causal` (no mask, stock's kernel for a row of one "
+              "`python -m harness.bench.attention`, and where measured the peak one forward + backward holds "
+              "above its inputs, per token of the row. `sdpa-causal` (no mask, stock's kernel for a row of one "
               "document) runs only on such rows; `auto` runs it there (without sinks or sliding windows), and "
-              "flex or varlen where a row holds boundaries.")
+              "flex or varlen where a row holds boundaries; `varlen-split` is varlen with its backward one group "
+              "of query heads at a time (switch `attention_split`), which `auto` runs on long batches.")
 
 
 # The report's parts (harness.measured)

@@ -29,7 +29,9 @@ Backends (switch ``packing_backend``):
 ``auto`` runs a batch whose rows are one document each (nothing to keep apart, as in long-context
 training) with plain causal SDPA, in eager and compiled layers alike, on models without attention
 sinks or sliding windows and where flash serves it (``backends.causal_applies``); other batches
-get the table in ``backends``.
+get the table in ``backends``. Where switch ``attention_split`` splits the batch (``auto``: long
+batches, ``backends.split_applies``), such rows run FlashAttention varlen instead, its backward one
+group of query heads at a time (``backends._split_backward``).
 
 What runs where (``routing``): calls without a KV cache run the packed attention, a padded
 ``attention_mask`` turned into documents (each row's real tokens one, each run of padding another);
@@ -78,6 +80,7 @@ from optim.packing.backends import (
     one_document_per_row,
     resolve_backend,
     sdpa_causal,
+    split_applies,
     varlen_available,
 )
 from optim.packing import routing
@@ -114,6 +117,7 @@ class PackingSettings:
     cache: bool = True
     backend: str = "auto"
     validate: bool = True  # check the caller's position_ids against their metadata (``checks``)
+    split: bool | str = "auto"  # attention_split: flash's backward a group of heads at a time (``backends``)
     compiled: bool = False  # optim.regional compiles the layers (prebuild_structures): auto picks for that
     stock: str | None = None  # the attention implementation enable() replaced: runs with a KV cache
 
@@ -167,8 +171,9 @@ def packed_attention_forward(
         window = int(sliding_window) if sliding_window else getattr(module, "_optim_packing_window", None)
         sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
         # the hook marks whole rows; the layer's own settings may since name a backend (kept as named)
-        if packing_structures.get(CAUSAL) and window is None and sinks is None \
-                and getattr(module, "_optim_packing", _DEFAULT).backend == "auto":
+        settings = getattr(module, "_optim_packing", _DEFAULT)
+        if packing_structures.get(CAUSAL) and window is None and sinks is None and settings.backend == "auto" \
+                and not split_applies(settings.split, query.shape[0] * query.shape[2], query.device, query.dtype):
             return sdpa_causal(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
         block_mask = packing_structures.get(window)
         if block_mask is not None:
@@ -215,11 +220,16 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
         entry.first_module, entry.owner_grad = id(module), True
     if settings.cache and grad and entry.first_module == id(module):
         query = ReleaseOnBackward.apply(query, entry.key, device)
+    split = split_applies(settings.split, B * T, device, query.dtype)
     if settings.backend == "auto" and sinks is None and (window is None or window >= T) \
             and causal_applies(device, query.dtype, D) and one_document_per_row(entry):
+        if split:  # the same causal attention, through the kernel whose backward splits
+            return KERNELS["varlen"](entry, query, key, value, scale, None, None, settings.cache, split=True), None
         KERNEL_CALLS["sdpa-causal"] += 1
         return sdpa_causal(query, key, value, scale), None
     backend = resolve_backend(settings.backend, device, query.dtype, compiled=settings.compiled)
+    if backend == "varlen" and split:
+        return KERNELS["varlen"](entry, query, key, value, scale, window, sinks, settings.cache, split=True), None
     out = KERNELS[backend](entry, query, key, value, scale, window, sinks, settings.cache)
     return out, None
 
@@ -339,22 +349,24 @@ def _attention_modules(model) -> Iterable[torch.nn.Module]:
 STOCK_MIXES_DOCUMENTS = {"gpt_oss": "transformers 5.17 to 5.23 build gpt-oss's masks without position_ids"}
 
 
-def enable(model, *, packing_cache=None, packing_backend=None, validate=None, **_ignored):
+def enable(model, *, packing_cache=None, packing_backend=None, validate=None, attention_split=None, **_ignored):
     """Enable packed attention on a transformers causal LM (peft-wrapped or not).
 
     Registers the attention function, switches the model's attention implementation to it (so
     transformers also stops building its own masks), records the settings on every attention
     module and routes each forward (``routing``): calls with a KV cache, and ``generate``, run the
     implementation it replaced. Settings: ``packing_cache`` (True/False), ``packing_backend``
-    (auto/sdpa/flex/varlen, or off: the model's own attention, undoing an earlier enable) and
-    ``validate`` (True/False: ``checks``), each also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND /
-    OPTIM_VALIDATE. Other optim switches are ignored.
+    (auto/sdpa/flex/varlen, or off: the model's own attention, undoing an earlier enable),
+    ``validate`` (True/False: ``checks``) and ``attention_split`` (auto/True/False: ``backends``), each
+    also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND / OPTIM_VALIDATE / OPTIM_ATTENTION_SPLIT.
+    Other optim switches are ignored.
     Returns the model.
     """
     settings = PackingSettings(
         cache=SWITCHES["packing_cache"].resolve(packing_cache),
         backend=SWITCHES["packing_backend"].resolve(packing_backend),
         validate=SWITCHES["validate"].resolve(validate),
+        split=SWITCHES["attention_split"].resolve(attention_split),
     )
     if settings.backend == "off":
         disable(model)
@@ -450,6 +462,7 @@ def describe(model) -> dict:
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
     route = routing.route_of(model)
     return {"packing_backend": s.backend, "packing_cache": s.cache, "validate": s.validate, "compiled_layers": s.compiled,
+            "attention_split": s.split,
             "packing_backend_resolved": resolve_backend(s.backend, device, dtype, compiled=s.compiled),
             # what the forwards so far ran: packed attention, or the stock one (a KV cache, generate)
             "stock_attention": s.stock, "forwards": dict(route.calls) if route is not None else {}}

@@ -206,7 +206,7 @@ class _FlashVarlen(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu, max_len, scale, window_left):
+    def forward(ctx, q, k, v, sinks, cu, max_len, scale, window_left, split=False):
         res = _flash_ops["forward"](
             q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale, **_window_kw(window_left))
         out, lse, rng_a, rng_b = res[0], res[1], res[2], res[3]
@@ -220,6 +220,7 @@ class _FlashVarlen(torch.autograd.Function):
         ctx.max_len, ctx.scale, ctx.window_left = max_len, scale, window_left
         ctx.has_sinks = sinks is not None
         ctx.sink_dtype = None if sinks is None else sinks.dtype
+        ctx.split = split
         return out
 
     @staticmethod
@@ -228,13 +229,69 @@ class _FlashVarlen(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         dy = dy.contiguous()
         g = dy if s is None else (dy.to(acc) * s).to(dy.dtype)
-        dq, dk, dv = _flash_ops["backward"](
-            g, q, k, v, y, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b,
-            scale=ctx.scale, **_window_kw(ctx.window_left))
+        kw = {"scale": ctx.scale, **_window_kw(ctx.window_left)}
+        if ctx.split:
+            dq, dk, dv = _split_backward(g, q, k, v, y, lse, cu, ctx.max_len, rng_a, rng_b, kw)
+        else:
+            dq, dk, dv = _flash_ops["backward"](
+                g, q, k, v, y, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b, **kw)
         dsink = None
         if ctx.has_sinks:
             dsink = -((1 - s.squeeze(-1)) * (dy.to(acc) * y.to(acc)).sum(-1)).sum(0).to(ctx.sink_dtype)
-        return dq, dk, dv, dsink, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None, None
+
+
+# FlashAttention-2's backward accumulates dQ in an fp32 buffer and, where KV heads are grouped, writes
+# dK and dV for every query head before summing each group: 40 KiB a token for Llama-3.1-8B's 32
+# query heads over 8 KV heads, beside the 12 KiB of the gradients it returns, all alive at once at the
+# layer backward's peak (python -m harness.bench.memory names the site). Called one group of heads at
+# a time, those buffers exist for one group. Each call does the same arithmetic on its heads as the
+# whole call does on them (a head's dQ, and a KV head's dK and dV summed over its query heads).
+SPLIT_CALLS = 8  # backward calls per layer at most: each still has T/128 x heads blocks to run
+SPLIT_AUTO_TOKENS = 32768  # the batch size in tokens from which attention_split="auto" splits
+
+
+def split_width(heads: int, kv_heads: int) -> int:
+    """Query heads per backward call: the widest of at most ``heads / SPLIT_CALLS`` that covers
+    whole KV groups or a whole part of one (so each KV head's gradient is one call's or a sum)."""
+    group = heads // kv_heads
+    best = 1
+    for w in range(1, max(1, heads // SPLIT_CALLS) + 1):
+        if heads % w == 0 and (w % group == 0 or group % w == 0):
+            best = w
+    return best
+
+
+def split_applies(choice, tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``attention_split`` splits a batch of ``tokens``: on CUDA in fp16/bf16 where torch has
+    the flash varlen kernel; ``auto`` from ``SPLIT_AUTO_TOKENS`` tokens, True always, False never."""
+    if choice is False or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
+            or not varlen_available():
+        return False
+    return choice is True or tokens >= SPLIT_AUTO_TOKENS
+
+
+def _split_backward(g, q, k, v, y, lse, cu, max_len, rng_a, rng_b, kw):
+    """The flash varlen backward over (tokens, heads, dim) inputs, ``split_width`` query heads a
+    call; lse is (heads, tokens)."""
+    H, Hk = q.shape[1], k.shape[1]
+    group, width = H // Hk, split_width(H, Hk)
+    partial = width < group  # several calls add into one KV head's gradient
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros_like if partial else torch.empty_like)(k), (torch.zeros_like if partial else torch.empty_like)(v)
+    for a in range(0, H, width):
+        hs, ks = slice(a, a + width), slice(a // group, a // group + max(1, width // group))
+        dq_h, dk_h, dv_h = _flash_ops["backward"](
+            g[:, hs].contiguous(), q[:, hs].contiguous(), k[:, ks].contiguous(), v[:, ks].contiguous(),
+            y[:, hs].contiguous(), lse[hs].contiguous(), cu, cu, max_len, max_len, 0.0, True, rng_a, rng_b, **kw)
+        dq[:, hs] = dq_h
+        if partial:
+            dk[:, ks] += dk_h
+            dv[:, ks] += dv_h
+        else:
+            dk[:, ks], dv[:, ks] = dk_h, dv_h
+        del dq_h, dk_h, dv_h
+    return dq, dk, dv
 
 
 def _public_varlen():
@@ -252,20 +309,21 @@ def varlen_available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
-def _varlen(entry, q, k, v, scale, window, sinks, cache):
+def _varlen(entry, q, k, v, scale, window, sinks, cache, split=False):
+    """FlashAttention-2 varlen; ``split``: its backward a group of heads at a time (``_split_backward``)."""
     B, H, T, D = q.shape
     cu, max_len = cached_structure(entry, ("varlen",), lambda: build_varlen_args(entry), cache)
     qf = q.transpose(1, 2).reshape(B * T, H, D)
     kf = k.transpose(1, 2).reshape(B * T, k.shape[1], D)
     vf = v.transpose(1, 2).reshape(B * T, v.shape[1], D)
     left = -1 if window is None else window - 1  # flash keeps keys with q - k <= left
-    KERNEL_CALLS["varlen"] += 1
-    public = _public_varlen()
+    KERNEL_CALLS["varlen-split" if split else "varlen"] += 1
+    public = None if split else _public_varlen()
     if sinks is None and public is not None:
         out = public(qf, kf, vf, cu, cu, max_len, max_len, scale=scale, window_size=(left, 0),
                      enable_gqa=H != k.shape[1])
     else:
-        out = _FlashVarlen.apply(qf, kf, vf, sinks, cu, max_len, scale, left)
+        out = _FlashVarlen.apply(qf, kf, vf, sinks, cu, max_len, scale, left, split)
     return out.view(B, T, H, D)
 
 
