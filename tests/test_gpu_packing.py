@@ -287,19 +287,19 @@ def test_varlen_stands_in_when_fused_flex_cannot_run(monkeypatch, caplog):
     P.release()
 
 
-def _attention_backward(kernel, T, heads=32, kv_heads=8, D=128):
-    """One document of T tokens with Llama-3.1-8B's heads: q, k, v gradients and the backward's peak
-    above what the forward left (bytes)."""
+def _attention_forward_backward(kernel, T, heads=32, kv_heads=8, D=128):
+    """One document of T tokens with Llama-3.1-8B's heads: q, k, v gradients and the peak of the
+    forward + backward above its inputs (bytes), measured as harness.bench.attention measures it."""
     g = torch.Generator(device="cuda").manual_seed(T)
     q = torch.randn(1, heads, T, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     k = torch.randn(1, kv_heads, T, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     v = torch.randn(1, kv_heads, T, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     dy = torch.randn(1, T, heads, D, device="cuda", dtype=torch.bfloat16, generator=g)
     entry = P.build_entry(("split-test", T), P.PackedMetadata.from_lengths([[T]]), torch.device("cuda"))
-    out = kernel(entry, q, k, v, D ** -0.5)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    out = kernel(entry, q, k, v, D ** -0.5)
     grads = torch.autograd.grad(out, (q, k, v), dy)
     torch.cuda.synchronize()
     return [x.float() for x in grads], torch.cuda.max_memory_allocated() - base
@@ -307,23 +307,22 @@ def _attention_backward(kernel, T, heads=32, kv_heads=8, D=128):
 
 def test_split_attention_backward_matches_the_whole_one_and_holds_less():
     """attention_split on the real flash kernel, one 32768-token document with grouped KV heads:
-    the gradients of causal SDPA's whole backward (within bf16 rounding: the kernel accumulates dQ
-    in an order of its own), and a backward peak that drops by the buffers of the seven groups not
-    running. Whole, the backward holds dQ's fp32 accumulator (16 KiB a token), dK and dV per query
-    head (8 each) and the three gradients (12); split, one group's share of the first three."""
+    the gradients of causal SDPA's whole backward (within bf16 rounding: the kernels accumulate dQ
+    in orders of their own), and a lower peak. Whole, the backward holds dQ's fp32 accumulator
+    (16 KiB a token), dK and dV per query head (8 each) and the three gradients (12); split, the
+    gradients and one group's share of the rest."""
     T = 32768
     P.reset_counters()
-    whole, whole_peak = _attention_backward(lambda e, q, k, v, s: PB.sdpa_causal(q, k, v, s), T)
-    split, split_peak = _attention_backward(
+    whole, whole_peak = _attention_forward_backward(lambda e, q, k, v, s: PB.sdpa_causal(q, k, v, s), T)
+    split, split_peak = _attention_forward_backward(
         lambda e, q, k, v, s: PB._varlen(e, q, k, v, s, None, None, True, split=True), T)
-    assert P.kernels() == {"varlen-split": 1}
-    for name, a, b in zip("qkv", whole, split):
-        err = ((a - b).norm() / a.norm()).item()
-        print(f"d{name}: relative difference {err:.2e}")
-        assert err < 1e-2, (name, err)
     per_token = lambda b: b / T / 1024  # noqa: E731
-    print(f"backward peak above the forward: whole {per_token(whole_peak):.1f} KiB a token, "
-          f"split {per_token(split_peak):.1f}")
-    assert per_token(whole_peak) > 40  # the lead this switch answers: flash's buffers, all heads at once
-    assert per_token(split_peak) < per_token(whole_peak) - 18, (whole_peak, split_peak)
+    print(f"forward + backward peak: whole {per_token(whole_peak):.1f} KiB a token, split {per_token(split_peak):.1f}; "
+          f"kernels {P.kernels()}", flush=True)
+    errors = {name: ((a - b).norm() / a.norm()).item() for name, a, b in zip("qkv", whole, split)}
+    print(f"relative differences of dq, dk, dv: {errors}", flush=True)
+    assert P.kernels() == {"varlen-split": 1}
+    assert max(errors.values()) < 2e-2, errors
+    assert per_token(whole_peak) > 48  # flash's buffers for all heads at once: the site this switch answers
+    assert per_token(split_peak) < per_token(whole_peak) - 24, (whole_peak, split_peak)
     P.release()
