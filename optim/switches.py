@@ -78,16 +78,17 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "packed attention kernel: auto = on CUDA flex with compiled layers, else varlen "
                 "(fp16/bf16, when torch has it); sdpa on CPU; off = leave the model's attention alone (stock)",
             ),
-            # "auto" splits only long batches, where the buffers matter: a short one gains a few MiB
-            # and runs eight backward calls instead of one.
+            # Off by default: a row of one document then runs FlashAttention varlen instead of causal
+            # SDPA, whose kernel is faster at every length harness.bench.attention measured
+            # (results/packing/, varlen-split against sdpa-causal); it is a switch for memory first.
             Switch(
                 "attention_split",
-                ("auto", True, False),
-                "auto",
-                "run FlashAttention's backward one group of query heads at a time (CUDA, fp16/bf16): its "
-                "fp32 dQ accumulator and the dK, dV it writes per query head before summing over grouped KV "
-                "heads then exist for one group, not for all heads at once; auto = in batches of 32768 "
-                "tokens or more, where a row of one document then runs varlen instead of causal SDPA",
+                (False, True),
+                False,
+                "run FlashAttention varlen's backward one group of query heads at a time (CUDA, fp16/bf16): "
+                "its fp32 dQ accumulator and the dK, dV it writes per query head before summing over grouped "
+                "KV heads then exist for one group, not for all heads at once; rows of one document then run "
+                "varlen instead of causal SDPA",
             ),
             Switch(
                 "validate",

@@ -66,18 +66,15 @@ def test_split_backward_gives_the_whole_backward_gradients(monkeypatch, heads, k
         assert torch.allclose(whole, parts, rtol=0, atol=1e-12), (whole - parts).abs().max()
 
 
-def test_split_applies_where_the_flash_kernel_runs_and_the_batch_is_long(monkeypatch):
+def test_split_applies_where_it_is_on_and_the_flash_kernel_runs(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(PB, "varlen_available", lambda: True)
-    long, short = PB.SPLIT_AUTO_TOKENS, PB.SPLIT_AUTO_TOKENS - 1
-    assert PB.split_applies("auto", long, cuda, torch.bfloat16)
-    assert not PB.split_applies("auto", short, cuda, torch.bfloat16)
-    assert PB.split_applies(True, short, cuda, torch.float16)
-    assert not PB.split_applies(False, long, cuda, torch.bfloat16)
-    assert not PB.split_applies(True, long, cuda, torch.float32)  # flash is fp16/bf16 only
-    assert not PB.split_applies(True, long, cpu, torch.bfloat16)
+    assert PB.split_applies(True, cuda, torch.bfloat16) and PB.split_applies(True, cuda, torch.float16)
+    assert not PB.split_applies(False, cuda, torch.bfloat16)
+    assert not PB.split_applies(True, cuda, torch.float32)  # flash is fp16/bf16 only
+    assert not PB.split_applies(True, cpu, torch.bfloat16)
     monkeypatch.setattr(PB, "varlen_available", lambda: False)
-    assert not PB.split_applies(True, long, cuda, torch.bfloat16)
+    assert not PB.split_applies(True, cuda, torch.bfloat16)
 
 
 def test_the_switch_reaches_every_attention_module_and_describe(monkeypatch):
@@ -85,7 +82,9 @@ def test_the_switch_reaches_every_attention_module_and_describe(monkeypatch):
 
     model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=2)
     P.enable(model)
-    assert P.describe(model)["attention_split"] == "auto"
+    assert P.describe(model)["attention_split"] is False  # off by default
+    P.enable(model, attention_split=True)
+    assert all(m._optim_packing.split is True for m in P._attention_modules(model))
     P.enable(model, attention_split=False)
     assert all(m._optim_packing.split is False for m in P._attention_modules(model))
     monkeypatch.setenv("OPTIM_ATTENTION_SPLIT", "on")
@@ -96,11 +95,11 @@ def test_the_switch_reaches_every_attention_module_and_describe(monkeypatch):
     P.disable(model)
 
 
-def test_a_long_one_document_row_runs_the_split_varlen_kernel_where_it_splits(monkeypatch):
-    """Where the switch splits, the row of one document that ``auto`` gives causal SDPA goes through
+def test_a_one_document_row_runs_the_split_varlen_kernel_where_the_switch_is_on(monkeypatch):
+    """With the switch on, the row of one document that ``auto`` gives causal SDPA goes through
     varlen with the split backward; the output is the same causal attention."""
     seen = []
-    monkeypatch.setattr(P, "split_applies", lambda choice, tokens, device, dtype: choice is True)
+    monkeypatch.setattr(P, "split_applies", lambda choice, device, dtype: choice is True)
     monkeypatch.setitem(P.KERNELS, "varlen", lambda *a, split=False: seen.append(split) or PB.sdpa_causal(*a[1:4], a[4]))
     from harness.workload import models
 

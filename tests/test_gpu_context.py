@@ -2,8 +2,8 @@
 offloaded, so the two staging buffers are each reused three times), LoRA r=16 on every linear
 layer, one 65536-token document per step. What optim needs for length (every recompute kept, checkpoints in
 pinned host memory reloaded double-buffered, MLPs in 4096-token chunks, and the attention backward
-split by heads, which ``auto`` does at this length) against plain GPU checkpointing with the attention
-backward whole, the rest of ``optim.enable``'s defaults the same on both sides.
+split by heads) against plain GPU checkpointing with the attention backward whole, the rest of
+``optim.enable``'s defaults the same on both sides.
 
 Both sides run in bf16 and may round differently (the chunked MLP runs eager, the plain one in the
 compiled layer), so their difference alone cannot say which is off. Each is judged against the
@@ -49,11 +49,9 @@ def test_length_switches_are_as_close_to_fp32_as_plain_checkpointing_at_65536_to
     spec = SPEC
     plain = cuda_lora_model(spec)
     fp32 = optim.enable(copy.deepcopy(plain).float())  # the same weights, upcast: the truth
-    # the defaults but for the attention split: checkpointing on the GPU, no chunks, nothing offloaded,
-    # causal SDPA's backward whole
-    plain = optim.enable(plain, attention_split=False)
+    plain = optim.enable(plain)  # the defaults: checkpointing on the GPU, no chunks, nothing offloaded
     long = optim.enable(cuda_lora_model(spec), recompute="all", offload="double", mlp_chunk=4096,
-                        offload_profile=True)
+                        attention_split=True, offload_profile=True)
     opt = torch.optim.AdamW([p for p in fp32.parameters() if p.requires_grad], lr=1e-4)
     optim.packing.reset_counters()
     for step in range(2):

@@ -9,7 +9,7 @@ the p20-p80 spread. The kernels are ``optim.packing``'s own, called as its layer
   compiled layers, traced into the layer's graph);
 - ``varlen``: FlashAttention-2 varlen on ``cu_seqlens`` (what ``auto`` runs in eager layers);
 - ``varlen-split``: the same, its backward one group of query heads at a time (switch
-  ``attention_split``; what ``auto`` runs on long batches);
+  ``attention_split``, off by default);
 - ``sdpa``: SDPA with the block-diagonal additive mask (a T x T mask: left out past
   ``--sdpa-max``, where it would not fit);
 - ``sdpa-causal``: SDPA with ``is_causal=True`` and no mask (``optim.packing``'s kernel for rows

@@ -439,7 +439,7 @@ def attention_kernel_table(rows: list[dict]) -> str:
               "above its inputs, per token of the row. `sdpa-causal` (no mask, stock's kernel for a row of one "
               "document) runs only on such rows; `auto` runs it there (without sinks or sliding windows), and "
               "flex or varlen where a row holds boundaries; `varlen-split` is varlen with its backward one group "
-              "of query heads at a time (switch `attention_split`), which `auto` runs on long batches.")
+              "of query heads at a time (switch `attention_split`, off by default).")
 
 
 # The report's parts (harness.measured)

@@ -29,9 +29,9 @@ Backends (switch ``packing_backend``):
 ``auto`` runs a batch whose rows are one document each (nothing to keep apart, as in long-context
 training) with plain causal SDPA, in eager and compiled layers alike, on models without attention
 sinks or sliding windows and where flash serves it (``backends.causal_applies``); other batches
-get the table in ``backends``. Where switch ``attention_split`` splits the batch (``auto``: long
-batches, ``backends.split_applies``), such rows run FlashAttention varlen instead, its backward one
-group of query heads at a time (``backends._split_backward``).
+get the table in ``backends``. With switch ``attention_split`` on (``backends.split_applies``), such
+rows run FlashAttention varlen instead, and varlen's backward runs one group of query heads at a
+time (``backends._split_backward``).
 
 What runs where (``routing``): calls without a KV cache run the packed attention, a padded
 ``attention_mask`` turned into documents (each row's real tokens one, each run of padding another);
@@ -117,7 +117,7 @@ class PackingSettings:
     cache: bool = True
     backend: str = "auto"
     validate: bool = True  # check the caller's position_ids against their metadata (``checks``)
-    split: bool | str = "auto"  # attention_split: flash's backward a group of heads at a time (``backends``)
+    split: bool = False  # attention_split: flash varlen's backward a group of heads at a time (``backends``)
     compiled: bool = False  # optim.regional compiles the layers (prebuild_structures): auto picks for that
     stock: str | None = None  # the attention implementation enable() replaced: runs with a KV cache
 
@@ -173,7 +173,7 @@ def packed_attention_forward(
         # the hook marks whole rows; the layer's own settings may since name a backend (kept as named)
         settings = getattr(module, "_optim_packing", _DEFAULT)
         if packing_structures.get(CAUSAL) and window is None and sinks is None and settings.backend == "auto" \
-                and not split_applies(settings.split, query.shape[0] * query.shape[2], query.device, query.dtype):
+                and not split_applies(settings.split, query.device, query.dtype):
             return sdpa_causal(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
         block_mask = packing_structures.get(window)
         if block_mask is not None:
@@ -220,7 +220,7 @@ def _packed_attention_eager(module, query, key, value, attention_mask, scaling, 
         entry.first_module, entry.owner_grad = id(module), True
     if settings.cache and grad and entry.first_module == id(module):
         query = ReleaseOnBackward.apply(query, entry.key, device)
-    split = split_applies(settings.split, B * T, device, query.dtype)
+    split = split_applies(settings.split, device, query.dtype)
     if settings.backend == "auto" and sinks is None and (window is None or window >= T) \
             and causal_applies(device, query.dtype, D) and one_document_per_row(entry):
         if split:  # the same causal attention, through the kernel whose backward splits
@@ -357,7 +357,7 @@ def enable(model, *, packing_cache=None, packing_backend=None, validate=None, at
     module and routes each forward (``routing``): calls with a KV cache, and ``generate``, run the
     implementation it replaced. Settings: ``packing_cache`` (True/False), ``packing_backend``
     (auto/sdpa/flex/varlen, or off: the model's own attention, undoing an earlier enable),
-    ``validate`` (True/False: ``checks``) and ``attention_split`` (auto/True/False: ``backends``), each
+    ``validate`` (True/False: ``checks``) and ``attention_split`` (True/False: ``backends``), each
     also from OPTIM_PACKING_CACHE / OPTIM_PACKING_BACKEND / OPTIM_VALIDATE / OPTIM_ATTENTION_SPLIT.
     Other optim switches are ignored.
     Returns the model.

@@ -248,7 +248,6 @@ class _FlashVarlen(torch.autograd.Function):
 # a time, those buffers exist for one group. Each call does the same arithmetic on its heads as the
 # whole call does on them (a head's dQ, and a KV head's dK and dV summed over its query heads).
 SPLIT_CALLS = 8  # backward calls per layer at most: each still has T/128 x heads blocks to run
-SPLIT_AUTO_TOKENS = 32768  # the batch size in tokens from which attention_split="auto" splits
 
 
 def split_width(heads: int, kv_heads: int) -> int:
@@ -262,13 +261,11 @@ def split_width(heads: int, kv_heads: int) -> int:
     return best
 
 
-def split_applies(choice, tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``attention_split`` splits a batch of ``tokens``: on CUDA in fp16/bf16 where torch has
-    the flash varlen kernel; ``auto`` from ``SPLIT_AUTO_TOKENS`` tokens, True always, False never."""
-    if choice is False or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
-            or not varlen_available():
-        return False
-    return choice is True or tokens >= SPLIT_AUTO_TOKENS
+def split_applies(choice: bool, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether switch ``attention_split`` splits the backward: where it is on, on CUDA in fp16/bf16
+    where torch has the flash varlen kernel."""
+    return choice is True and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
+        and varlen_available()
 
 
 def _split_backward(g, q, k, v, y, lse, cu, max_len, rng_a, rng_b, kw):
