@@ -88,7 +88,7 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "run FlashAttention varlen's backward one group of query heads at a time (CUDA, fp16/bf16): "
                 "its fp32 dQ accumulator and the dK, dV it writes per query head before summing over grouped "
                 "KV heads then exist for one group, not for all heads at once; rows of one document then run "
-                "varlen instead of causal SDPA",
+                "varlen instead of causal SDPA (flex, where compiled layers run it, is left as it is)",
             ),
             Switch(
                 "validate",

@@ -155,7 +155,7 @@ def test_off_and_disable_give_the_stock_model_back(name):
     assert fast.get_base_model().config._attn_implementation == base.config._attn_implementation
     assert "generate" not in vars(fast.get_base_model())
     assert "optim.packing" in optim.enabled(fast) and optim.enabled(fast)["optim.packing"] == {
-        "resolved": {"packing_cache": True, "packing_backend": "off", "validate": True}}
+        "resolved": {"packing_cache": True, "packing_backend": "off", "attention_split": False, "validate": True}}
 
     optim.disable(fast)
     assert optim.enabled(fast) == {}

@@ -226,28 +226,40 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         q, k, v, y, lse, cu, rng_a, rng_b, s = ctx.saved_tensors
-        acc = torch.promote_types(q.dtype, torch.float32)
         dy = dy.contiguous()
-        g = dy if s is None else (dy.to(acc) * s).to(dy.dtype)
         kw = {"scale": ctx.scale, **_window_kw(ctx.window_left)}
         if ctx.split:
-            dq, dk, dv = _split_backward(g, q, k, v, y, lse, cu, ctx.max_len, rng_a, rng_b, kw)
+            dq, dk, dv, dsink = _split_backward(dy, s, q, k, v, y, lse, cu, ctx.max_len, rng_a, rng_b, kw)
         else:
             dq, dk, dv = _flash_ops["backward"](
-                g, q, k, v, y, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b, **kw)
-        dsink = None
-        if ctx.has_sinks:
-            dsink = -((1 - s.squeeze(-1)) * (dy.to(acc) * y.to(acc)).sum(-1)).sum(0).to(ctx.sink_dtype)
+                _sink_grad_out(dy, s), q, k, v, y, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_a, rng_b, **kw)
+            dsink = None if s is None else _sink_grad(dy, y, s)
+        if dsink is not None:
+            dsink = dsink.to(ctx.sink_dtype)
         return dq, dk, dv, dsink, None, None, None, None, None
 
 
-# FlashAttention-2's backward accumulates dQ in an fp32 buffer and, where KV heads are grouped, writes
-# dK and dV for every query head before summing each group: 40 KiB a token for Llama-3.1-8B's 32
-# query heads over 8 KV heads, beside the 12 KiB of the gradients it returns, all alive at once at the
-# layer backward's peak (python -m harness.bench.memory names the site). Called one group of heads at
-# a time, those buffers exist for one group. Each call does the same arithmetic on its heads as the
-# whole call does on them (a head's dQ, and a KV head's dK and dV summed over its query heads).
-SPLIT_CALLS = 8  # backward calls per layer at most: each still has T/128 x heads blocks to run
+def _sink_grad_out(dy, s):
+    """The grad_out the flash backward takes where sinks scale the output by s: s * dy."""
+    if s is None:
+        return dy
+    return (dy.to(torch.promote_types(dy.dtype, torch.float32)) * s).to(dy.dtype)
+
+
+def _sink_grad(dy, y, s):
+    """d sink per head (fp32): -sum over tokens of (1 - s) (dy . y)."""
+    acc = torch.promote_types(dy.dtype, torch.float32)
+    return -((1 - s.squeeze(-1)) * (dy.to(acc) * y.to(acc)).sum(-1)).sum(0)
+
+
+# FlashAttention-2's backward accumulates dQ in an fp32 buffer the size of every query head and, where
+# KV heads are grouped, writes dK and dV for every query head before summing each group, all alive at
+# once beside the gradients it returns, at the layer backward's peak (python -m harness.bench.memory
+# names the site; harness.bench.attention measures the kernel's peak with and without the split).
+# Called one group of heads at a time, those buffers exist for one group. Each call does the same
+# arithmetic on its heads as the whole call does on them (a head's dQ, and a KV head's dK and dV summed
+# over its query heads); where a call covers part of a KV group, the calls' parts add in fp32.
+SPLIT_CALLS = 8  # backward calls per layer: at least this many where the heads allow (fewer heads: one each)
 
 
 def split_width(heads: int, kv_heads: int) -> int:
@@ -268,27 +280,39 @@ def split_applies(choice: bool, device: torch.device, dtype: torch.dtype) -> boo
         and varlen_available()
 
 
-def _split_backward(g, q, k, v, y, lse, cu, max_len, rng_a, rng_b, kw):
+def _split_backward(dy, s, q, k, v, y, lse, cu, max_len, rng_a, rng_b, kw):
     """The flash varlen backward over (tokens, heads, dim) inputs, ``split_width`` query heads a
-    call; lse is (heads, tokens)."""
+    call (lse is (heads, tokens)); with sinks (s, (tokens, heads, 1)), each call's grad_out and the
+    sinks' gradient are made for its heads alone. Returns dq, dk, dv and d sink (None without)."""
     H, Hk = q.shape[1], k.shape[1]
     group, width = H // Hk, split_width(H, Hk)
-    partial = width < group  # several calls add into one KV head's gradient
+    partial = width < group  # several calls add into one KV head's gradient: in fp32, rounded once
+    acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.empty_like(q)
-    dk, dv = (torch.zeros_like if partial else torch.empty_like)(k), (torch.zeros_like if partial else torch.empty_like)(v)
+    if partial:
+        dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dsink = None if s is None else torch.empty(H, dtype=acc, device=q.device)
     for a in range(0, H, width):
         hs, ks = slice(a, a + width), slice(a // group, a // group + max(1, width // group))
+        s_h = None if s is None else s[:, hs]
         dq_h, dk_h, dv_h = _flash_ops["backward"](
-            g[:, hs].contiguous(), q[:, hs].contiguous(), k[:, ks].contiguous(), v[:, ks].contiguous(),
-            y[:, hs].contiguous(), lse[hs].contiguous(), cu, cu, max_len, max_len, 0.0, True, rng_a, rng_b, **kw)
+            _sink_grad_out(dy[:, hs], s_h).contiguous(), q[:, hs].contiguous(), k[:, ks].contiguous(),
+            v[:, ks].contiguous(), y[:, hs].contiguous(), lse[hs].contiguous(), cu, cu, max_len, max_len, 0.0, True,
+            rng_a, rng_b, **kw)
         dq[:, hs] = dq_h
         if partial:
             dk[:, ks] += dk_h
             dv[:, ks] += dv_h
         else:
             dk[:, ks], dv[:, ks] = dk_h, dv_h
+        if s is not None:
+            dsink[hs] = _sink_grad(dy[:, hs], y[:, hs], s_h)
         del dq_h, dk_h, dv_h
-    return dq, dk, dv
+    if partial:
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv, dsink
 
 
 def _public_varlen():
