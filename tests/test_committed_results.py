@@ -67,6 +67,8 @@ def test_a_hand_typed_stale_or_unkeyed_figure_in_the_readme_is_caught():
     # a figure typed outside the block
     edited = text.replace("## Run a sweep, a report, a gate", "Ours took 236.5 ms.\n\n## Run a sweep, a report, a gate")
     assert any("outside the headline block" in p and "236.5 ms" in p for p in headline.problems(edited, results))
+    edited = text.replace("## Run a sweep, a report, a gate", "It holds 120.9 KiB a token.\n\n## Run a sweep, a report, a gate")
+    assert any("outside the headline block" in p and "120.9 KiB" in p for p in headline.problems(edited, results))
     # the block as the rows gave it once, before a row changed: not what the code writes now
     edited = _edit_block(text, "What `optim.enable(model)` gives", "What `optim.enable()` gives")
     assert any("not what the rows give now" in p for p in headline.problems(edited, results))
@@ -95,7 +97,7 @@ def test_report_writes_the_block_and_a_newer_measurement_makes_the_old_figures_s
     readme.write_text(f"# x\n\n{headline.BEGIN}\n{headline.END}\n\nThe rest.\n")
     assert cli.main(["report", "--results", str(results), "--reports", str(tmp_path / "reports")]) == 0
     text = readme.read_text()
-    assert "| H100 | m, LoRA r=16, 2048 tokens | 800.0 ms | not run | 600.0 ms | not run | 200.0 ms | 3.00× (Liger-Kernel) " \
+    assert "| H100 | m, LoRA r=16, 2048 tokens | 800.0 ms | not run | 600.0 ms | not run | 200.0 ms | 3.00× (Liger-Kernel, 2 of 4 peers run) " \
            "| 2.50 GiB / 2.00 GiB | `c1c1c1c` |" in text and text.endswith("\n\nThe rest.\n")
     assert headline.problems(text, results) == []
     # the user's path measured again by newer code: the README's figure is now stale

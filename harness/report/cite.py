@@ -24,7 +24,7 @@ KEYS = "<!-- figure keys (shown = format experiment/gpu/point@recorded statistic
 # A measured figure as prose cites one: a number with a unit of time, memory, bandwidth or share,
 # a ratio ("3.14×", "1.5x") or a signed change ("+2 %", "±3.1 %"). A setting (a chunk of `256 MiB`,
 # a threshold of `5 %`) is written in a code span, which ``loose_figures`` leaves aside.
-FIGURE = re.compile(r"(?<![\w.])(?:\d+(?:\.\d+)?\s?(?:ms|µs|s|min|GiB|MiB|GB/s|%)|\d+(?:\.\d+)?[×x])(?!\w)"
+FIGURE = re.compile(r"(?<![\w.])(?:\d+(?:\.\d+)?\s?(?:ms|µs|s|min|GiB|MiB|KiB|GB/s|%)|\d+(?:\.\d+)?[×x])(?!\w)"
                     r"|(?<![\w.])[+−±-]\d+(?:\.\d+)?\s?%")
 
 

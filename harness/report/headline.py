@@ -46,7 +46,10 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
     for p in points:
         _, fastest = p.over_fastest_peer()
         user = p.rows.get("user")
-        vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]})" if fastest and user else "–"
+        # the fastest of the peers that ran: say so where some did not
+        ran = [r for r in PEERS if r in p.rows or r in p.failed]
+        short = f", {len(ran)} of {len(PEERS)} peers run" if len(ran) < len(PEERS) else ""
+        vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]}{short})" if fastest and user else "–"
         others = [p.rows[r] for r in PEERS if r in p.rows and p.rows[r].get("peak_allocated_gib") is not None]
         low = min(others, key=lambda r: float(r["peak_allocated_gib"]), default=None)
         mem = (f"{f.gib(user)} / {f.gib(low)}" if user and low and user.get("peak_allocated_gib") is not None else "–")
