@@ -189,6 +189,7 @@ MEASURED = {
     "log_tail": "a row of a point whose process died without a result: the end of its log",
     "recompute_stats": "optim.recompute's decisions: layers that skipped their recompute, what the first step measured",
     "mlp_stats": "optim.mlp's chunked MLPs and how many of their calls ran in chunks",
+    "norm_stats": "optim.norm's chunked final norms, the norms it left alone, and how many calls ran in chunks",
 }
 # Fields of earlier rows, kept readable: no code writes them now.
 RETIRED = {

@@ -8,6 +8,8 @@
 - ``optim.packing``: packed-sequence metadata and attention structures built once per batch
   (switches ``packing_backend``, ``packing_cache``). Pass the batch's document lengths with
   ``packing=optim.packing.PackedMetadata.from_lengths(...)`` or use ``PackingCollator``.
+- ``optim.norm``: the decoder stack's final RMSNorm in token chunks, keeping its input instead of
+  an fp32 copy (``norm_chunk``); off by default until measured.
 - ``optim.offload``: checkpointed layer inputs in pinned host memory, double-buffered reload
   (``offload``, ``offload_guard``, ``offload_profile``); off by default, since it trades time for memory.
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
@@ -44,7 +46,8 @@ _ENABLED = "_optim_enabled"
 __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "resolved"]
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
-MODULES = ("optim.packing", "optim.moe", "optim.lora", "optim.mlp", "optim.offload", "optim.recompute", "optim.loss", "optim.regional")
+MODULES = ("optim.packing", "optim.moe", "optim.lora", "optim.mlp", "optim.norm", "optim.offload", "optim.recompute",
+           "optim.loss", "optim.regional")
 
 
 def _modules():

@@ -160,6 +160,22 @@ DECLARED: dict[str, dict[str, Switch]] = {
             ),
         )
     },
+    "optim.norm": {
+        s.name: s
+        for s in (
+            # Off by default until measured on a GPU: what it saves is the final norm's fp32 copies,
+            # for a loop over the tokens in eager PyTorch.
+            Switch(
+                "norm_chunk",
+                ("off", 1024, 2048, 4096, 8192, 16384),
+                "off",
+                "the decoder stack's final RMSNorm (outside the compiled layers) in chunks of this many "
+                "tokens, keeping its input and one fp32 value a token for the backward instead of an fp32 "
+                "copy of the input, and making the backward's fp32 tensors one chunk at a time; off = the "
+                "norm's own forward",
+            ),
+        )
+    },
     "optim.offload": {
         s.name: s
         for s in (
