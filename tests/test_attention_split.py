@@ -119,3 +119,20 @@ def test_a_one_document_row_runs_the_split_varlen_kernel_where_the_switch_is_on(
     assert seen and all(seen)
     assert torch.allclose(ref, got, atol=1e-5)
     P.disable(model)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (8, 8), (16, 1), (24, 3)])
+def test_causal_sdpa_split_by_heads_is_causal_sdpa(heads, kv_heads, monkeypatch):
+    """sdpa_causal_split: the output and the q, k, v gradients of sdpa_causal, one group of heads a
+    call (on the CPU's math kernel; harness.bench.attention measures it on CUDA)."""
+    monkeypatch.setattr(PB, "SPLIT_CALLS", 4)
+    torch.manual_seed(heads)
+    T, D = 23, 8
+    q = torch.randn(2, heads, T, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, T, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, T, D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, T, heads, D, dtype=torch.float64)
+    whole, split = PB.sdpa_causal(q, k, v, 0.3), PB.sdpa_causal_split(q, k, v, 0.3)
+    assert split.shape == whole.shape == (2, T, heads, D) and torch.allclose(whole, split, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((whole * w).sum(), (q, k, v)), torch.autograd.grad((split * w).sum(), (q, k, v))):
+        assert torch.allclose(a, b, atol=1e-12)

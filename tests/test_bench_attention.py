@@ -15,8 +15,9 @@ def test_each_layout_once_causal_only_on_whole_rows_and_the_table(tmp_path):
     layouts = [(r["seq_len"], r["doc_len"], r["backend"]) for r in rows]
     assert len(layouts) == len(set(layouts))  # doc length 0 is the row's: 64 at 64 is measured once
     assert sorted(layouts) == sorted([
-        (64, 64, "sdpa"), (64, 64, "sdpa-causal"), (64, 32, "sdpa"),
-        (128, 128, "sdpa"), (128, 128, "sdpa-causal"), (128, 64, "sdpa"), (128, 32, "sdpa")])
+        (64, 64, "sdpa"), (64, 64, "sdpa-causal"), (64, 64, "sdpa-causal-split"), (64, 32, "sdpa"),
+        (128, 128, "sdpa"), (128, 128, "sdpa-causal"), (128, 128, "sdpa-causal-split"), (128, 64, "sdpa"),
+        (128, 32, "sdpa")])
     assert all(r["status"] == "ok" and r["forward_backward_ms"]["p50"] > 0 for r in rows)
     assert {r["num_docs"] for r in rows if r["seq_len"] == 128} == {1, 2, 4}
     table = attention_kernel_table(rows)

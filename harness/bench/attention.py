@@ -13,7 +13,9 @@ the p20-p80 spread. The kernels are ``optim.packing``'s own, called as its layer
 - ``sdpa``: SDPA with the block-diagonal additive mask (a T x T mask: left out past
   ``--sdpa-max``, where it would not fit);
 - ``sdpa-causal``: SDPA with ``is_causal=True`` and no mask (``optim.packing``'s kernel for rows
-  of one document each under ``auto``, and stock's for such a row): only such rows are timed with it.
+  of one document each under ``auto``, and stock's for such a row): only such rows are timed with it;
+- ``sdpa-causal-split``: the same, one group of query heads a call (``backends.sdpa_causal_split``),
+  so each call's backward holds one group's buffers: rows of one document only.
 
 It says which kernel is fastest at which document length, and on CUDA what one forward + backward
 holds at its peak, the evidence ``optim.packing``'s ``auto`` choices cite. Rows (``kind = "attention_kernel"``) go to ``results/packing/<gpu>.jsonl``,
@@ -35,7 +37,7 @@ from harness.bench import add_store_arguments, store
 from harness.measure.timing import percentiles
 from harness.workload import models as registry
 
-BACKENDS = ("flex", "varlen", "varlen-split", "sdpa", "sdpa-causal")
+BACKENDS = ("flex", "varlen", "varlen-split", "sdpa", "sdpa-causal", "sdpa-causal-split")
 SDPA_MAX = 32768  # the additive mask is T x T: 2 GiB in bf16 at 32768
 
 
@@ -43,6 +45,8 @@ def _kernel(backend: str):
     """``(entry, q, k, v, scale) -> out``: optim.packing's kernel, as its layers call it."""
     if backend == "sdpa-causal":
         return lambda entry, q, k, v, scale: PB.sdpa_causal(q, k, v, scale)
+    if backend == "sdpa-causal-split":
+        return lambda entry, q, k, v, scale: PB.sdpa_causal_split(q, k, v, scale)
     if backend == "varlen-split":
         return lambda entry, q, k, v, scale: P.KERNELS["varlen"](entry, q, k, v, scale, None, None, True, split=True)
     fn = P.KERNELS[backend]
@@ -84,7 +88,7 @@ def measure(backend: str, seq_len: int, doc_len: int, *, heads: int, kv_heads: i
     if seq_len % doc:
         raise ValueError(f"doc_len {doc_len} must divide seq_len {seq_len}")
     lengths = (doc,) * (seq_len // doc)
-    if backend == "sdpa-causal" and len(lengths) > 1:
+    if backend.startswith("sdpa-causal") and len(lengths) > 1:
         raise ValueError("sdpa-causal keeps no documents apart: rows of one document only")
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         for d in dict.fromkeys(n if d in (0, n) else d for d in args.doc_lens):
             for b in args.backends:
                 one_doc = d == n
-                if (b == "sdpa-causal" and not one_doc) or (b == "sdpa" and n > args.sdpa_max) \
+                if (b.startswith("sdpa-causal") and not one_doc) or (b == "sdpa" and n > args.sdpa_max) \
                         or (b in ("flex", "varlen", "varlen-split") and device.type != "cuda"):
                     continue
                 try:

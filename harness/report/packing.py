@@ -397,7 +397,7 @@ def packing_targets_md(rows: list[dict], m_rows: list[dict], spec: dict) -> str:
 
 
 
-ATTENTION_KERNELS = ("flex", "varlen", "varlen-split", "sdpa", "sdpa-causal")
+ATTENTION_KERNELS = ("flex", "varlen", "varlen-split", "sdpa", "sdpa-causal", "sdpa-causal-split")
 
 
 def attention_kernel_table(rows: list[dict]) -> str:
@@ -439,7 +439,8 @@ def attention_kernel_table(rows: list[dict]) -> str:
               "above its inputs, per token of the row. `sdpa-causal` (no mask, stock's kernel for a row of one "
               "document) runs only on such rows; `auto` runs it there (without sinks or sliding windows), and "
               "flex or varlen where a row holds boundaries; `varlen-split` is varlen with its backward one group "
-              "of query heads at a time (switch `attention_split`, off by default).")
+              "of query heads at a time (switch `attention_split`, off by default), and `sdpa-causal-split` causal SDPA "
+              "called so.")
 
 
 # The report's parts (harness.measured)

@@ -273,6 +273,22 @@ def split_width(heads: int, kv_heads: int) -> int:
     return best
 
 
+def sdpa_causal_split(q, k, v, scale):
+    """``sdpa_causal`` one ``split_width`` group of query heads a call: each call's backward holds
+    its group's buffers alone, and the kernel stays SDPA's. (B, H, T, D) in, (B, T, H, D) out. Not
+    yet what the switch runs: ``harness.bench.attention`` (backend ``sdpa-causal-split``) measures it
+    beside ``sdpa-causal`` and the split varlen first."""
+    H, Hk = q.shape[1], k.shape[1]
+    group, width = H // Hk, split_width(H, Hk)
+    outs = []
+    for a in range(0, H, width):
+        ks = slice(a // group, a // group + max(1, width // group))
+        qh, kh, vh = q[:, a:a + width], k[:, ks], v[:, ks]
+        outs.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                   enable_gqa=qh.shape[1] != kh.shape[1]))
+    return torch.cat(outs, 1).transpose(1, 2).contiguous()
+
+
 def split_applies(choice: bool, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether switch ``attention_split`` splits the backward: where it is on, on CUDA in fp16/bf16
     where torch has the flash varlen kernel."""
