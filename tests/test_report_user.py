@@ -157,6 +157,7 @@ def test_a_target_that_names_a_variant_judges_that_variants_row_against_the_same
     rows = [{**_row("qwen3-8b", 8192, v, ms, peak), "baseline_variant": "stock", "role": role, "stack": stack}
             for v, ms, peak, role, stack in (("stock", 1570.3, 32.10, "stock", ""),
                                               ("stock-compiled", 984.8, 32.10, "stock-compiled", "compiled"),
+                                              ("liger", 1251.0, 20.55, "peer", "liger"),
                                               ("unsloth", 1104.7, 17.38, "unsloth", "unsloth"),
                                               ("user", 701.7, 70.83, "user", "user"),
                                               ("user-lowmem", 973.8, 19.02, "ablation", "user"))]
@@ -172,6 +173,12 @@ def test_a_target_that_names_a_variant_judges_that_variants_row_against_the_same
     assert goals["`user-lowmem` ≥ 1× faster than the fastest peer" + at] == (pytest.approx(984.8 / 973.8), True)
     assert goals["`user-lowmem` peak ≤ 1× the lowest peer's" + at] == ((pytest.approx(19.02 / 17.38), 19.02, 17.38), False)
     assert goals["`not-run` peak ≤ 1× the lowest peer's" + at] == ("not measured", None)
+    # without Liger-Kernel at the point, a target against the fastest or the lowest peer is not judged
+    text = user_md([r for r in rows if r["variant"] != "liger"], spec)
+    assert (f"| user ≥ 1.25× faster than the fastest peer{at} | {984.8 / 701.7:.3f}× (vs stock + compile; "
+            "Liger-Kernel not run) | – |") in text
+    assert f"| `user-lowmem` peak ≤ 1× the lowest peer's{at} | {19.02 / 17.38:.3f}× (19.02 vs Unsloth's 17.38 GiB; " \
+           "Liger-Kernel not run) | – |" in text
 
 
 def test_a_peer_only_a_later_partial_run_measured_still_sets_the_fastest_and_the_lowest():
@@ -226,6 +233,8 @@ def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not
 
     run1 = [row("stock", 1500.0, "2026-11-26T10:00:00+00:00", role="stock", stack=""),
             row("liger", 1200.0, "2026-11-26T10:01:00+00:00", role="peer", stack="liger"),
+            row("stock-compiled", 1600.0, "2026-11-26T10:01:10+00:00", role="stock-compiled", stack="compiled"),
+            row("unsloth", 1700.0, "2026-11-26T10:01:20+00:00", role="unsloth", stack="unsloth"),
             row("user", 600.0, "2026-11-26T10:02:00+00:00", role="user"),
             row("lowmem", 800.0, "2026-11-26T10:03:00+00:00")]
     alone = [row("lowmem", 500.0, "2026-11-27T10:00:00+00:00")]
@@ -237,5 +246,5 @@ def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not
            row("user", 610.0, "2026-11-27T11:01:00+00:00", role="user"),
            row("liger", None, "2026-11-27T11:02:00+00:00", status="oom", role="peer", stack="liger")]
     (p,) = user_points(run1 + oom, {})
-    assert p["rows"]["liger"]["status"] == "oom" and p["elsewhere"] == set()
+    assert p["rows"]["liger"]["status"] == "oom" and p["elsewhere"] == {"compiled", "unsloth"}  # run1's, marked
     assert p["fastest_peer"] == "stock" and p["over_fastest"] == pytest.approx(1490.0 / 610.0)

@@ -422,6 +422,7 @@ def attention_kernel_table(rows: list[dict]) -> str:
         held = f", {fmt.num(peak, '.1f')} KiB a token" if peak is not None else ""
         return f"{fmt.ms(st.get('p50'))} [{fmt.ms(st.get('p20'))}–{fmt.ms(st.get('p80'))}]{held}"
 
+    kernels = [b for b in ATTENTION_KERNELS if any(b in by for by in pts.values())]  # a column per kernel measured
     body = []
     for key in sorted(pts, key=lambda k: (fmt.natural(k[0]), k[4], -k[5])):
         model, h, kv, d, n, doc = key
@@ -429,10 +430,10 @@ def attention_kernel_table(rows: list[dict]) -> str:
         p50 = {b: (by[b].get("forward_backward_ms") or {}).get("p50") for b in by if by[b].get("status") == "ok"}
         packed = min((p50[b] for b in ("flex", "varlen") if p50.get(b)), default=None)
         lead = fmt.times(packed / p50["sdpa-causal"]) if packed and p50.get("sdpa-causal") else DASH
-        body.append([model, f"{h}/{kv}×{d}", n, doc, *(cell(by.get(b)) for b in ATTENTION_KERNELS), lead])
+        body.append([model, f"{h}/{kv}×{d}", n, doc, *(cell(by.get(b)) for b in kernels), lead])
     return ("#### Attention kernels, forward + backward per layer call\n\n"
             + fmt.table(["model", "heads/KV × dim", "row tokens", "document tokens",
-                         *(f"{b} ms" for b in ATTENTION_KERNELS), "causal SDPA's lead over the fastest packed"], body)
+                         *(f"{b} ms" for b in kernels), "causal SDPA's lead over the fastest packed"], body)
             + f"\n\nOne attention call of {fmt.distinct(r.get('dtype') for r in rows_of_kind(rows, 'attention_kernel'))} "
               "q, k, v (batch 1), CUDA events after a warm-up, p50 [p20–p80]: "
               "`python -m harness.bench.attention`, and where measured the peak one forward + backward holds "

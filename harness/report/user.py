@@ -211,7 +211,18 @@ def as_variant(p: dict, variant: str) -> dict | None:
     return {**p, **cols} if cols["paired"] and any(x is r for x in cols["run"]) else None
 
 
+def _not_run(p: dict | None) -> list[str]:
+    """The peers with no row at the point (a failed run counts as run: it cannot be the fastest or
+    the lowest); a skipped one (not installed) is not run."""
+    if not p:
+        return []
+    return [PEER_LABEL[c] for c in PEERS
+            if (r := p["rows"].get(c)) is None or (r.get("status") != "ok" and r.get("status") in (None, "skipped"))]
+
+
 def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] | None = None) -> list[list[str]]:
+    """Each target as (goal, measured, met). One against the fastest or the lowest peer is judged
+    only where every peer ran at the point; elsewhere its measured cell names the peers not run."""
     out = []
     for t in targets:
         model, seq_len = t.get("model"), t.get("seq_len")
@@ -221,6 +232,8 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
             if t.get("variant"):
                 p = as_variant(p, t["variant"]) if p else None
             subject = f"`{t['variant']}`" if t.get("variant") else "user"
+            missing = _not_run(p)
+            unjudged = f"; {', '.join(missing)} not run" if missing else ""
             checks = []
             if "max_user_ms" in t:
                 v = p and p["ms"]["user"]
@@ -236,17 +249,18 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                 who = (PEER_LABEL[p["fastest_peer"]] + (", another run" if p["fastest_peer"] in p["elsewhere"] else "")
                        if v else "")
                 checks.append((f"{subject} ≥ {t['min_speedup_over_fastest']:g}× faster than the fastest peer",
-                               fmt.Cell(f"{v:.3f}× (vs {who})", v) if v else "not measured",
-                               v >= t["min_speedup_over_fastest"] if v else None))
+                               fmt.Cell(f"{v:.3f}× (vs {who}{unjudged})", v) if v else "not measured",
+                               v >= t["min_speedup_over_fastest"] if v and not missing else None))
             if "max_peak_over_lowest" in t:
                 u = p and p["peak"]["user"]
                 low = min(((p["peak"][c], c) for c in PEERS if p["peak"][c]), default=(None, None)) if p else (None, None)
                 v = u / low[0] if u and low[0] else None
                 other = ", another run" if v and low[1] in p["elsewhere"] else ""
                 checks.append((f"{subject} peak ≤ {t['max_peak_over_lowest']:g}× the lowest peer's",
-                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {PEER_LABEL[low[1]]}'s {_gib(low[0])} GiB{other})", (v, u, low[0]))
+                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {PEER_LABEL[low[1]]}'s {_gib(low[0])} GiB{other}{unjudged})",
+                                        (v, u, low[0]))
                                if v else "not measured",
-                               v <= t["max_peak_over_lowest"] if v else None))
+                               v <= t["max_peak_over_lowest"] if v and not missing else None))
             if "min_speedup_over_liger" in t:
                 v = p and p["over_liger"]
                 # three decimals: a ratio a hair under its target must not print as the target
