@@ -18,8 +18,10 @@ Which norm: a module named ``norm`` beside a ``layers`` ModuleList (Llama, Qwen,
 decoder stacks). Which math: at ``enable``, the norm's own forward is run on a few random tokens
 and compared with the two forms the function computes, ``weight * x̂.to(dtype)`` (Llama, Qwen) and
 ``(weight * x̂).to(dtype)`` (gpt-oss); a norm that matches neither to the bit (Gemma's ``1 +
-weight``, a norm with a bias) keeps its own forward. Without grad, under autocast, while compiling
-and for inputs of at most N tokens, the norm runs its own forward.
+weight``, a norm with a bias) keeps its own forward. Without grad, under autocast, for an input
+of another dtype than the weight's (a norm kept in fp32) and for inputs of at most N tokens, the
+norm runs its own forward. The function runs outside ``torch.compile``: a compiled whole model
+breaks its graph there.
 """
 
 from __future__ import annotations
@@ -93,22 +95,27 @@ def _eps(m: nn.Module) -> float | None:
 
 def _form(m: nn.Module) -> str | None:
     """Which of ``_FORMS`` the norm's own forward computes, to the bit on a few random tokens in its
-    weight's dtype and device; None for neither (or a norm this cannot read)."""
+    weight's dtype and device (of unit and of small magnitude, where eps counts), with a random
+    weight of its own; None for neither, or a norm this cannot read or copy."""
     w, eps = getattr(m, "weight", None), _eps(m)
     params = list(m.parameters())
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or w.is_meta or eps is None or len(params) != 1 \
             or params[0] is not w:
         return None
     gen = torch.Generator(device=w.device).manual_seed(0)
-    x = torch.randn(4, w.shape[0], generator=gen, device=w.device).to(w.dtype)
-    probe = copy.deepcopy(m)  # a weight of its own, random: with ones (a fresh norm's) the forms agree
-    with torch.no_grad():
-        probe.weight.copy_(1 + torch.randn(w.shape, generator=gen, device=w.device))
-        want = type(m).forward(probe, x)
-        for form in _FORMS:
-            got, _ = _normed(x, probe.weight, eps, form)
-            if got.dtype == want.dtype and torch.equal(got, want):
-                return form
+    x = torch.randn(8, w.shape[0], generator=gen, device=w.device)
+    x = torch.cat([x[:4], 1e-3 * x[4:]]).to(w.dtype)
+    try:
+        probe = copy.deepcopy(m)  # a weight of its own, random: with ones (a fresh norm's) the forms agree
+        with torch.no_grad():
+            probe.weight.copy_(1 + torch.randn(w.shape, generator=gen, device=w.device))
+            want = type(m).forward(probe, x)
+            for form in _FORMS:
+                got, _ = _normed(x, probe.weight, eps, form)
+                if got.dtype == want.dtype and torch.equal(got, want):
+                    return form
+    except Exception:  # a norm that cannot be copied or run apart (a sharded weight): keep its forward
+        return None
     return None
 
 
@@ -117,7 +124,7 @@ def _chunked_forward(self, x, *args, **kwargs):
     chunk, form = vars(self).get("_optim_norm_chunk"), vars(self).get("_optim_norm_form")
     tokens = x.numel() // max(1, x.shape[-1])
     if args or kwargs or not (torch.is_grad_enabled() and x.requires_grad) or tokens <= chunk \
-            or torch.is_autocast_enabled(x.device.type):
+            or x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type):
         return super(type(self), self).forward(x, *args, **kwargs)
     vars(self)["_optim_norm_calls"] = vars(self).get("_optim_norm_calls", 0) + 1
     return _ChunkedRMSNorm.apply(x, self.weight, _eps(self), chunk, form)

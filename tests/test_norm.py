@@ -58,8 +58,21 @@ def test_output_is_the_stock_norms_to_the_bit_and_gradients_agree(kind, dtype, r
 
 def test_the_forms_are_told_apart_and_another_norm_keeps_its_forward():
     classes = _norm_classes()
-    assert N._form(classes["llama"](16)) == "weight_after_cast"
+    # in bf16, where the forms differ (in fp32 they compute the same)
+    assert N._form(classes["llama"](16).to(torch.bfloat16)) == "weight_after_cast"
+    assert N._form(classes["qwen3"](16).to(torch.bfloat16)) == "weight_after_cast"
     assert N._form(classes["gpt-oss"](16).to(torch.bfloat16)) == "weight_before_cast"
+
+    class OtherEps(nn.Module):  # an eps other than the one it names: in bf16 only small inputs tell
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.variance_epsilon = nn.Parameter(torch.ones(n, dtype=torch.bfloat16)), 1e-6
+
+        def forward(self, x):
+            x32 = x.float()
+            return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    assert N._form(OtherEps(16)) is None
 
     class OnePlus(nn.Module):  # Gemma's form: (1 + weight)
         def __init__(self, n):
@@ -74,6 +87,19 @@ def test_the_forms_are_told_apart_and_another_norm_keeps_its_forward():
     with_bias = classes["llama"](16)
     with_bias.bias = nn.Parameter(torch.zeros(16))
     assert N._form(with_bias) is None
+
+
+def test_an_input_of_another_dtype_than_the_weight_runs_the_norms_own_forward():
+    """A norm kept in fp32 (gpt-oss keeps its norms so in fp16 models) under bf16 activations: the
+    stock forward gives its own dtype and values, and the function is not called."""
+    m = _norm_classes()["gpt-oss"](32)  # fp32 weight
+    assert N._form(m) == "weight_after_cast"  # in fp32 the forms agree: the probe cannot tell them
+    m.__class__ = N._chunked_class(type(m))
+    m._optim_norm_chunk, m._optim_norm_form = 8, N._form(m)
+    x = torch.randn(1, 40, 32).to(torch.bfloat16).requires_grad_()
+    y = m(x)
+    assert vars(m).get("_optim_norm_calls") is None
+    assert torch.equal(y, N._chunked_class(type(m)).__mro__[1].forward(m, x))
 
 
 def test_short_inputs_no_grad_and_extra_arguments_run_the_norms_own_forward():
