@@ -47,6 +47,18 @@ def test_site_names_the_innermost_frames_worth_acting_on():
              "name": "pytorch_flash::mha_bwd(at::Tensor const&, at::Tensor const&, float, bool)"}
     engine = {"filename": "/pytorch/torch/csrc/autograd/engine.cpp", "line": 1100, "name": "torch::autograd::Engine::evaluate_function"}
     assert memtrace.site([flash, engine, OPTIM], depth=2) == "aten flash_api.cpp:1021:pytorch_flash::mha_bwd < optim/lora.py:77:lora_forward"
+    # a release wheel's C++ frames have no file ("??"): named by the operator, the allocator's
+    # factory function (the innermost) and the unwinder left aside
+    def cpp(name):
+        return {"filename": "??", "line": 0, "name": name}
+
+    frames = [cpp("torch::unwind::unwind()"), cpp("at::native::empty_cuda(c10::ArrayRef<long>, std::optional<c10::ScalarType>)"),
+              cpp("at::native::_empty_affine_quantized(long)"),
+              cpp("pytorch_flash::mha_bwd(at::Tensor const&, at::Tensor const&, float, bool)"),
+              cpp("at::native::_flash_attention_backward(at::Tensor const&)"), cpp("torch::autograd::Engine::thread_main()"),
+              OPTIM]
+    assert memtrace.site(frames) == ("aten pytorch_flash::mha_bwd < aten at::native::_flash_attention_backward < "
+                                     "optim/lora.py:77:lora_forward")
 
 
 def test_replay_finds_the_peak_its_phase_and_the_blocks_live_then():

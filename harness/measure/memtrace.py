@@ -26,6 +26,19 @@ KEEP = ("/optim/", "/transformers/", "/peft/", "/harness/", "torchinductor", "/u
         "torch/nn/functional", "torch/utils/checkpoint", "/ATen/native/")
 # ``/ATen/native/``: with C++ stacks recorded (``harness.bench.memory --stacks all``), the operator
 # that allocated inside an eager kernel or the autograd engine, e.g. FlashAttention's backward.
+# Release wheels symbolize C++ frames without a file ("??"): those are known by the function's
+# namespace instead, the allocator's factory functions (``at::native::empty_cuda``...) left aside.
+CPP_KEEP = ("at::native::", "pytorch_flash::", "at::cuda::")
+CPP_FACTORY = ("empty", "zeros", "ones", "full", "resize")
+
+
+def _cpp_operator(f: dict) -> str | None:
+    """A C++ frame's operator (its function without the signature) where it is one worth naming."""
+    func = str(f.get("name", "")).split("(", 1)[0]
+    if not func.startswith(CPP_KEEP):
+        return None
+    base = func.rsplit("::", 1)[-1].lstrip("_")
+    return None if base.startswith(CPP_FACTORY) else func
 
 
 def phase_marker(k: int) -> int:
@@ -46,7 +59,9 @@ def site(frames: list[dict], depth: int = 3) -> str:
     out = []
     for f in frames:
         name = str(f.get("filename", ""))
-        if any(k in name for k in KEEP):
+        if "/ATen/native/" not in name and (op := _cpp_operator(f)):  # a release build's C++ frame
+            out.append(f"aten {op}")
+        elif any(k in name for k in KEEP):
             short = name.split("/site-packages/")[-1]
             for root in ("/optim/", "/harness/"):  # a source checkout: from the package on
                 if root in short:
