@@ -132,8 +132,8 @@ def test_a_variant_held_to_a_memory_target_gets_its_sentence_beside_the_peers_of
     assert cli.main(["report", "--results", str(results), "--reports", str(tmp_path / "reports")]) == 0
     text = readme.read_text()
     assert ("`user-lowmem-mlp-chunk` (recompute='all', offload='double', mlp_chunk=2048) at qwen3-8b 8192 on the H100: "
-            "300.0 ms, 2.00× against the fastest other (Liger-Kernel), peak 1.50 GiB against the lowest other's "
-            "2.00 GiB (Liger-Kernel)") in text
+            "300.0 ms, 2.00× against the fastest other (Liger-Kernel; stock + compile, Unsloth not run), "
+            "peak 1.50 GiB against the lowest other's 2.00 GiB (Liger-Kernel; stock + compile, Unsloth not run)") in text
     assert headline.problems(text, results) == []
 
 

@@ -170,13 +170,20 @@ def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tm
     # both searches stopped at --max-len, with no probe above that failed: neither longest is known,
     # so the ratio is no verdict; a length ours trained at is one
     assert ("| ours' longest ≥ 1.0× the best peer's, qwen3-0.6b-tiny (cpu) | 1.00× (128 `user` vs 128 `stock`); "
-            "ours and the peers' could go longer: no probe above ran out of memory | not yet known |") in text
+            "ours and the peers' could go longer: no probe above ran out of memory; not searched: stock + torch.compile, "
+            "Liger-Kernel, Unsloth | not yet known |") in text
     assert "| ours trains at 128 tokens, qwen3-0.6b-tiny (cpu) | longest 128 | yes |" in text
 
 
 def _row(variant, role, n, status, ms=None):
     return {"kind": "step", "gpu_slug": "g", "device_name": "G", "model": "m", "variant": variant, "role": role,
             "seq_len": n, "status": status, "step_ms": {"p50": ms} if ms else None, "message": ""}
+
+
+def _short(*roles):
+    """Peers bounded far below every length the test judges (ok at 1024, out of memory at 2048):
+    searched, so no verdict waits on them, and never the best peer."""
+    return [_row(f"short-{r}", r, n, st, 10.0 if st == "ok" else None) for r in roles for n, st in ((1024, "ok"), (2048, "oom"))]
 
 
 def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_path):
@@ -188,7 +195,7 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
             _row("a-slow", "ours", 16384, "ok", 2500.0), _row("a-slow", "ours", 24576, "oom"),
             _row("abl", "ablation", 131072, "ok", 9000.0),
             _row("user", "user", 16384, "ok", 1500.0), _row("user", "user", 32768, "ok", 3500.0),
-            _row("user", "user", 65536, "error", None) | {"message": "timed out after 600 s"}]
+            _row("user", "user", 65536, "error", None) | {"message": "timed out after 600 s"}, *_short("peer")]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
                                                  "faster_at_peer_longest": True, "fits": 65536}]}, out_dir=tmp_path)
     # the bar chart of the longest lengths, beside the table
@@ -226,7 +233,8 @@ def test_a_verdict_on_the_longest_lengths_only_where_the_probes_settle_it(peer, 
         row = _row(variant, variant, n, "error" if st == "timeout" else st, 100.0 if st == "ok" else None)
         return row | ({"message": "timed out after 600 s"} if st == "timeout" else {})
 
-    rows = [probe("unsloth", st, n) for st, n in peer] + [probe("user", st, n) for st, n in ours]
+    rows = [probe("unsloth", st, n) for st, n in peer] + [probe("user", st, n) for st, n in ours] \
+        + _short("stock", "stock-compiled", "peer")
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
                                                  "faster_at_peer_longest": True}]})
     line = next(x for x in text.splitlines() if x.startswith("| ours' longest"))
@@ -260,7 +268,8 @@ def test_a_peer_that_never_ran_bounds_nothing_and_a_skipped_probe_is_shown():
             _row("unsloth", "unsloth", 8192, "skipped"),
             _row("user", "user", 16384, "ok", 800.0), _row("user", "user", 32768, "ok", 2000.0),
             _row("user", "user", 65536, "oom"),
-            _row("user-long", "ours", 16384, "ok", 1000.0), _row("user-long", "ours", 32768, "skipped")]
+            _row("user-long", "ours", 16384, "ok", 1000.0), _row("user-long", "ours", 32768, "skipped"),
+            *_short("stock", "stock-compiled")]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
                                                  "faster_at_peer_longest": True, "fits": 131072}]})
     assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `liger`); ours could go " \
@@ -289,7 +298,8 @@ def test_a_step_timed_without_a_warm_up_judges_no_speed():
         return [_row("unsloth", "unsloth", 16384, "ok", 2000.0) | {"warmup_steps": 1},
                 _row("unsloth", "unsloth", 20480, "oom"),
                 _row("user-long", "ours", 16384, "ok", 2600.0) | {"warmup_steps": warmup},
-                _row("user-long", "ours", 32768, "ok", 9000.0) | {"warmup_steps": warmup}]
+                _row("user-long", "ours", 32768, "ok", 9000.0) | {"warmup_steps": warmup},
+                *_short("stock", "stock-compiled", "peer")]
 
     spec = {"targets": [{"model": "m", "faster_at_peer_longest": True}]}
     cold = report.lead(rows(0), rows(0), spec)
@@ -311,7 +321,8 @@ def test_an_oom_bounds_past_a_timeout_below_it_and_a_peer_that_only_timed_out_bo
 
     ours = [_row("user", "user", 16384, "ok", 1000.0), _row("user", "user", 32768, "oom"),
             timed_out("user", "user", 24576)]
-    peer = [_row("unsloth", "unsloth", 16384, "ok", 900.0), _row("unsloth", "unsloth", 20480, "oom")]
+    peer = [_row("unsloth", "unsloth", 16384, "ok", 900.0), _row("unsloth", "unsloth", 20480, "oom"),
+            *_short("stock", "stock-compiled", "peer")]
     spec = {"targets": [{"model": "m", "min_over_best_peer": 2.0, "fits": 32768}]}
     text = report.lead(ours + peer, ours + peer, spec)
     assert "| ours trains at 32768 tokens, m (g) | longest 16384 | no |" in text
@@ -341,10 +352,36 @@ def test_the_blog_section_gives_each_stacks_longest_and_the_headline_what_the_pr
     assert text.startswith("## 4. Long context on one GPU") and "### G" in text
     assert "| m | `user-long` | ours | 32768 | 65536 (oom) | – | 3.00 |" in text
     assert "| m | `stock` | stock | 8192 | 16384 (oom) |" in text and "`x`" not in text  # step rows only
-    assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 (2.00×)"}
+    # a peer role with no probe is named: the best peer may be one not searched
+    assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 (2.00×); not searched: "
+                                  "stock + torch.compile, Liger-Kernel"}
     assert "Targets: met or not" in text
     assert "Ours, as each row ran it: `user-long`: `optim.enable(model, mlp_chunk=4096, recompute='all')`." in text
     # a search still open on either side is said to be
     rows.pop(1)
-    assert blog.part(rows, {}, None)[1].measured["G"].endswith("the peers' not yet bounded")
+    assert "; the peers' not yet bounded; not searched:" in blog.part(rows, {}, None)[1].measured["G"]
     assert blog.part([], {}, None)[0] == ""
+
+
+def test_a_peer_role_never_searched_withholds_a_met_verdict_and_is_named():
+    """Ours at twice Unsloth's longest is no verdict while stock, stock + compile and Liger-Kernel
+    were never probed: one of them could train longer. A miss stands: another peer can only raise
+    the best peer's length."""
+    from harness.report import context as report
+
+    spec = {"targets": [{"model": "m", "min_over_best_peer": 1.5, "faster_at_peer_longest": True}]}
+    peer = [_row("unsloth", "unsloth", 16384, "ok", 900.0), _row("unsloth", "unsloth", 20480, "oom")]
+
+    def verdicts(rows):
+        text = report.lead(rows, rows, spec)
+        return [x for x in text.splitlines() if x.startswith(("| ours' longest", "| ours faster"))]
+
+    long_ours = [_row("user", "user", 16384, "ok", 800.0), _row("user", "user", 65536, "ok", 5000.0)]
+    longest, faster = verdicts(peer + long_ours)
+    assert longest.endswith("; not searched: stock transformers + peft, stock + torch.compile, Liger-Kernel "
+                            "| not yet known |"), longest
+    assert faster.endswith("| not yet known |") and "not searched" in faster, faster
+    assert [v.rsplit("|", 2)[1].strip() for v in verdicts(peer + long_ours + _short("stock", "stock-compiled", "peer"))] \
+        == ["yes", "yes"]
+    short_ours = [_row("user", "user", 16384, "ok", 800.0), _row("user", "user", 20480, "oom")]
+    assert verdicts(peer + short_ours)[0].endswith("| no |")

@@ -1,4 +1,4 @@
-"""The README headline table's ratio cell: against the fastest peer that ran, and saying how many
+"""The README headline's ratio cells and sentences: against the fastest peer that ran, and saying how many
 of the peers ran where some did not (a point measured beside stock and Liger alone cannot claim
 its ratio is against the fastest of all four)."""
 
@@ -28,9 +28,68 @@ def _ratio_cell(p):
 def test_a_point_without_every_peer_says_how_many_ran():
     some = _point(stock=(1423.3, 32.1), peer=(1166.6, 20.55), user=(935.4, 20.87))
     cell = _ratio_cell(some)
-    assert cell == "1.25× (Liger-Kernel, 2 of 4 peers run)", cell
+    # 1166.6 / 935.4 = 1.2472: shown rounded down, never as the 1.25× a target of 1.25 would call met
+    assert cell == "1.24× (Liger-Kernel, 2 of 4 peers run)", cell
     some.failed["unsloth"] = "oom"  # a peer that ran and failed counts as run: it could not be faster
-    assert _ratio_cell(some) == "1.25× (Liger-Kernel, 3 of 4 peers run)"
+    assert _ratio_cell(some) == "1.24× (Liger-Kernel, 3 of 4 peers run)"
+    some.failed["unsloth"] = "skipped"  # not installed: it did not run, and might have been the fastest
+    assert _ratio_cell(some) == "1.24× (Liger-Kernel, 2 of 4 peers run)"
     every = _point(stock=(1567.1, 32.1), **{"stock-compiled": (984.9, 32.1)}, peer=(1250.8, 20.55),
                    unsloth=(1133.0, 17.38), user=(569.0, 54.48))
     assert _ratio_cell(every) == "1.73× (stock + torch.compile)"
+
+
+def test_a_ratio_is_rounded_down_and_reads_back_through_its_key():
+    from harness.report import fmt
+    assert fmt.times_text(1.2499) == "1.24×" and fmt.times_text(1.25) == "1.25×" and fmt.times_text(125 / 100) == "1.25×"
+    assert fmt.times_text(0.999) == "0.99×" and fmt.times_text(2.0) == "2.00×"
+    f = cite.Figures()
+    shown = f.ratio(_row("a", 1166.6, 1.0), _row("b", 935.4, 1.0))
+    assert shown == "1.24×" and cite.FORMATS["ratio"](1166.6 / 935.4) == shown
+
+
+def _timed(role, ms, at, status="ok", **extra):
+    r = _row(role, ms, 10.0)
+    r.update(role=role, point_id=f"p-{role}-{at}", recorded_at=f"2026-11-23T{at}:00+00:00", status=status, **extra)
+    r["baseline_variant"] = "stock"
+    if role == "peer":
+        r["stack"] = "liger"
+    if status != "ok":
+        r.pop("step_ms")
+    return r
+
+
+def test_a_peer_that_failed_in_the_newest_run_is_shown_failed_not_taken_from_an_older_run():
+    from harness.report.blog import data
+    old = [_timed("stock", 1400, "08:00"), _timed("peer", 1200, "08:01"), _timed("unsloth", 100, "08:02"),
+           _timed("user", 200, "08:03")]
+    new = [_timed("stock", 1400, "12:00"), _timed("peer", 1200, "12:01"), _timed("unsloth", 0, "12:02", status="oom"),
+           _timed("user", 200, "12:03")]
+    for r in old + new:
+        r["variant"] = r["role"]
+    (p,) = data.role_points(old + new)
+    assert "unsloth" not in p.rows and p.failed["unsloth"] == "oom"
+    assert p.over_fastest_peer() == (1200 / 200, "peer")
+    assert p.rows["user"]["recorded_at"].startswith("2026-11-23T12")
+
+
+def test_the_headline_and_the_user_report_take_the_same_median_of_two_repeats():
+    from harness.report import user as user_report
+    from harness.report.blog import data
+    rows = [_timed("user", 200, "12:00"), _timed("user", 240, "12:01")]
+    for r in rows:
+        r["variant"] = "user"
+    assert data._median_repeat(rows) is user_report._best(rows, "user") is rows[1]
+
+
+def test_the_range_sentence_keeps_points_without_every_peer_apart():
+    every = _point(stock=(1567.1, 32.1), **{"stock-compiled": (984.9, 32.1)}, peer=(1250.8, 20.55),
+                   unsloth=(1133.0, 17.38), user=(569.0, 54.48))
+    some = _point(stock=(1423.3, 32.1), peer=(1166.6, 20.55), user=(935.4, 20.87))
+    some.model = "qwen3-14b"
+    text = headline._range(cite.Figures(), "packing", [every, some])
+    assert "over the 1 point one run measured beside every peer" in text and "1.73× at qwen3-8b" in text
+    assert "At 1 point more, not every peer ran (Unsloth, stock + torch.compile missing at some)" in text
+    assert "1.24× at qwen3-14b 8192 on the H200 (against Liger-Kernel, 2 of 4 peers run)" in text
+    only_some = headline._range(cite.Figures(), "packing", [some])
+    assert only_some.startswith("**packing** (`experiments/packing.toml`): Over the 1 point one run measured, not every peer ran")

@@ -77,6 +77,30 @@ def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
     goal = "GraphedTrainer ≤ 200 ms per step, gpt-oss-20b at 2048 tokens (h100)"
     assert _goals(ROWS, spec, bench)[goal] == (235.1, False)
     assert _goals(ROWS, spec)[goal] == ("not measured", None)  # no bench rows: judged on nothing
+    # the newest row of that card, whatever the file order; never another card's or another rank's
+    newer = {**bench[1], "ms": 190.0, "recorded_at": "2026-11-27T05:00:00+00:00", "env": {"git_sha": "0123456789"}}
+    other_card = {**bench[1], "gpu_slug": "h200", "ms": 150.0, "recorded_at": "2026-11-28T05:00:00+00:00"}
+    other_rank = {**newer, "lora_rank": 8, "ms": 100.0, "recorded_at": "2026-11-29T05:00:00+00:00"}
+    rows = [*ROWS[:-2], {**ROWS[-2], "lora_rank": 16}, ROWS[-1]]
+    assert _goals(rows, spec, [newer, *bench, other_card, other_rank])[goal] == (190.0, True)
+    text = user_md(rows, spec, trainer_rows=[newer, *bench, other_card, other_rank])
+    assert "| 190.0 ms (`harness.bench.trainer`, 2026-11-27 at `0123456`) | met |" in text
+
+
+def test_the_trainer_tables_compare_within_one_card():
+    from harness.report.user import trainer_tables
+
+    def row(gpu, mode, ms, at="2026-11-23T07:00:00+00:00"):
+        return {"kind": "trainer", "gpu_slug": gpu, "device_name": gpu.upper(), "model": "m", "tokens": 2048,
+                "lora_rank": 16, "mode": mode, "status": "ok", "ms": ms, "recorded_at": at, "steps": 30, "warmup": 10}
+
+    with fmt.recording() as tables:
+        text = trainer_tables([row("h100", "stock", 600.0), row("h100", "graphed", 300.0),
+                               row("h200", "graphed", 200.0), row("h100", "graphed", 250.0, "2026-11-24T07:00:00+00:00")])
+    assert "**m** on the H100: 2048 tokens per step, LoRA r=16 (the modes' newest rows come from different runs)" in text
+    h100, h200 = tables
+    assert [r["× stock"] for r in h100.rows()] == [1.0, 600.0 / 250.0]  # the newest graphed row, over its own card's stock
+    assert [r["× stock"] for r in h200.rows()] == ["–"]  # no stock on the H200: no ratio over the H100's
 
 
 def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_none():

@@ -50,7 +50,7 @@ class Figures:
 
     def ratio(self, num: dict, den: dict) -> str:
         """num's step over den's: how many times faster den is."""
-        return self._cite(f"{fmt.stat(num, 'step_ms') / fmt.stat(den, 'step_ms'):.2f}×",
+        return self._cite(fmt.times_text(fmt.stat(num, 'step_ms') / fmt.stat(den, 'step_ms')),
                           f"ratio {row_key(num)} step_ms.p50 / {row_key(den)} step_ms.p50")
 
 
@@ -58,7 +58,7 @@ def row_key(r: dict) -> str:
     return f"{r['experiment']}/{r['gpu_slug']}/{r['point_id']}@{r['recorded_at']}"
 
 
-FORMATS = {"ms": lambda v: f"{v:.1f} ms", "gib": lambda v: f"{v:.2f} GiB", "ratio": lambda v: f"{v:.2f}×"}
+FORMATS = {"ms": lambda v: f"{v:.1f} ms", "gib": lambda v: f"{v:.2f} GiB", "ratio": fmt.times_text}
 
 
 def _stat(r: dict, path: str):

@@ -56,7 +56,8 @@ def longest(rows: list[dict]) -> tuple[dict | None, int | None, str]:
     best = max(ok, default=None)
     higher = [n for n, st in seen.items() if st not in TRAINS and (best is None or n > best)]
     above = min((n for n in higher if seen[n] in FAILS), default=min(higher, default=None))
-    row = next((r for r in rows if best is not None and int(r["seq_len"]) == best and r.get("status") == "ok"), None)
+    at_best = [r for r in rows if best is not None and int(r["seq_len"]) == best and r.get("status") == "ok"]
+    row = max(at_best, key=lambda r: str(r.get("recorded_at") or ""), default=None)  # the newest probe there
     return row, above, (seen[above] if above is not None else "")
 
 
@@ -183,6 +184,11 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
             p_len, p_up = bounds(groups, [(slug, model, v) for v in peers])
             o_len, o_up = bounds(groups, [(slug, model, v) for v in ours])
             where = f"{model} ({slug})"
+            # a peer role with no probe here was not searched (a probe it skipped, saying why, was):
+            # the best peer may be that one, so a verdict it could overturn is not given
+            searched = {role_of(groups[(slug, model, v)][0]) for v in peers}
+            missing = [ROLE_LABEL.get(r, r) for r in PEER_ROLES if r not in searched]
+            unsearched = f"; not searched: {', '.join(missing)}" if missing else ""
             if "min_over_best_peer" in t:
                 goal = t["min_over_best_peer"]
                 ratio = o_len / p_len if o_len and p_len else None
@@ -193,9 +199,11 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
                 timed = sorted(f"`{v}` at {x[1]}" for v, x in mine.items() if x[2] == "timeout")
                 if ratio and timed:
                     shown += f" (timed out, the point's time limit: {', '.join(timed)})"
-                body.append([f"ours' longest ≥ {goal}× the best peer's, {where}", shown,
-                             _verdict(o_len / p_up if o_len and p_up else None, o_up / p_len, goal)
-                             if ratio else fmt.DASH])
+                verdict = _verdict(o_len / p_up if o_len and p_up else None, o_up / p_len, goal) if ratio else fmt.DASH
+                if ratio and missing:  # a peer not searched can only raise the best peer's length
+                    shown += unsearched
+                    verdict = verdict if verdict == fmt.met(False) else "not yet known"
+                body.append([f"ours' longest ≥ {goal}× the best peer's, {where}", shown, verdict])
             if t.get("faster_at_peer_longest"):  # ours' fastest row at that length
                 at = min((r for v in ours for r in groups[(slug, model, v)] if p_len and int(r["seq_len"]) == p_len
                           and r.get("status") == "ok" and fmt.stat(r, "step_ms")),
@@ -212,8 +220,10 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
                 if ours_ms and peer_ms and cold:
                     shown += ("; timed without a warm-up step (the first step, compiling included): "
                               + ", ".join(f"`{r.get('variant')}`" for r in cold))
+                if ours_ms and peer_ms and missing:
+                    shown += unsearched
                 body.append([f"ours faster than the best peer at its longest length, {where}", shown,
-                             (fmt.met(ours_ms < peer_ms) if settled and not cold else "not yet known")
+                             (fmt.met(ours_ms < peer_ms) if settled and not cold and not missing else "not yet known")
                              if ours_ms and peer_ms else fmt.DASH])
             if "fits" in t:
                 n = int(t["fits"])

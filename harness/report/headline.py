@@ -47,9 +47,7 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
         _, fastest = p.over_fastest_peer()
         user = p.rows.get("user")
         # the fastest of the peers that ran: say so where some did not
-        ran = [r for r in PEERS if r in p.rows or r in p.failed]
-        short = f", {len(ran)} of {len(PEERS)} peers run" if len(ran) < len(PEERS) else ""
-        vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]}{short})" if fastest and user else "–"
+        vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]}{p.peers_short()})" if fastest and user else "–"
         others = [p.rows[r] for r in PEERS if r in p.rows and p.rows[r].get("peak_allocated_gib") is not None]
         low = min(others, key=lambda r: float(r["peak_allocated_gib"]), default=None)
         mem = (f"{f.gib(user)} / {f.gib(low)}" if user and low and user.get("peak_allocated_gib") is not None else "–")
@@ -63,8 +61,9 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
 
 def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
     """One sentence over a sweep: the one call against the fastest other at each point that measured
-    both in one run; points whose two rows two runs measured are counted apart, and any of them
-    where the other is faster is named."""
+    both in one run, the points where every peer ran apart from those where some did not (there the
+    fastest may be one not run); points whose two rows two runs measured are counted apart, and any
+    of them where the other is faster is named."""
     from harness.report.runs import from_one_run
 
     pairs = [(ratio, p, fastest) for p in points for ratio, fastest in [p.over_fastest_peer()] if ratio]
@@ -72,19 +71,33 @@ def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
         return ""
     one = sorted((x for x in pairs if from_one_run([x[1].rows[x[2]], x[1].rows["user"]]) is not False), key=lambda x: x[0])
     apart = sorted((x for x in pairs if from_one_run([x[1].rows[x[2]], x[1].rows["user"]]) is False), key=lambda x: x[0])
+    full = [x for x in one if not x[1].peers_short()]
+    partial = [x for x in one if x[1].peers_short()]
 
     def at(x) -> str:
         _, p, fastest = x
-        return f"{f.ratio(p.rows[fastest], p.rows['user'])} at {p.model} {p.seq_len} on the {p.gpu_name} (against {ROLE_LABEL[fastest]})"
+        return (f"{f.ratio(p.rows[fastest], p.rows['user'])} at {p.model} {p.seq_len} on the {p.gpu_name} "
+                f"(against {ROLE_LABEL[fastest]}{p.peers_short()})")
+
+    def span(xs) -> str:
+        return f"{at(xs[0])}" if len(xs) == 1 else f"from {at(xs[0])} to {at(xs[-1])}"
+
+    def plural(n: int) -> str:
+        return f"{n} point{'s' if n > 1 else ''}"
 
     text = f"**{name}** (`experiments/{name}.toml`): "
-    if one:
-        text += (f"over the {len(one)} point{'s' if len(one) > 1 else ''} one run measured, `optim.enable(model)` against the fastest other ran "
-                 f"from {at(one[0])} to {at(one[-1])}.")
-        if slower := [x for x in one if x[0] < 1.0]:
-            text += f" Slower than it at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
+    if full:
+        text += (f"over the {plural(len(full))} one run measured beside every peer, `optim.enable(model)` against the "
+                 f"fastest other ran {span(full)}.")
+    if partial:
+        missing = sorted({ROLE_LABEL[r] for _, p, _ in partial for r in PEERS if r not in p.peers_run()})
+        lead = f" At {plural(len(partial))} more," if full else f"Over the {plural(len(partial))} one run measured,"
+        text += (f"{lead} not every peer ran ({', '.join(missing)} missing at some): `optim.enable(model)` against "
+                 f"the fastest that ran went {span(partial)}.")
+    if slower := [x for x in one if x[0] < 1.0]:
+        text += f" Slower than it at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
     if apart:
-        text += (f" At {len(apart)} more point{'s' if len(apart) > 1 else ''} the fastest other was measured by another "
+        text += (f" At {plural(len(apart))} more the fastest other was measured by another "
                  "run than the one call"
                  + (": slower than it at " + "; ".join(at(x) for x in apart if x[0] < 1.0) + "."
                     if any(x[0] < 1.0 for x in apart)
@@ -121,10 +134,12 @@ def _memory_first(f: cite.Figures, root: Path) -> str:
             settings = ", ".join(f"{k}={sw[k]!r}" for k in ("recompute", "offload", "mlp_chunk") if k in sw)
             apart = {c: ", another run" if c in v["elsewhere"] else "" for c in user_report.PEERS}
             low_role = next(c for c in user_report.PEERS if v["rows"][c] is low)
+            missing = user_report.not_run(v)
+            short = f"; {', '.join(missing)} not run" if missing else ""
             said.append(f"`{variant}` ({settings}) at {model} {p['seq_len']} on the {data.gpu_short(str(row.get('device_name')))}: "
                         f"{f.ms(row)}, {f.ratio(fastest, row)} against the fastest other "
-                        f"({user_report.PEER_LABEL[v['fastest_peer']]}{apart[v['fastest_peer']]}), peak {f.gib(row)} "
-                        f"against the lowest other's {f.gib(low)} ({user_report.PEER_LABEL[low_role]}{apart[low_role]})")
+                        f"({user_report.PEER_LABEL[v['fastest_peer']]}{apart[v['fastest_peer']]}{short}), peak {f.gib(row)} "
+                        f"against the lowest other's {f.gib(low)} ({user_report.PEER_LABEL[low_role]}{apart[low_role]}{short})")
     if not said:
         return ""
     return ("**Memory first**, the same call with the switches that trade speed for memory (a variant of "

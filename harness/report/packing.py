@@ -100,7 +100,8 @@ def packing_cache_points(rows: list[dict], m_rows: list[dict]) -> list[dict]:
             groups.items(), key=lambda kv: (kv[0][0], fmt.natural(kv[0][1]), fmt.number(kv[0][2]) or 0, kv[0][3], kv[0][4])):
         if True not in by or False not in by:
             continue
-        on, off = by[True][0], by[False][0]
+        # each side's newest row: a rerun of the pair replaces the older one, whatever the file order
+        on, off = (max(by[side], key=lambda r: str(r.get("recorded_at") or "")) for side in (True, False))
         counter = STRUCTURE_COUNTER[backend]
 
         def per_step(r, counter=counter):

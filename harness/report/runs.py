@@ -12,6 +12,14 @@ def median_of(rows: list[dict], get) -> float | None:
     return vals[len(vals) // 2] if vals else None
 
 
+def median_repeat(rows: list[dict]) -> dict | None:
+    """The ok repeat whose median step is the median of the repeats' (the upper one of an even
+    count, as ``median_of`` takes it): one rule for every report that shows a point's repeats."""
+    ok = sorted((r for r in rows if r.get("status") == "ok" and fmt.stat(r, "step_ms") is not None),
+                key=lambda r: fmt.stat(r, "step_ms"))
+    return ok[len(ok) // 2] if ok else None
+
+
 
 
 def recorded_at(r: dict):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from harness.report.fmt import DASH
 from harness.report import fmt
-from harness.report.runs import run_note, split_runs, steps_by_gpu
+from harness.report.runs import from_one_run, median_repeat, run_note, split_runs, steps_by_gpu
 from harness.roles import role_of
 
 ROLES = ("stock", "compiled", "liger", "unsloth", "user")
@@ -46,11 +46,7 @@ def variant_names(rows: list[dict], spec: dict) -> dict[str, str | None]:
 def _best(rows: list[dict], variant: str) -> dict | None:
     """The variant's row at a point: the ok repeat with the median step p50, else its failure."""
     mine = [r for r in rows if r.get("variant") == variant]
-    ok = sorted((r for r in mine if r.get("status") == "ok" and fmt.stat(r, "step_ms") is not None),
-                key=lambda r: fmt.stat(r, "step_ms"))
-    if ok:
-        return ok[len(ok) // 2]
-    return mine[0] if mine else None
+    return median_repeat(mine) or (mine[0] if mine else None)
 
 
 def _side_by_side(rows: list[dict], names: dict[str, str | None]) -> list[dict]:
@@ -193,10 +189,23 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     return "\n\n".join(text)
 
 
-def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu) -> float | None:
-    ms = [fmt.number(r.get("ms")) for r in trainer_rows if r.get("mode") == "graphed" and r.get("model") == model
-          and r.get("tokens") == seq_len and r.get("status") == "ok" and (gpu is None or r.get("gpu_slug") == gpu)]
-    return ms[-1] if ms else None
+def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu, lora_rank=None) -> dict | None:
+    """The newest ok GraphedTrainer row of ``harness.bench.trainer`` at the point: the same GPU, model,
+    tokens and (where the point says) LoRA rank. None where the point has no GPU: a row of another
+    card cannot judge it."""
+    if gpu is None:
+        return None
+    ok = [r for r in trainer_rows if r.get("mode") == "graphed" and r.get("model") == model
+          and r.get("tokens") == seq_len and r.get("status") == "ok" and r.get("gpu_slug") == gpu
+          and fmt.number(r.get("ms")) is not None and (lora_rank is None or r.get("lora_rank") in (None, lora_rank))]
+    return max(ok, key=lambda r: str(r.get("recorded_at") or "")) if ok else None
+
+
+def _bench_note(r: dict) -> str:
+    """Where a bench row comes from: the command, and when and at which commit it ran."""
+    sha = str((r.get("env") or {}).get("git_sha") or "")[:7]
+    when = str(r.get("recorded_at") or "")[:10]
+    return f"`harness.bench.trainer`, {when}" + (f" at `{sha}`" if sha else "")
 
 
 def as_variant(p: dict, variant: str) -> dict | None:
@@ -211,7 +220,7 @@ def as_variant(p: dict, variant: str) -> dict | None:
     return {**p, **cols} if cols["paired"] and any(x is r for x in cols["run"]) else None
 
 
-def _not_run(p: dict | None) -> list[str]:
+def not_run(p: dict | None) -> list[str]:
     """The peers with no row at the point (a failed run counts as run: it cannot be the fastest or
     the lowest); a skipped one (not installed) is not run."""
     if not p:
@@ -232,7 +241,7 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
             if t.get("variant"):
                 p = as_variant(p, t["variant"]) if p else None
             subject = f"`{t['variant']}`" if t.get("variant") else "user"
-            missing = _not_run(p)
+            missing = not_run(p)
             unjudged = f"; {', '.join(missing)} not run" if missing else ""
             checks = []
             if "max_user_ms" in t:
@@ -240,9 +249,12 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                 checks.append((f"{subject} ≤ {t['max_user_ms']:g} ms", fmt.Cell(f"{fmt.ms(v)} ms", v) if v else "not measured",
                                v <= t["max_user_ms"] if v else None))
             if "max_graphed_trainer_ms" in t:
-                v = _graphed_trainer(trainer_rows or [], model, seq_len, p and p["gpu"])
+                user_row = p and p["rows"].get("user")
+                g = _graphed_trainer(trainer_rows or [], model, seq_len, p and p["gpu"],
+                                     (user_row or {}).get("lora_rank"))
+                v = fmt.number(g.get("ms")) if g else None
                 checks.append((f"GraphedTrainer ≤ {t['max_graphed_trainer_ms']:g} ms per step",
-                               fmt.Cell(f"{fmt.ms(v)} ms (`harness.bench.trainer`)", v) if v else "not measured",
+                               fmt.Cell(f"{fmt.ms(v)} ms ({_bench_note(g)})", v) if v else "not measured",
                                v <= t["max_graphed_trainer_ms"] if v else None))
             if "min_speedup_over_fastest" in t:
                 v = p and p["over_fastest"]
@@ -264,14 +276,16 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
             if "min_speedup_over_liger" in t:
                 v = p and p["over_liger"]
                 # three decimals: a ratio a hair under its target must not print as the target
+                liger_apart = " (Liger-Kernel's row from another run)" if v and "liger" in p["elsewhere"] else ""
                 checks.append((f"{subject} ≥ {t['min_speedup_over_liger']:g}× faster than Liger",
-                               fmt.Cell(f"{v:.3f}×", v) if v else "not measured",
+                               fmt.Cell(f"{v:.3f}×{liger_apart}", v) if v else "not measured",
                                v >= t["min_speedup_over_liger"] if v else None))
             if "max_peak_over_liger" in t:
                 u, lg = (p["peak"]["user"], p["peak"]["liger"]) if p else (None, None)
                 v = u / lg if u and lg else None
+                liger_apart = ", another run" if v and "liger" in p["elsewhere"] else ""
                 checks.append((f"{subject} peak ≤ {t['max_peak_over_liger']:g}× Liger's",
-                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {_gib(lg)} GiB)", (v, u, lg)) if v else "not measured",
+                               fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {_gib(lg)} GiB{liger_apart})", (v, u, lg)) if v else "not measured",
                                v <= t["max_peak_over_liger"] if v else None))
             if "min_hfu" in t:
                 v = p and p["hfu"]
@@ -297,9 +311,14 @@ def trainer_tables(rows: list[dict]) -> str:
               "Trainer callback; loss diff = the largest relative difference of a step's loss from "
               "the stock run's.")]
     by_model: dict[tuple, list[dict]] = {}
-    for r in found:
-        by_model.setdefault((r.get("model"), r.get("tokens"), r.get("lora_rank")), []).append(r)
-    for (model, tokens, rank), group in sorted(by_model.items(), key=lambda kv: str(kv[0])):
+    for r in found:  # one table per card and workload, each mode's newest row: never H200 over H100 stock
+        by_model.setdefault((r.get("gpu_slug"), r.get("model"), r.get("tokens"), r.get("lora_rank")), []).append(r)
+    many = len({k[0] for k in by_model}) > 1
+    for (gpu, model, tokens, rank), rows_here in sorted(by_model.items(), key=lambda kv: str(kv[0])):
+        newest: dict = {}
+        for r in sorted(rows_here, key=lambda r: str(r.get("recorded_at") or "")):
+            newest[r.get("mode")] = r
+        group = list(newest.values())
         stock = next((fmt.number(r.get("ms")) for r in group if r.get("mode") == "stock"), None)
         body = []
         for r in sorted(group, key=lambda r: order.get(r.get("mode"), 9)):
@@ -309,7 +328,9 @@ def trainer_tables(rows: list[dict]) -> str:
                          f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
                          fmt.times(stock / ms) if stock and ms else DASH, _gib(r.get("peak_gib")),
                          DASH if diff is None else f"{diff:.1e}", f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
-        parts.append(f"**{model}**: {tokens} tokens per step, LoRA r={rank}")
+        card = f" on the {group[0].get('device_name') or gpu}" if many else ""
+        parts.append(f"**{model}**{card}: {tokens} tokens per step, LoRA r={rank}"
+                     + ("" if from_one_run(group) is not False else " (the modes' newest rows come from different runs)"))
         parts.append(fmt.table(["run", "ms/step", "× stock", "peak GiB", "loss diff", "steps"], body))
     return "\n\n".join(parts)
 

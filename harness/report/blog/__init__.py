@@ -54,7 +54,7 @@ def _user_section(rows: list[dict], fig_dir: Path, readme_dir: Path) -> tuple[st
         peers.setdefault(p.gpu_name, []).append(
             f"{p.model} {p.seq_len}: " + ", ".join(f"{ROLE_LABEL[r]} {figs.ms(p.rows[r])}" for r in shown)
             + (f"; enable() {figs.ratio(p.rows[fastest], p.rows['user'])} the fastest of the others "
-               f"({ROLE_LABEL[fastest]})" if ratio else ""))
+               f"({ROLE_LABEL[fastest]}{p.peers_short()})" if ratio else ""))
     peers["keys"] = figs
     parts = ["## The one call, beside what you would use instead",
              "`optim.enable(model)` with its defaults in a plain training loop, beside stock transformers + "

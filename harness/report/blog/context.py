@@ -7,6 +7,7 @@ from harness.report import context as report
 from harness.report import fmt
 from harness.report.blog.common import Headline
 from harness.report.blog.style import gpu_short
+from harness.report.palette import ROLE_LABEL
 from harness.roles import OURS, role_of
 
 
@@ -21,8 +22,11 @@ def _claim(groups: dict, slug: str, model: str) -> str | None:
     if not o_len or not p_len:
         return None
     open_ = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
+    searched = {role_of(groups[k][0]) for k in peers}
+    missing = [ROLE_LABEL.get(r, r) for r in report.PEER_ROLES if r not in searched]
     return (f"{model}: ours {o_len} tokens vs the best peer's {p_len} ({fmt.times(o_len / p_len)})"
-            + (f"; {' and '.join(open_)} not yet bounded" if open_ else ""))
+            + (f"; {' and '.join(open_)} not yet bounded" if open_ else "")
+            + (f"; not searched: {', '.join(missing)}" if missing else ""))
 
 
 def _call(row: dict) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from harness import results as res
 from harness.roles import PARTS, PEERS, SIDE_BY_SIDE, parts, role_of
 from harness.report import fmt
-from harness.report.runs import from_one_run, split_runs, recorded_at
+from harness.report.runs import from_one_run, median_repeat, split_runs, recorded_at
 from harness.report.blog.style import gpu_short
 
 
@@ -51,6 +51,18 @@ class RolePoint:
         fastest = min((r for r in PEERS if self.ms(r)), key=self.ms, default=None)
         return (self.ms(fastest) / user, fastest) if fastest and user else (None, None)
 
+    def peers_run(self) -> list[str]:
+        """The peers this point measured: an ok row, or a failure of the peer's own (oom, error).
+        One skipped (not installed, a model it cannot load) did not run."""
+        return [r for r in PEERS if r in self.rows
+                or (r in self.failed and set(self.failed[r].split("/")) - {"skipped"})]
+
+    def peers_short(self) -> str:
+        """", N of 4 peers run" where not every peer ran, else "": a ratio over the fastest peer
+        says when the fastest may be one not measured."""
+        ran = self.peers_run()
+        return f", {len(ran)} of {len(PEERS)} peers run" if len(ran) < len(PEERS) else ""
+
 
 def load_rows(results_root, experiments) -> list[dict]:
     """The rows each experiment's report reads (``current.split``): its file as it is now, each
@@ -61,17 +73,15 @@ def load_rows(results_root, experiments) -> list[dict]:
             for r in current.split(results_root, name, res.load_experiment_rows(results_root, name)).rows]
 
 
-def _median_repeat(rows: list[dict]) -> dict | None:
-    ok = sorted((r for r in rows if r.get("status") == "ok" and fmt.stat(r, "step_ms") is not None),
-                key=lambda r: fmt.stat(r, "step_ms"))
-    return ok[(len(ok) - 1) // 2] if ok else None
+_median_repeat = median_repeat
 
 
 def _side_by_side(here: list[dict]) -> list[dict] | None:
     """The newest run (``runs.split_runs``, rows with a recording time) whose ok rows hold stock, the peer
-    and enable() at this point, where there is one."""
-    for run in reversed([run for run in split_runs([r for r in here if r.get("status") == "ok"]) if recorded_at(run[0])]):
-        roles = set().union(*(parts(r) for r in run))
+    and enable() at this point, where there is one: all of that run's rows, its failures too, so a
+    role that failed in it is shown failed rather than read from an older run."""
+    for run in reversed([run for run in split_runs(here) if recorded_at(run[0])]):
+        roles = set().union(*(parts(r) for r in run if r.get("status") == "ok"))
         if all(role in roles for role in SIDE_BY_SIDE):
             return run
     return None

@@ -14,6 +14,7 @@ from harness.report.blog import figures
 from harness.report.blog.common import Headline, cell, other_run_note, split_table, stock_caveats
 from harness.report.blog.data import RolePoint, role_points
 from harness.report.blog.style import ROLE_LABEL, ROLES, embed, gpu_short
+from harness.roles import PEERS
 
 
 def _syncs_md(rows: list[dict]) -> str:
@@ -204,7 +205,10 @@ def section(rows: list[dict], spec: dict, seeds: dict, fig_dir: Path, readme_dir
             mine = [p for p in rp if p.gpu_name == gpu and p.model == model]
             user = [(r, p.seq_len) for p in mine if (r := p.over_fastest_peer()[0])]
             if user:
-                at.append(f"{model}: enable() {_span(user)} the fastest other")
+                missing = sorted({ROLE_LABEL[r] for p in mine if p.over_fastest_peer()[0]
+                                  for r in PEERS if r not in p.peers_run()})
+                at.append(f"{model}: enable() {_span(user)} the fastest other"
+                          + (f" that ran ({', '.join(missing)} not run)" if missing else ""))
             elif best := [(s, p.seq_len) for p in mine if (s := p.speedup("best"))]:
                 at.append(f"{model}: {_span(best)} over stock with ours' best setting (beyond the defaults)")
         if at:
