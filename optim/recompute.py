@@ -155,6 +155,9 @@ class RecomputeState:
             self.inactive = f"nothing measured in {MAX_ATTEMPTS} steps: every recompute kept"
             self.measuring = False
             return
+        # a backward that raised (an out-of-memory error a batch-size search catches) never ran its
+        # end-of-backward callback: the flag it left would keep every later step from measuring
+        self._queued = False
         self.measuring, self.measured_forward, self.first_tokens, self.acts = True, self.forwards, tokens, {}
         self.start_allocated = self.mem.allocated()
         if self.mem.peak() > self.start_allocated:  # an earlier computation's peak: not this step's

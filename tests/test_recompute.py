@@ -204,3 +204,24 @@ def test_the_harness_counts_only_the_recomputes_that_ran_in_hardware_flops():
     _steps(m, n=1)
     assert recomputed_share(point, m) == 0.0
     assert recomputed_share(SimpleNamespace(switches={"gradient_checkpointing": False}), m) == 0.0
+
+
+def test_a_measured_backward_that_raised_is_measured_again_at_the_next_step():
+    """The measured step's backward raised (an out-of-memory error a batch-size search catches and
+    retries): the next step measures and decides, rather than every later step keeping every
+    recompute."""
+    m = _model()
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    first = R._layers(m)[0]
+
+    def boom(*_):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    hook = first.register_full_backward_hook(boom)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="simulated"):
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    hook.remove()
+    counts = [c for _, _, c in _steps(m, n=2)]
+    assert "step_growth_gib" in R.describe(m) and counts[-1] == [1, 1, 1], (counts, R.describe(m))

@@ -99,12 +99,17 @@ class OffloadFunction(torch.autograd.Function):
 
     Reentrant checkpointing's known gaps are closed: the output always requires grad (an anchor
     input), RNG state and autocast state are replayed, and parameter grads accumulate as usual.
+    One stays: the layer's parameters are not inputs of this node, so a backward restricted to
+    some leaves (``loss.backward(inputs=...)``, ``torch.autograd.grad``) cannot reach them through
+    it. Such a backward that runs this node raises (``_restricted``) rather than leave gradients
+    silently missing or accumulate into ``.grad`` behind ``autograd.grad``'s back.
     """
 
     @staticmethod
     def forward(fctx, mgr: Offloader, function, kwargs, rebuild, preserve, anchor, *tensors):
         fctx.mgr, fctx.function, fctx.kwargs, fctx.rebuild = mgr, function, kwargs, rebuild
         fctx.preserve = preserve
+        fctx.anchor = anchor  # a leaf of its own: not saved, and never modified
         device_type = tensors[0].device.type if tensors else "cpu"
         fctx.device_type = device_type
         fctx.autocast = _autocast_state(device_type)
@@ -124,6 +129,11 @@ class OffloadFunction(torch.autograd.Function):
     def backward(fctx, *grad_outputs):
         mgr: Offloader = fctx.mgr
         rec: Record | None = fctx.record
+        if _restricted(fctx.anchor):
+            raise RuntimeError(
+                "optim.offload: this backward is restricted to some leaves (loss.backward(inputs=...) or "
+                "torch.autograd.grad), which an offloaded layer cannot serve: its parameters' gradients "
+                "would be missing. Call loss.backward(), or enable with offload='none'.")
         rest = fctx.saved_tensors
         first = [mgr._acquire(rec)] if rec is not None else []
         inputs = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
@@ -157,6 +167,16 @@ class OffloadFunction(torch.autograd.Function):
             mgr._done(rec)
         grads = tuple(t.grad if need else None for t, need in zip(inputs, fctx.needs_input_grad[6:]))
         return (None, None, None, None, None, None) + grads
+
+
+def _restricted(anchor: torch.Tensor) -> bool:
+    """Whether the running backward leaves out some leaves: the anchor, an input of every offloaded
+    call, is a leaf a plain ``backward()`` reaches; ``backward(inputs=...)`` without it does not,
+    and under ``torch.autograd.grad`` the engine cannot say (it raises)."""
+    try:
+        return not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(anchor).node)
+    except RuntimeError:
+        return True
 
 
 def _mark(device):

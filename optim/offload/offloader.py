@@ -71,6 +71,8 @@ class Offloader:
         self._pending: weakref.ref | None = None
         self._in_backward = False
         self._warned_kw = False
+        self._device: torch.device | None = None  # the CUDA device whose inputs it offloads
+        self._warned_device = False
         self._step = StepStats(self.mode)
         self.trace: list[tuple] = []  # this step's copy/compute order, for tests and debugging
 
@@ -86,7 +88,7 @@ class Offloader:
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
                 return _torch_checkpoint(function, *args, use_reentrant=False,
                                          preserve_rng_state=preserve, **kwargs)
-        if self.mode == "none" or self._kw_needs_grad(function, kwargs):
+        if self.mode == "none" or self._closure_needs_grad(function, args, kwargs) or self._other_device(args):
             return _torch_checkpoint(function, *args, use_reentrant=False,
                                      preserve_rng_state=preserve, **kwargs)
         tensors, rebuild = split_args(args)
@@ -134,13 +136,32 @@ class Offloader:
             a = self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
         return a
 
-    def _kw_needs_grad(self, function, kwargs) -> bool:
-        """Keyword tensors ride in a closure, not through autograd: if one needs a grad, use
-        torch's checkpoint for that call (correct, not offloaded)."""
+    def _other_device(self, args: tuple) -> bool:
+        """A layer on another GPU than the first one offloaded (a model split over GPUs by
+        ``device_map``): the staging buffers and the copy stream are that first GPU's, so such a
+        call runs torch's checkpoint (correct, not offloaded)."""
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or not x.is_cuda:
+            return False
+        if self._device is None:
+            self._device = x.device
+            return False
+        if x.device == self._device:
+            return False
+        if not self._warned_device:
+            self._warned_device = True
+            log.info("offload: layers on %s as well as %s; those on %s use plain checkpointing", x.device,
+                     self._device, x.device)
+        return True
+
+    def _closure_needs_grad(self, function, args: tuple, kwargs) -> bool:
+        """Keyword tensors, and tensors inside a positional tuple or list, ride in a closure, not
+        through autograd: if one needs a grad, use torch's checkpoint for that call (correct, not
+        offloaded)."""
         kws = dict(kwargs)
         if isinstance(function, functools.partial):
             kws.update(function.keywords)
-        for v in kws.values():
+        for v in [*kws.values(), *(a for a in args if isinstance(a, (tuple, list)))]:
             items = v if isinstance(v, (tuple, list)) else (v,)
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in items):
                 if not self._warned_kw:
@@ -150,7 +171,11 @@ class Offloader:
         return False
 
     def _on_forward(self, x: torch.Tensor | None) -> Record | None:
-        if self._in_backward:  # first forward after a backward: a new step
+        # a checkpointed call inside a layer's recompute (nested checkpointing) runs while a backward
+        # does: it is no new step, and its input stays on the device (it lives only as long as the
+        # enclosing layer's backward, whose reloaded input must keep its staging buffer)
+        nested = torch._C._current_graph_task_id() != -1
+        if self._in_backward and not nested:  # first forward after a backward: a new step
             self._new_step()
         self._step.layers += 1
         # The previous layer now has a successor: its input can leave the device.
@@ -170,7 +195,7 @@ class Offloader:
         self._next_rid += 1
         self._order.append(weakref.ref(rec, functools.partial(_release_dead, weakref.ref(self),
                                                               rec.rid)))
-        if self.mode not in ("single", "double"):
+        if self.mode not in ("single", "double") or nested:
             rec.state = "kept"
         elif rec.nbytes < max(self.min_bytes, 1):
             rec.state = "kept"
@@ -196,7 +221,7 @@ class Offloader:
 
     def _copy_stream(self):
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = torch.cuda.Stream(device=self._device)  # the offloaded layers' GPU, not the current one
         return self._stream
 
     def _offload(self, rec: Record) -> None:
@@ -356,9 +381,13 @@ class Offloader:
                 # so there is nothing to prefetch into.
                 return False
             i = 0
+        host = self._host.get(rec.slot)
+        if host is None:
+            raise RuntimeError("optim.offload: a layer input offloaded in this forward is gone: the offloader was "
+                               "closed (optim.disable, or offload enabled again) before its backward ran. Finish the "
+                               "backward, or drop the loss, before changing the model's switches.")
         self._loads += 1
         staging = self._staging[i]
-        host = self._host[rec.slot]
         src = host[: rec.nbytes].view(rec.dtype).view(rec.shape)
         dst = staging[: rec.nbytes].view(rec.dtype).view(rec.shape)
         # The buffer's previous owner (if any) loses it: it reloads on demand if still needed.
