@@ -359,13 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path, help="reports root (default: reports/)")
     p.add_argument("--no-report", action="store_true", help="do not rebuild the report afterwards")
-    p.add_argument("--stop-after", type=float, metavar="S",
+    p.add_argument("--stop-after", type=seconds, metavar="S",
                    help="start no point once S seconds have passed; the rest is left to a rerun (which resumes)")
-    p.add_argument("--deadline", type=float, metavar="S",
+    p.add_argument("--deadline", type=seconds, metavar="S",
                    help="start no point that would end after S seconds by its estimate: the longest wall time "
                         "its earlier rows on this GPU type recorded, else half as long again as on another "
                         "(at most --point-estimate), else --point-estimate; a shorter point after it may still start")
-    p.add_argument("--point-estimate", type=float, metavar="S",
+    p.add_argument("--point-estimate", type=seconds, metavar="S",
                    help="with --deadline: what a point never run on this GPU type is expected to take")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--models", nargs="+", help="run only these of the file's models")
@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=1024,
                    help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
-    p.add_argument("--stop-after", type=float, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
+    p.add_argument("--stop-after", type=seconds, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
     p.add_argument("--probe-warmup", type=int, default=1, help="warm-up steps of each probe (default: 1)")
     p.add_argument("--probe-steps", type=int, default=2, help="measured steps of each probe (default: 2)")
     p.add_argument("--models", nargs="+", help="search only these of the file's models")
@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "resumes), 2 unusable input")
     p.add_argument("plan", nargs="?", default=EXPERIMENTS / "blog.toml", type=Path,
                    help="the plan (default: experiments/blog.toml)")
-    p.add_argument("--minutes", type=float, default=9.0,
+    p.add_argument("--minutes", type=seconds, default=9.0,
                    help="start nothing that the steps' estimates say would end later than this (default: 9)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
@@ -483,6 +483,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, at least 0 (nan, inf and negative times would
+    stop nothing or everything)."""
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a time must be a finite number >= 0")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -497,3 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:  # a file, key or value the user can fix: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the rows written so far stay, and a rerun resumes from them
+        print("interrupted: the rows written so far are kept; run the same command again to resume",
+              file=sys.stderr)
+        return 130

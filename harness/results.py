@@ -78,14 +78,23 @@ def read_rows(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text at byte {e.start} ({e.reason}); the file is corrupt and was left "
+                         "as it is: fix or remove the damaged line") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{lineno}: not a whole result row ({e.msg}); the file is truncated or "
                              "corrupt and was left as it is: fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{lineno}: a result row is a JSON object, this line holds a "
+                             f"{type(row).__name__}; the file was left as it is: fix or remove that line")
+        rows.append(row)
     return rows
 
 
@@ -159,7 +168,7 @@ def finished_point_ids(path: str | Path, code_id: str | None = None) -> set[str]
     """The points a step row finished (ok or oom); with ``code_id``, only rows that code measured
     (``env.code_id``, ``harness.measure.env.code_id``)."""
     return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED
-            and (code_id is None or (r.get("env") or {}).get("code_id") == code_id)}
+            and r.get("point_id") and (code_id is None or (r.get("env") or {}).get("code_id") == code_id)}
 
 
 def point_wall_s(rows: list[dict]) -> dict[str, float]:

@@ -54,6 +54,25 @@ def _tiny_with_truncated_rows(tmp: Path) -> list[str]:
     return ["sweep", str(exp), "--results", str(tmp / "results"), "--no-report", "--quiet"]
 
 
+def _tiny_with_rows(text: bytes):
+    def build(tmp: Path) -> list[str]:
+        exp = tmp / "tiny.toml"
+        exp.write_text(TINY)
+        rows = tmp / "results" / "tiny" / "cpu.jsonl"
+        rows.parent.mkdir(parents=True)
+        rows.write_bytes(text)
+        return ["sweep", str(exp), "--results", str(tmp / "results"), "--no-report", "--quiet"]
+    return build
+
+
+def _tiny_on(device: str, *flags: str):
+    def build(tmp: Path) -> list[str]:
+        exp = tmp / "tiny.toml"
+        exp.write_text(TINY.replace('device = "cpu"', f'device = "{device}"'))
+        return ["sweep", str(exp), "--results", str(tmp / "results"), "--no-report", "--quiet", *flags]
+    return build
+
+
 def _bad_switch(tmp: Path) -> list[str]:
     exp = tmp / "bad.toml"
     exp.write_text(TINY + "packing_cache = 1\n")
@@ -81,6 +100,11 @@ CASES = {
         lambda t: ["report", "packing", "--results", str(_truncated_results(t)), "--reports", str(t / "reports")],
         r"nvidia-h100-80gb-hbm3\.jsonl:\d+: not a whole result row"),
     "sweep over a truncated results file": (_tiny_with_truncated_rows, r"cpu\.jsonl:2: not a whole result row"),
+    "sweep over a results file holding a JSON list": (_tiny_with_rows(b'{"kind": "step"}\n[1, 2]\n'),
+                                                      r"cpu\.jsonl:2: a result row is a JSON object"),
+    "sweep over a results file that is not UTF-8": (_tiny_with_rows(b'{"kind": "st\xff\xfe"}\n'), r"cpu\.jsonl: not UTF-8"),
+    "a CUDA experiment on a machine without a GPU": (_tiny_on("cuda"), r"asks for device 'cuda' but no NVIDIA GPU"),
+    "a time limit that is not a finite time": (_tiny_on("cpu", "--stop-after", "nan"), r"a time must be a finite number"),
     "report of an experiment with no rows": (
         lambda t: ["report", "nosuchexp", "--results", str(_truncated_results(t).parent / "results"),
                    "--reports", str(t / "reports")],
@@ -101,7 +125,8 @@ CASES = {
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     if case == "a read-only results folder" and os.geteuid() == 0:
         pytest.skip("root writes into a read-only folder; 'a results root that is a file' covers the check")
-    if case == "bandwidth on a machine without a GPU" and torch.cuda.is_available():
+    if case in ("bandwidth on a machine without a GPU", "a CUDA experiment on a machine without a GPU") \
+            and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     build, said = CASES[case]
     argv = build(tmp_path)
@@ -119,6 +144,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     assert re.search(said, lines[0]), lines[0]
     after = _md5s(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing it found was changed
+    if case.startswith("sweep over"):  # a refused sweep wrote nothing either (not even its experiment file)
+        assert after.keys() == before.keys(), sorted(set(after) - set(before))
     os.chmod(tmp_path, 0o755)
     if (tmp_path / "results").is_dir():
         os.chmod(tmp_path / "results", 0o755)
@@ -157,3 +184,21 @@ def test_a_bad_experiment_file_is_refused_without_importing_torch(tmp_path, body
     proc = subprocess.run([sys.executable, "-m", "harness", "sweep", str(exp), "--results", str(tmp_path / "r")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """Interrupted mid-sweep: the rows written so far stay (each is written whole), and the user
+    reads one line on how to resume, not a traceback."""
+    from harness.run import sweep
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run", interrupted)
+    exp = tmp_path / "tiny.toml"
+    exp.write_text(TINY)
+    assert main(["sweep", str(exp), "--results", str(tmp_path / "results"), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    said = [line for line in err.strip().splitlines() if not line.startswith("sweep ")]  # its start line aside
+    assert "Traceback" not in err and said == [
+        "interrupted: the rows written so far are kept; run the same command again to resume"], err

@@ -62,6 +62,15 @@ def test_timeout_does_not_change_point_identity(write_toml):
         (("batch_size = 2", "batch_size = 2\ngpus = 2"), "experiment.parallel", "2 GPUs per point shard the model"),
         (("batch_size = 2", "batch_size = 2\nbaseline = \"zzz\""), "experiment.baseline", "valid: a, b"),
         (("batch_size = 2", "batch_size = 2\ndtype = \"fp8\""), "experiment.dtype", "bf16"),
+        # no limit at all is no time limit: nan and inf are refused, as 0 is
+        (("batch_size = 2", "batch_size = 2\ntimeout_s = nan"), "experiment.timeout_s", "above 0"),
+        (("batch_size = 2", "batch_size = 2\ntimeout_s = inf"), "experiment.timeout_s", "above 0"),
+        # a repeated length or model is one point swept twice under one id
+        (("seq_lens = [64, 128]", "seq_lens = [64, 64]"), "experiment.seq_lens[1]", "listed twice"),
+        (("\"Qwen3-0.6B-tiny\"", "\"Qwen3-0.6B-tiny\", \"qwen3-0.6b-tiny\""), "experiment.models[1]", "listed twice"),
+        # the name is a folder under results/: no way out of it
+        (("name = \"t\"", "name = \"..\""), "experiment.name", "letters, digits"),
+        (("name = \"t\"", "name = \"t\\n\""), "experiment.name", "letters, digits"),
     ],
 )
 def test_malformed_file_names_file_key_and_choices(write_toml, edit, key, fragment):
@@ -375,3 +384,10 @@ def test_optim_variables_in_the_environment_enter_the_point_identity(write_toml,
     r = pts[0].new_row().to_dict()
     assert r["env_switches"] == {"OPTIM_PACKING_CACHE": "false"} and r["point_id"] == pts[0].point_id
     assert experiment.SweepPoint.from_json(pts[0].to_json()) == pts[0]
+
+
+@pytest.mark.parametrize("sigma", ['"abc"', '"1.5"', "true", "nan", "inf", "-0.5"])
+def test_a_data_sigma_that_is_no_finite_number_is_refused(write_toml, sigma):
+    with pytest.raises(ExperimentError, match=r"\[data.sigma\] must be a finite number >= 0"):
+        experiment.load(write_toml(VALID + f"[data]\nsigma = {sigma}\n"))
+    assert experiment.load(write_toml(VALID + "[data]\nsigma = 0.5\n")).data.sigma == 0.5

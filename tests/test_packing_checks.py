@@ -144,3 +144,16 @@ def test_positions_of_the_wrong_shape_are_refused_before_the_model_runs():
     entry = P.build_entry(("meta", meta.serial), meta, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"position_ids of shape \(2, 7\) do not fit packing=M: 2 rows of 8"):
         checks.compare(entry.start, torch.zeros(2, 7, dtype=torch.long), "packing=M")
+
+
+def test_a_batch_with_no_label_to_learn_and_float_offsets_are_refused():
+    """One-token examples leave every label masked: the loss would be 0/0, NaN in every gradient.
+    Float cu_seq_lens would be rounded into other document boundaries by a cast."""
+    from optim.packing import PackingCollator
+    from optim.packing.metadata import entry_from_cu_seqlens
+
+    with pytest.raises(ValueError, match="no token of this batch has a label to learn"):
+        PackingCollator(max_length=16)([{"input_ids": []}, {"input_ids": [5]}, {"input_ids": [7]}])
+    assert PackingCollator(max_length=16)([{"input_ids": [5]}, {"input_ids": [7, 8]}])["labels"].tolist() == [[-100, -100, 8]]
+    with pytest.raises(ValueError, match="must be integer offsets, got torch.float32"):
+        entry_from_cu_seqlens(("k",), torch.tensor([0.0, 3.5, 8.0]), 5, 1, 8, torch.device("cpu"))

@@ -132,6 +132,23 @@ def test_overwrite_reruns_and_replaces(tmp_path, write_toml):
     assert after[0]["point_id"] == before[0]["point_id"] and after[0]["step_ms"] != before[0]["step_ms"]
 
 
+def test_a_rerun_that_fails_keeps_the_ok_row_it_would_have_replaced(tmp_path, write_toml, monkeypatch):
+    """A rerun of the same code that ran out of memory (another process on the GPU) or crashed keeps
+    the measurement it would have replaced: its failure row goes beside it, and the point stays done."""
+    exp = experiment.load(write_toml(EXP.split("[variants.boom]")[0]))
+    sweep.run(exp, tmp_path / "results", progress=False)
+    (ok,) = _rows(tmp_path)
+    for fault in ("oom", "error"):
+        monkeypatch.setenv("PACKBENCH_FAULT", f"good={fault}")
+        sweep.run(exp, tmp_path / "results", overwrite=True, progress=False)
+        rows = _rows(tmp_path)
+        assert [r["status"] for r in rows] == ["ok", fault] and rows[0]["step_ms"] == ok["step_ms"], rows
+    monkeypatch.delenv("PACKBENCH_FAULT")
+    assert sweep.run(exp, tmp_path / "results", progress=False).ran == 0  # the ok row still finishes it
+    sweep.run(exp, tmp_path / "results", overwrite=True, progress=False)
+    assert [r["status"] for r in _rows(tmp_path)] == ["ok"]  # an ok rerun replaces every row of its code
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_rows_say_where_a_points_time_went(tmp_path, write_toml, launcher):
     """``launched_s``: the sweep's age when it launched the point (its start-up, then the points

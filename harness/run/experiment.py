@@ -18,6 +18,7 @@ from typing import Any
 
 from harness import row as rowmod
 from harness.roles import LEGACY, ROLES, STACK_ROLE, STACK_ROLES, role_of
+from harness.run import fields
 from harness.run.fields import ExperimentError, check_keys, choice, int_list, integer
 from harness.run.gate_spec import GateSpec, parse_gate
 from harness.run.policy import LAUNCHERS, MULTI_GPU_LAUNCHERS
@@ -214,9 +215,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         if required not in exp:
             raise ExperimentError(path, f"experiment.{required}", "missing required key")
 
-    name = exp["name"]
-    if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
-        raise ExperimentError(path, "experiment.name", f"must be a non-empty name without spaces or slashes, got {name!r}")
+    name = fields.name(path, "experiment.name", exp["name"])
 
     models = exp["models"]
     if not isinstance(models, list) or not models:
@@ -227,6 +226,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
             canon.append(model_registry.get(m).name)
         except KeyError:
             raise ExperimentError(path, f"experiment.models[{i}]", f"unknown model {m!r}", model_registry.names()) from None
+    fields.no_repeats(path, "experiment.models", canon)  # names are case-insensitive: one model, listed twice
 
     seq_lens = int_list(path, "experiment.seq_lens", exp["seq_lens"], 16)
     batch_size = integer(path, "experiment.batch_size", exp.get("batch_size", 1), 1)
@@ -245,9 +245,8 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     if max(gpus) > 1 and not parallel:
         raise ExperimentError(path, "experiment.parallel", f"{max(gpus)} GPUs per point shard the model over "
                               "one process per GPU: set parallel = \"fsdp2\"", list(rowmod.PARALLEL[1:]))
-    timeout_s = exp.get("timeout_s", 900)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ExperimentError(path, "experiment.timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
+    timeout_s = exp.get("timeout_s", 900)  # finite: nan or inf would be no limit at all
+    fields.positive_number(path, "experiment.timeout_s", timeout_s)
     pin_cpu = exp.get("pin_cpu", False)
     if not isinstance(pin_cpu, bool):
         raise ExperimentError(path, "experiment.pin_cpu", f"must be true or false, got {pin_cpu!r}")
@@ -277,12 +276,10 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     data = DataSpec(
         distribution=choice(path, "data.distribution", data_raw.get("distribution", "lognormal"), DISTRIBUTIONS),
         median_doc_len=integer(path, "data.median_doc_len", data_raw.get("median_doc_len", 300), 1),
-        sigma=float(data_raw.get("sigma", 1.0)),
+        sigma=fields.number_at_least(path, "data.sigma", data_raw.get("sigma", 1.0), 0),
         min_doc_len=integer(path, "data.min_doc_len", data_raw.get("min_doc_len", 1), 1),
         seed=integer(path, "data.seed", data_raw.get("seed", 0), 0),
     )
-    if data.sigma < 0:
-        raise ExperimentError(path, "data.sigma", f"must be >= 0, got {data.sigma}")
     if data.min_doc_len > min(seq_lens):
         raise ExperimentError(path, "data.min_doc_len", f"{data.min_doc_len} exceeds the shortest row ({min(seq_lens)} tokens)")
 

@@ -3,6 +3,8 @@ naming the file, the key and the valid choices."""
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,30 @@ def integer(path, key: str, value: Any, minimum: int) -> int:
 def int_list(path, key: str, value: Any, minimum: int) -> list[int]:
     if not isinstance(value, list) or not value:
         raise ExperimentError(path, key, f"must be a non-empty list of integers, got {value!r}")
-    return [integer(path, f"{key}[{i}]", v, minimum) for i, v in enumerate(value)]
+    out = [integer(path, f"{key}[{i}]", v, minimum) for i, v in enumerate(value)]
+    no_repeats(path, key, out)
+    return out
+
+
+def no_repeats(path, key: str, items: list) -> None:
+    """Each entry once: a repeated length or model is one point, swept twice under one id."""
+    seen = set()
+    for i, v in enumerate(items):
+        if v in seen:
+            raise ExperimentError(path, f"{key}[{i}]", f"{v!r} is listed twice")
+        seen.add(v)
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def name(path, key: str, value: Any) -> str:
+    """A name that is also a folder under results/ and reports/: letters, digits, '.', '_' and '-',
+    starting with a letter or digit (no '..', no slash, no space or newline)."""
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        raise ExperimentError(path, key, "must be a name of letters, digits, '.', '_' and '-', starting with a "
+                                         f"letter or digit, got {value!r}")
+    return value
 
 
 def choice(path, key: str, value: Any, choices) -> Any:
@@ -49,8 +74,16 @@ def choice(path, key: str, value: Any, choices) -> Any:
     return value
 
 
+def number_at_least(path, key: str, value: Any, minimum: float) -> float:
+    """A finite number (not a bool, not a string) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise ExperimentError(path, key, f"must be a finite number >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
 def positive_number(path, key: str, value: Any, *, below: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (below and value >= below):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value) \
+            or (below and value >= below):
         bound = f" and below {below:g}" if below else ""
         raise ExperimentError(path, key, f"must be a number above 0{bound}, got {value!r}")
     return float(value)

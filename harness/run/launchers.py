@@ -57,11 +57,16 @@ class Launcher:
             return self._failure_row(point, returncode, timed_out, log_path)
 
     def result(self, out_path: str) -> dict | None:
-        """The row the point's process wrote, if it wrote one."""
+        """The row the point's process wrote, if it wrote a whole one (else the point's failure row
+        says what its log holds)."""
         if not os.path.exists(out_path):
             return None
-        with open(out_path) as f:
-            return json.load(f)
+        try:
+            with open(out_path) as f:
+                row = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return row if isinstance(row, dict) else None
 
     def spawn(self, spec_path: str, out_path: str, point: SweepPoint, env: dict) -> Child:
         """Start the point's process in its own session, stdout and stderr on one pipe."""

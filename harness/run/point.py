@@ -450,8 +450,10 @@ def main(spec_path: str, out_path: str) -> int:
         out_path = rank_result_path(out_path, world.rank)
         row["message"] = f"rank {world.rank}: {row['message']}"
     row["env"] = envmod.collect()
-    with open(out_path, "w") as f:
+    tmp = f"{out_path}.tmp"  # whole or absent: a process that dies mid-write leaves no half row
+    with open(tmp, "w") as f:
         json.dump(row, f, default=str)
+    os.replace(tmp, out_path)
     if world is not None:
         if failed:  # exit at once: torchrun then stops the ranks still waiting in a collective
             sys.stdout.flush()

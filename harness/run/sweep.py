@@ -23,6 +23,7 @@ from pathlib import Path
 
 from harness import results as res
 from harness import row as rowmod
+from harness.errors import InputError
 from harness.measure import env as envmod
 from harness.measure.env import REPO_ROOT
 from harness.run.experiment import Experiment
@@ -56,7 +57,8 @@ def detect_device_name(requested: str) -> str:
     except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
         pass
     if requested == "cuda":
-        raise RuntimeError("experiment asks for device 'cuda' but no NVIDIA GPU is visible")
+        raise InputError("the experiment asks for device 'cuda' but no NVIDIA GPU is visible here "
+                         "(device = \"auto\" runs on what the machine has)")
     return "cpu"
 
 
@@ -195,17 +197,21 @@ def scaling_efficiency(row: dict, rows: list[dict]) -> float | None:
 def append_point_row(path: Path, row: dict) -> None:
     """Append a point's row, with its scaling efficiency when it ran on several GPUs (only then is
     the results file read back). It replaces the point's rows of the same code and its unfinished
-    ones; a finished row of other code (``env.code_id``) stays, as that code's result."""
+    ones; a finished row of other code (``env.code_id``) stays, as that code's result, and so does
+    an ok row of the same code where this row failed (a rerun that ran out of memory beside another
+    process loses no measurement: the reports read the ok row)."""
     if row.get("status") == "ok" and (row.get("gpus") or 1) > 1:
         efficiency = scaling_efficiency(row, res.read_rows(path))
         if efficiency is not None:
             row["scaling_efficiency"] = efficiency
     pid, code = row.get("point_id"), (row.get("env") or {}).get("code_id")
 
+    failed = row.get("status") != "ok"
+
     def superseded(r: dict) -> bool:
         return bool(pid) and r.get("point_id") == pid and (
             r.get("kind") != "step" or r.get("status") not in res.FINISHED
-            or (r.get("env") or {}).get("code_id") == code)
+            or ((r.get("env") or {}).get("code_id") == code and not (failed and r.get("status") == "ok")))
 
     res.replace_rows(path, superseded, [row])
 
@@ -285,9 +291,8 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     summary = SweepSummary(results_path=path)
     log_dir = Path(results_root) / exp.name / "logs" / slug
     res.check_writable(path.parent)  # before any point starts, not after its process has run
+    existing = res.read_rows(path)  # fails loudly on a corrupt file before anything runs or is written
     keep_experiment_file(exp, results_root)
-
-    existing = res.read_rows(path)  # fails loudly on a corrupt file before anything runs
     points = [dataclasses.replace(p, command=command) for p in exp.points()]
     done, older = (set(), "") if overwrite else finished(path, points, keep_older=keep_older)
     if older:

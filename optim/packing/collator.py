@@ -58,6 +58,11 @@ class PackingCollator:
             docs.append((ids, labels))
         if not docs:
             raise ValueError("packing: no non-empty examples to pack")
+        if all(t == self.label_pad_id for _, labels in docs for t in labels):
+            # each document's first token predicts nothing: one-token examples (or labels all masked)
+            # leave no token to learn from, and the loss would be 0/0, NaN, into every gradient
+            raise ValueError("packing: no token of this batch has a label to learn (every example is one token "
+                             "long or its labels are all masked): its loss would be NaN; drop such examples")
         rows: list[list[tuple]] = []
         fill: list[int] = []
         for d in docs:

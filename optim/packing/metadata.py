@@ -308,6 +308,9 @@ def entry_from_cu_seqlens(key: tuple, cu_seqlens: torch.Tensor, max_seqlen: int,
     (offsets on the CPU)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"packing: cu_seq_lens must be 1-D offsets [0, ..., B*T], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"packing: cu_seq_lens must be integer offsets, got {cu_seqlens.dtype}: "
+                         "a cast would round document boundaries")
     if cu_seqlens.device.type == "cpu":
         lens = torch.diff(cu_seqlens.long())
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != B * T or bool((lens < 0).any()):
