@@ -586,3 +586,31 @@ def test_entry_from_position_ids_on_the_device_equals_the_host_built_entry():
     assert torch.equal(shared.start[2], host.start[1])
     with pytest.raises(ValueError, match="varlen kernel needs the batch's max_seqlen on the host"):
         build_varlen_args(dev)
+
+
+def test_batches_collated_in_forked_dataloader_workers_never_share_a_cache_entry():
+    """Two DataLoader workers forked from one process number their batches from the same counter:
+    the metadata's serial must still tell their batches apart, or every second batch of an eval loop
+    would run on the previous batch's documents. The losses match a loader without workers."""
+    torch.manual_seed(0)
+    m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4).eval()
+    P.enable(m, packing_backend="sdpa")
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, 100, (int(torch.randint(5, 60, (1,), generator=g)),),
+                                            generator=g).tolist()} for _ in range(16)]
+
+    def losses(workers):
+        P.release()
+        loader = torch.utils.data.DataLoader(examples, batch_size=4, num_workers=workers,
+                                             collate_fn=P.PackingCollator(max_length=64, rows=4),
+                                             multiprocessing_context="fork" if workers else None)
+        out = []
+        with torch.no_grad():
+            for batch in loader:
+                batch.pop("position_ids")  # the metadata alone: nothing else to tell the batches apart
+                out.append(m(**batch, use_cache=False).loss)
+        return torch.stack(out)
+
+    alone = losses(0)
+    assert len(set(alone.tolist())) == len(alone)  # the batches differ
+    torch.testing.assert_close(losses(2), alone, rtol=0, atol=0)

@@ -8,6 +8,8 @@ import collections
 import dataclasses
 import itertools
 import numbers
+import os
+import secrets
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -55,6 +57,17 @@ def kernels() -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 
 _serials = itertools.count(1)
+# A serial names one batch's metadata for the cache. A DataLoader worker forked from this process
+# inherits the counter, so two workers would number their batches alike: each process draws its own
+# prefix (at import, and again in a forked child), and a serial is (prefix, count).
+_PREFIX = [secrets.randbits(62)]
+
+
+def _new_prefix() -> None:
+    _PREFIX[0] = secrets.randbits(62)
+
+
+os.register_at_fork(after_in_child=_new_prefix)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +82,7 @@ class PackedMetadata:
 
     lengths: tuple[tuple[int, ...], ...]
     seq_len: int
-    serial: int = field(default_factory=lambda: next(_serials), compare=False)
+    serial: tuple = field(default_factory=lambda: (_PREFIX[0], next(_serials)), compare=False)
     # "lengths" (the caller's documents: position_ids must restart at each) or "attention_mask"
     # (a padded batch's runs of real and padding tokens: position_ids are the caller's own)
     source: str = field(default="lengths", compare=False)
@@ -364,8 +377,8 @@ def entry_for(packing, position_ids, B: int, T: int, device: torch.device, cache
 
     if cache:
         hit = _CACHE.get(device)
-        if hit is not None and hit.key == key and (pos_ref is None or hit.pos_ref() is (cu_seqlens if from_cu
-                                                                                       else position_ids)):
+        if hit is not None and hit.key == key and (hit.B, hit.T) == (B, T) and (
+                pos_ref is None or hit.pos_ref() is (cu_seqlens if from_cu else position_ids)):
             COUNTERS["cache_hits"] += 1
             if validate and position_ids is not None:
                 _check(hit, packing, position_ids, from_cu)  # the batch's metadata, maybe with other positions
