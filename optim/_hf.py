@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 
 # The KV cache's keyword: ``past_key_values`` up to transformers 5.23; ``cache`` from 5.24, where
 # the old name is deprecated (removed in 5.40).
@@ -66,3 +67,37 @@ def cache_kwarg(forward) -> str:
 def output_cache_field(output_cls) -> str:
     names = {f.name for f in dataclasses.fields(output_cls)}
     return "cache" if "cache" in names else "past_key_values"
+
+
+# What a causal LM's forward may do between its decoder's output and its logits for the fused loss
+# (optim.loss), which computes lm_head(hidden) itself, to give the same loss: take the hidden
+# states, slice the positions to keep, apply lm_head. Transformers' versions write it either way.
+_PLAIN_HIDDEN = {"hidden_states = outputs.last_hidden_state", "hidden_states = outputs[0]",
+                 "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
+                 "hidden_states = hidden_states[:, slice_indices, :]"}
+_PLAIN_LOGITS = {"logits = self.lm_head(hidden_states)", "logits = self.lm_head(hidden_states[:, slice_indices, :])"}
+_ASSIGNS = re.compile(r"(logits|hidden_states) (=|\*=|/=|\+=|-=) ")  # an assignment, not a keyword (logits=logits)
+
+
+@functools.lru_cache(maxsize=None)
+def logits_beyond_lm_head(cls) -> str | None:
+    """The first statement of ``cls.forward`` that makes its logits more than ``lm_head`` of the
+    decoder's last hidden states (a scale, a softcap, a cast, another head), or None where there is
+    none. Read from the source, so a model or a transformers version this was not written against
+    is judged by what it does; a forward whose source cannot be read is not plain."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return "its forward's source cannot be read"
+    seen_logits = False
+    for raw in src.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not _ASSIGNS.match(line):
+            continue
+        if line.startswith("logits"):
+            seen_logits = True
+            if line not in _PLAIN_LOGITS:
+                return line
+        elif line not in _PLAIN_HIDDEN:
+            return line
+    return None if seen_logits else "its forward assigns no logits = self.lm_head(hidden_states)"

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from optim._fallback import passes_through, recompile_limit
-from optim._hf import cache_kwarg, causal_lm, output_cache_field, refuse_data_parallel
+from optim._hf import cache_kwarg, causal_lm, logits_beyond_lm_head, output_cache_field, refuse_data_parallel
 from optim.switches import Switch, switches_of
 
 log = logging.getLogger("optim.loss")
@@ -255,9 +255,11 @@ def _why_not(lm) -> str | None:
     if head.bias is not None:
         return "its lm_head has a bias"
     cfg = lm.config
-    for name in ("final_logit_softcapping", "logit_scale"):
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"):
         if getattr(cfg, name, None):
             return f"its config sets {name}"
+    if (odd := logits_beyond_lm_head(type(lm))) is not None:  # a scale or softcap under another name
+        return f"its forward makes its logits more than lm_head(hidden_states): `{odd}`"
     return None
 
 
@@ -298,6 +300,8 @@ def _stock_reason(lm, kwargs) -> str | None:
         return "the caller's fused lm_head (TRL)"
     if kwargs.get("output_router_logits") or getattr(lm.config, "output_router_logits", False):
         return "router logits requested"
+    if torch.is_autocast_enabled(lm.lm_head.weight.device.type):  # Trainer's bf16=True over fp32 weights
+        return "autocast (lm_head's dtype is autocast's to choose)"
     return None
 
 

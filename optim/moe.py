@@ -33,6 +33,7 @@ Only torch, transformers and peft are imported here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ except ImportError:  # pragma: no cover
     ParamWrapper = None
 
 SWITCHES: dict[str, Switch] = switches_of("optim.moe")
+
+log = logging.getLogger("optim.moe")
 
 IMPL_PREFIX = "optim_"
 _LORA_ATTR = "_optim_moe_lora"  # per-call stash of split-LoRA factors on the experts module
@@ -114,7 +117,7 @@ for _b in SWITCHES["moe_backend"].choices:
     ALL_EXPERTS_FUNCTIONS.register(IMPL_PREFIX + _b, _make_impl(_b))
 
 
-def _is_experts(module: nn.Module) -> bool:
+def _has_layout(module: nn.Module) -> bool:
     # Modules decorated by transformers' @use_experts_implementation with a fused gate_up
     # projection: GptOssExperts, Qwen3MoeExperts (tested) and same-layout relatives.
     return (
@@ -124,6 +127,21 @@ def _is_experts(module: nn.Module) -> bool:
         and isinstance(getattr(module, "down_proj", None), torch.Tensor)
         and hasattr(module, "config")
     )
+
+
+def _refusal(module: nn.Module) -> str | None:
+    """What an experts module of that layout does that the backends here do not: a norm after each
+    expert (transformers applies it before the routing weights), or experts sharded over ranks
+    (expert parallel: ids past this rank's experts). None where nothing."""
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert (has_post_expert_norm)"
+    if getattr(module, "_is_expert_parallel", False):
+        return "experts sharded over ranks (expert parallel)"
+    return None
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return _has_layout(module) and _refusal(module) is None
 
 
 def _uses_optim_backend(experts: nn.Module) -> bool:
@@ -241,6 +259,9 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     """
     cfg = resolve(**settings)
     experts = [m for m in model.modules() if _is_experts(m)]
+    refused = {why for m in model.modules() if _has_layout(m) and (why := _refusal(m))}
+    if refused:  # left to transformers' own experts, which do what these do
+        log.warning("optim.moe: keeping transformers' experts where they have %s", " and ".join(sorted(refused)))
     if not experts:
         return model
     state = vars(owner(model))

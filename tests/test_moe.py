@@ -288,3 +288,28 @@ def test_compiled_path_survives_many_shapes():
     finally:
         torch._dynamo.config.automatic_dynamic_shapes = True
     assert ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED, ops.COMPILE_FAILED
+
+
+def test_experts_with_a_norm_after_each_expert_keep_transformers_own(caplog):
+    """Experts of the fused layout that normalize each expert's output (has_post_expert_norm) or
+    are sharded over ranks are left to transformers, which does both: the backends here do neither."""
+    M = pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
+    cfg = M.MuseSparkTextConfig(hidden_size=32, moe_hidden_size=32, moe_intermediate_size=16, num_local_experts=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    experts = M.MuseSparkExperts(cfg)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.5)
+    assert experts.has_post_expert_norm and moe._has_layout(experts) and not moe._is_experts(experts)
+    h, w = torch.randn(10, 32), torch.rand(10, 2)
+    idx = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(i))[:2] for i in range(10)])
+    stock = experts(h, idx, w)
+    holder = torch.nn.ModuleDict({"experts": experts})
+    with caplog.at_level("WARNING", logger="optim.moe"):
+        moe.enable(holder, moe_backend="sorted")
+    assert "a norm after each expert" in caplog.text
+    assert not str(getattr(cfg, "_experts_implementation", "") or "").startswith(moe.IMPL_PREFIX)
+    torch.testing.assert_close(experts(h, idx, w), stock, rtol=0, atol=0)
+    experts._is_expert_parallel, experts.has_post_expert_norm = True, False
+    assert moe._refusal(experts) == "experts sharded over ranks (expert parallel)"

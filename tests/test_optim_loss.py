@@ -182,3 +182,57 @@ def test_an_adapter_on_lm_head_keeps_the_stock_loss(caplog):
     with caplog.at_level("INFO", logger="optim.loss"):
         L.enable(model)
     assert "keeping the stock loss" in caplog.text and not L.describe(model)["fused_loss"]
+
+
+def test_a_model_whose_logits_are_more_than_lm_head_keeps_its_own_loss(caplog):
+    """Granite divides its logits by logits_scaling; a model of the user's own may scale them under
+    any name. The fused loss computes lm_head(hidden) alone, so such a model keeps its stock loss,
+    and the loss it trains on is the model's own."""
+    import transformers
+
+    class Tempered(transformers.Qwen3ForCausalLM):  # a user's model: its logits at a temperature
+        def forward(self, *args, labels=None, **kwargs):
+            out = super().forward(*args, **kwargs)
+            logits = out.logits / 2.0
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, logits_scaling=8.0))
+    tempered = Tempered(models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32,
+                                     lora_rank=0).config)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for model, why in ((granite, "logits_scaling"), (tempered, "logits = out.logits / 2.0")):
+        model.train()
+        stock = model(input_ids=ids, labels=ids).loss
+        caplog.clear()
+        with caplog.at_level("INFO", logger="optim.loss"):
+            L.enable(model)
+        assert not L.describe(model)["fused_loss"] and "keeping the stock loss" in caplog.text and why in caplog.text, \
+            caplog.text
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, stock)
+    assert L.logits_beyond_lm_head(transformers.Qwen3ForCausalLM) is None  # the models it is for stay fused
+
+
+def test_under_autocast_the_stock_loss_runs_and_says_why():
+    """Trainer's bf16=True over fp32 weights: autocast decides lm_head's dtype, which the fused loss
+    would not follow (it failed on the dtype of its output); that call runs the model's own loss."""
+    torch.manual_seed(0)
+    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4).train()
+    randomize_lora_b(model)
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock_loss, stock_grads = step()
+    L.enable(model, fused_loss=True)
+    loss, grads = step()
+    torch.testing.assert_close(loss, stock_loss, rtol=0, atol=0)
+    assert grads.keys() == stock_grads.keys() and all(torch.equal(grads[n], stock_grads[n]) for n in grads)
+    assert any("autocast" in why for why in L.describe(model)["loss_calls"]), L.describe(model)
