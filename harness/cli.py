@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import InputError
+from harness import argtypes
 from harness.measure.env import REPO_ROOT
 from harness.run import policy
 
@@ -47,27 +48,6 @@ def default_experiment() -> Path:
     return EXPERIMENTS / name
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
-    return value
-
-
-def _resources(text: str) -> dict[str, float]:
-    out = {}
-    for item in text.split(","):
-        name, _, amount = item.partition("=")
-        try:
-            out[name.strip()] = float(amount)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: give NAME=N, e.g. one_per_host=1") from None
-        if not name.strip() or out[name.strip()] <= 0:
-            raise argparse.ArgumentTypeError(f"{item!r}: give NAME=N with N above 0")
-    return out
 
 
 def cmd_context(args) -> int:
@@ -238,26 +218,6 @@ cannot run, nothing to match, or different GPUs without --allow-different-gpu).
 """
 
 
-def _checked(cast, ok, expected: str):
-    """An argparse type: ``cast(text)``, refused with one message unless ``ok(value)``."""
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
-_at_least_two = _checked(int, lambda v: v >= 2, "a whole number of rounds, 2 or more")
-_probability = _checked(float, lambda v: 0 < v < 0.5, "a significance level between 0 and 0.5")
-_mib = _checked(float, lambda v: v >= 0, "a number of MiB, 0 or more")
-
-
 def _fraction(text: str) -> float:
     from harness.gate import parse_fraction
 
@@ -359,19 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--reports", default=DEFAULT_REPORTS, type=Path, help="reports root (default: reports/)")
     p.add_argument("--no-report", action="store_true", help="do not rebuild the report afterwards")
-    p.add_argument("--stop-after", type=seconds, metavar="S",
+    p.add_argument("--stop-after", type=argtypes.seconds_or_zero, metavar="S",
                    help="start no point once S seconds have passed; the rest is left to a rerun (which resumes)")
-    p.add_argument("--deadline", type=seconds, metavar="S",
+    p.add_argument("--deadline", type=argtypes.seconds_or_zero, metavar="S",
                    help="start no point that would end after S seconds by its estimate: the longest wall time "
                         "its earlier rows on this GPU type recorded, else half as long again as on another "
                         "(at most --point-estimate), else --point-estimate; a shorter point after it may still start")
-    p.add_argument("--point-estimate", type=seconds, metavar="S",
+    p.add_argument("--point-estimate", type=argtypes.seconds_or_zero, metavar="S",
                    help="with --deadline: what a point never run on this GPU type is expected to take")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--models", nargs="+", help="run only these of the file's models")
     p.add_argument("--seq-lens", nargs="+", type=int, help="run only these of the file's sequence lengths")
     p.add_argument("--variants", nargs="+", help="run only these of the file's variants")
-    p.add_argument("--timeout", type=_seconds, metavar="S",
+    p.add_argument("--timeout", type=argtypes.seconds, metavar="S",
                    help="override the file's per-point time limit, in seconds; a point past it is "
                         "recorded as an error with its Python stacks in its log")
     p.add_argument("--launcher", choices=policy.LAUNCHERS,
@@ -385,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "back here (harness/run/cluster.py)")
     p.add_argument("--ray-address", metavar="ADDR",
                    help="the cluster to join ('auto', ray://host:10001); default: RAY_ADDRESS if set, else a new local Ray")
-    p.add_argument("--ray-resources", type=_resources, metavar="NAME=N[,NAME=N]",
+    p.add_argument("--ray-resources", type=argtypes.resources, metavar="NAME=N[,NAME=N]",
                    help="custom Ray resources each point's task asks for, e.g. one_per_host=1")
     p.set_defaults(func=cmd_sweep)
 
@@ -397,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=1024,
                    help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
-    p.add_argument("--stop-after", type=seconds, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
+    p.add_argument("--stop-after", type=argtypes.seconds_or_zero, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
     p.add_argument("--probe-warmup", type=int, default=1, help="warm-up steps of each probe (default: 1)")
     p.add_argument("--probe-steps", type=int, default=2, help="measured steps of each probe (default: 2)")
     p.add_argument("--models", nargs="+", help="search only these of the file's models")
@@ -418,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "resumes), 2 unusable input")
     p.add_argument("plan", nargs="?", default=EXPERIMENTS / "blog.toml", type=Path,
                    help="the plan (default: experiments/blog.toml)")
-    p.add_argument("--minutes", type=seconds, default=9.0,
+    p.add_argument("--minutes", type=argtypes.minutes, default=9.0,
                    help="start nothing that the steps' estimates say would end later than this (default: 9)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
@@ -438,13 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     rev.add_argument("--base", metavar="REV", help="the revision to compare against (e.g. origin/main)")
     rev.add_argument("--head", metavar="REV", help="the revision under test (e.g. HEAD)")
     rev.add_argument("--suite", type=Path, help="gate suite file (default: experiments/gate.toml in head's checkout)")
-    rev.add_argument("--rounds", type=_at_least_two, help="rounds per side (default: the suite's [gate] rounds)")
-    rev.add_argument("--alpha", type=_probability, help="significance level (default: the suite's, 0.01)")
-    rev.add_argument("--max-memory", type=_mib, metavar="MIB", help="allowed peak-memory growth in MiB (default: the suite's, 64)")
+    rev.add_argument("--rounds", type=argtypes.at_least_two, help="rounds per side (default: the suite's [gate] rounds)")
+    rev.add_argument("--alpha", type=argtypes.probability, help="significance level (default: the suite's, 0.01)")
+    rev.add_argument("--max-memory", type=argtypes.mib, metavar="MIB", help="allowed peak-memory growth in MiB (default: the suite's, 64)")
     rev.add_argument("--out", default="gate-out", help="where rounds, summary.md, benchmark.json and gate.json go; "
                      "a gate run again with the same --out and revisions resumes (default: gate-out/)")
     rev.add_argument("--repo", type=Path, default=REPO_ROOT, help="the git repository holding both revisions (default: this checkout)")
-    rev.add_argument("--round-timeout", type=_seconds, metavar="S", help="stop the gate (exit 2) if one round runs longer")
+    rev.add_argument("--round-timeout", type=argtypes.seconds, metavar="S", help="stop the gate (exit 2) if one round runs longer")
     rev.add_argument("--fresh-rounds", action="store_true",
                      help="one fresh sweep process per round, its imports paid every round (default: one per "
                           "side for all its rounds; every point is a fresh process either way)")
@@ -467,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=parity.main)
 
     p = sub.add_parser("bandwidth", help="host-to-device copy GB/s, pinned vs pageable, 1 MiB-1 GiB (GPU)")
-    p.add_argument("--repeats", type=_positive_int, default=10, help="timed copies per size and memory kind (default: 10)")
+    p.add_argument("--repeats", type=argtypes.positive_int, default=10, help="timed copies per size and memory kind (default: 10)")
     p.add_argument("--json", help="also write the rows and environment to this JSON file")
     p.set_defaults(func=cmd_bandwidth)
 
@@ -481,20 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_env)
 
     return parser
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds, at least 0 (nan, inf and negative times would
-    stop nothing or everything)."""
-    import math
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a time must be a finite number >= 0")
-    return v
 
 
 def main(argv: list[str] | None = None) -> int:

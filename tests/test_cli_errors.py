@@ -104,7 +104,7 @@ CASES = {
                                                       r"cpu\.jsonl:2: a result row is a JSON object"),
     "sweep over a results file that is not UTF-8": (_tiny_with_rows(b'{"kind": "st\xff\xfe"}\n'), r"cpu\.jsonl: not UTF-8"),
     "a CUDA experiment on a machine without a GPU": (_tiny_on("cuda"), r"asks for device 'cuda' but no NVIDIA GPU"),
-    "a time limit that is not a finite time": (_tiny_on("cpu", "--stop-after", "nan"), r"a time must be a finite number"),
+    "a time limit that is not a finite time": (_tiny_on("cpu", "--stop-after", "nan"), r"expected a finite number of seconds, 0 or more, got 'nan'"),
     "report of an experiment with no rows": (
         lambda t: ["report", "nosuchexp", "--results", str(_truncated_results(t).parent / "results"),
                    "--reports", str(t / "reports")],
