@@ -30,12 +30,26 @@ from harness.run import experiment
 
 
 def _gpu() -> tuple[str, float]:
-    import torch
+    """The first visible GPU's name and memory in GiB, read through NVML: CUDA would make a context
+    in this process that holds GPU memory while the sweeps it starts run (and would move where a
+    context search runs out of memory)."""
+    try:
+        import pynvml
 
-    if not torch.cuda.is_available():
+        from harness.measure.env import nvml_handle
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() == 0:
+                return "cpu", 0.0
+            handle = nvml_handle(pynvml, 0)
+            name = pynvml.nvmlDeviceGetName(handle)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            return (name.decode() if isinstance(name, bytes) else name), total / 2**30
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVIDIA driver: a CPU machine
         return "cpu", 0.0
-    props = torch.cuda.get_device_properties(0)
-    return props.name, props.total_memory / 2**30
 
 
 def _parse_cut(step: plan_file.Step):

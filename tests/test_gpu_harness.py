@@ -88,3 +88,17 @@ def test_nvml_reads_the_gpu_this_process_runs_on():
         assert same == "True", f"CUDA_VISIBLE_DEVICES={pin}: NVML read another GPU"
         # the process's own 2 GiB (plus its context) show on the GPU NVML read
         assert mine != "None" and float(mine) >= 2.0, f"CUDA_VISIBLE_DEVICES={pin}: {mine}"
+
+
+def test_reproduce_names_the_gpu_without_a_cuda_context():
+    """`harness reproduce` stays alive while its sweeps run: a context of its own would hold GPU
+    memory beside theirs and move where a context search runs out of memory."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom harness import reproduce\nname, gib = reproduce._gpu()\n"
+            "print(name, round(gib), torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, check=True).stdout.split()
+    props = torch.cuda.get_device_properties(0)
+    assert out[-1] == "False" and " ".join(out[:-2]) == props.name and int(out[-2]) == round(props.total_memory / 2**30)
