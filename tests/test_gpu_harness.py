@@ -97,8 +97,10 @@ def test_reproduce_names_the_gpu_without_a_cuda_context():
     import sys
 
     code = ("import torch\nfrom harness import reproduce\nname, gib = reproduce._gpu()\n"
-            "print(name, round(gib), torch.cuda.is_initialized())")
+            "print(name, gib, torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
                          capture_output=True, text=True, check=True).stdout.split()
     props = torch.cuda.get_device_properties(0)
-    assert out[-1] == "False" and " ".join(out[:-2]) == props.name and int(out[-2]) == round(props.total_memory / 2**30)
+    # NVML counts the memory the driver reserves too: within a GiB of what CUDA offers
+    assert out[-1] == "False" and " ".join(out[:-2]) == props.name
+    assert abs(float(out[-2]) - props.total_memory / 2**30) < 1.0, (out, props.total_memory)
