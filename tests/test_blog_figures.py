@@ -105,9 +105,11 @@ def test_the_headline_range_reads_pairs_one_run_measured_and_names_the_others_wh
            _rp("H200", 2048, stock=(800.0, "10:00"), **{"stock-compiled": (150.0, "02:00")}, user=(200.0, "10:02"))]
     f = cite.Figures()
     text = headline._range(f, "packing", pts)
-    assert "over the 2 points one run measured" in text and "from 1.40× at m 8192" in text and "to 2.00× at m 2048" in text
+    # beside stock and Liger-Kernel alone: the range says not every peer ran, and names the missing
+    assert ("Over the 2 points one run measured, not every peer ran (Unsloth, stock + torch.compile missing at some)"
+            in text and "from 1.40× at m 8192" in text and "to 2.00× at m 2048" in text), text
     assert "At 1 more point the fastest other was measured by another run" in text
-    assert "slower than it at 0.75× at m 2048 on the H200 (against stock + torch.compile)" in text
+    assert "slower than it at 0.75× at m 2048 on the H200 (against stock + torch.compile, 2 of 4 peers run)" in text
     assert [shown for shown, _ in f.keys] == ["1.40×", "2.00×", "0.75×"]
     # one such point, the call faster than it: said in the singular
     pts[2] = _rp("H200", 2048, stock=(800.0, "10:00"), **{"stock-compiled": (450.0, "02:00")}, user=(200.0, "10:02"))

@@ -89,7 +89,7 @@ def test_the_range_sentence_keeps_points_without_every_peer_apart():
     some.model = "qwen3-14b"
     text = headline._range(cite.Figures(), "packing", [every, some])
     assert "over the 1 point one run measured beside every peer" in text and "1.73× at qwen3-8b" in text
-    assert "At 1 point more, not every peer ran (Unsloth, stock + torch.compile missing at some)" in text
+    assert "At 1 more point, not every peer ran (Unsloth, stock + torch.compile missing at some)" in text
     assert "1.24× at qwen3-14b 8192 on the H200 (against Liger-Kernel, 2 of 4 peers run)" in text
     only_some = headline._range(cite.Figures(), "packing", [some])
     assert only_some.startswith("**packing** (`experiments/packing.toml`): Over the 1 point one run measured, not every peer ran")

@@ -85,19 +85,22 @@ def _range(f: cite.Figures, name: str, points: list[data.RolePoint]) -> str:
     def plural(n: int) -> str:
         return f"{n} point{'s' if n > 1 else ''}"
 
+    def more(n: int) -> str:
+        return f"{n} more point{'s' if n > 1 else ''}"
+
     text = f"**{name}** (`experiments/{name}.toml`): "
     if full:
         text += (f"over the {plural(len(full))} one run measured beside every peer, `optim.enable(model)` against the "
                  f"fastest other ran {span(full)}.")
     if partial:
         missing = sorted({ROLE_LABEL[r] for _, p, _ in partial for r in PEERS if r not in p.peers_run()})
-        lead = f" At {plural(len(partial))} more," if full else f"Over the {plural(len(partial))} one run measured,"
+        lead = f" At {more(len(partial))}," if full else f"Over the {plural(len(partial))} one run measured,"
         text += (f"{lead} not every peer ran ({', '.join(missing)} missing at some): `optim.enable(model)` against "
                  f"the fastest that ran went {span(partial)}.")
     if slower := [x for x in one if x[0] < 1.0]:
         text += f" Slower than it at {len(slower)}: " + "; ".join(at(x) for x in slower) + "."
     if apart:
-        text += (f" At {plural(len(apart))} more the fastest other was measured by another "
+        text += (f" At {more(len(apart))} the fastest other was measured by another "
                  "run than the one call"
                  + (": slower than it at " + "; ".join(at(x) for x in apart if x[0] < 1.0) + "."
                     if any(x[0] < 1.0 for x in apart)
