@@ -271,7 +271,9 @@ def _gate_revisions(args) -> int:
                                rounds_n=args.rounds, alpha=args.alpha, max_slowdown=args.max_slowdown,
                                max_memory_mib=args.max_memory, round_timeout_s=args.round_timeout,
                                fresh_rounds=args.fresh_rounds, command=args.command)
-    except GateError as e:
+    except Exception as e:  # noqa: BLE001 - whatever stops the gate is an error (exit 2), never a pass or a fail
+        if not isinstance(e, GateError):
+            e = GateError(f"the gate itself failed ({type(e).__name__}: {e}); rerun with the same --out to resume")
         print(f"error: {e}", file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gate.json").write_text(json.dumps({"outcome": "error", "exit_code": 2, "error": str(e)}, indent=2) + "\n")

@@ -263,6 +263,27 @@ def test_unusable_input_exits_2_with_one_message(repo, tmp_path, capsys):
     assert "not a gate suite" in capsys.readouterr().err
 
 
+def test_a_round_whose_rows_hold_no_step_time_stops_the_gate_with_exit_2(repo, tmp_path, capsys):
+    """A NaN step time (a broken timer in head) would read as no change; the rows are checked as
+    the files mode checks them, and the gate stops with one message, its summary saying ERROR."""
+    repo.commit({"points": {"fast": 50.0, "slow": float("nan")}})
+    assert _gate(repo, tmp_path / "out") == 2
+    assert "ok row without a positive step_ms.p50 (got nan)" in capsys.readouterr().err
+    assert (tmp_path / "out" / "summary.md").read_text().startswith("## Performance gate: ERROR")
+
+
+def test_a_crash_inside_the_gate_is_an_error_not_a_verdict(repo, tmp_path, monkeypatch, capsys):
+    from harness.gate import revisions
+
+    def broken(*_a, **_k):
+        raise TypeError("unsupported operand type(s) for -: 'NoneType' and 'float'")
+
+    monkeypatch.setattr(revisions, "run", broken)
+    assert _gate(repo, tmp_path / "out") == 2
+    assert "the gate itself failed (TypeError" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "gate.json").read_text())["outcome"] == "error"
+
+
 def test_rows_measured_elsewhere_are_refused(repo, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_SHA", "0" * 40)  # as if an installed copy of harness ran, not the checkout
     assert _gate(repo, tmp_path / "out", head="base") == 2

@@ -78,7 +78,7 @@ def load_step_rows(path: str | Path) -> tuple[list[Path], list[dict]]:
             if not isinstance(row, dict):
                 raise GateError(f"{f}: row {i}: not a result row (a JSON {type(row).__name__}, expected an object)")
             if row.get("kind") == "step":
-                _check_row(f, i, row)
+                check_row(f, i, row)
                 rows.append({**row, "_file": str(f)})
     if not rows:
         where = f"{path}: no step rows in {len(files)} .jsonl file(s)" if len(files) > 1 else f"{files[0]}: no step rows"
@@ -86,7 +86,7 @@ def load_step_rows(path: str | Path) -> tuple[list[Path], list[dict]]:
     return files, rows
 
 
-def _check_row(path: Path, i: int, row: dict) -> None:
+def check_row(path: Path, i: int, row: dict) -> None:
     for key in ("model", "seq_len", "variant", "status"):
         if row.get(key) is None:
             raise GateError(f"{path}: row {i}: step row without {key!r}")
@@ -94,7 +94,7 @@ def _check_row(path: Path, i: int, row: dict) -> None:
         raise GateError(f"{path}: row {i}: unknown status {row['status']!r} (valid: {', '.join(STATUSES)})")
     if row["status"] == "ok":
         p50 = (row.get("step_ms") or {}).get("p50")
-        if isinstance(p50, bool) or not isinstance(p50, (int, float)) or not p50 > 0:
+        if isinstance(p50, bool) or not isinstance(p50, (int, float)) or not 0 < p50 < float("inf"):
             raise GateError(f"{path}: row {i}: ok row without a positive step_ms.p50 (got {p50!r})")
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import results as res
-from harness.gate.files import GateError
+from harness.gate.files import GateError, check_row
 
 SIDES = ("base", "head")
 
@@ -190,7 +190,10 @@ def run_round(number: int, side: str, sha: str, tree: Path, suite: Path, out: Pa
 def _rows(where: Path, number: int, side: str, sha: str) -> list[dict]:
     rows = []
     for f in sorted(where.rglob("*.jsonl")):
-        rows.extend(r for r in res.read_rows(f) if isinstance(r, dict) and r.get("kind") == "step")
+        for i, r in enumerate(res.read_rows(f), 1):
+            if r.get("kind") == "step":
+                check_row(f, i, r)  # as the files mode checks them: an ok row has a finite step time
+                rows.append(r)
     if not rows:
         raise GateError(f"round {number} ({side}) wrote no step rows under {where}")
     measured = {(r.get("env") or {}).get("git_sha") for r in rows}

@@ -5,7 +5,12 @@ its peak allocated memory. A point fails when, between base's rounds and head's:
   * step time changed significantly (Mann-Whitney U, p < alpha) and the Hodges-Lehmann ratio is
     slower than ``max_slowdown``;
   * peak memory changed significantly and grew by more than ``max_memory_mib``;
-  * it ran ok in every base round and not in some head round (oom, error).
+  * it ran ok in every base round and not in some head round (oom, error);
+  * base measured it and head wrote no row of it (both sides swept the same suite).
+A base that failed a minority of its rounds is judged on its ok rounds, and says so; memory is
+judged on the rounds that recorded a peak, and a side without any says it was not judged.
+Rows of head that match none of base's (the point identity changed between the two codes) are
+no verdict at all: ``GateError``.
 A guard fails when, in head's rounds, its ``on`` variant's speedup over ``off`` (Hodges-Lehmann
 ratio of off/on) is below the floor recorded in the suite, or when its parity check failed.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.gate import stats
+from harness.gate.files import GateError
 from harness.row import match_key
 from harness.run.gate_spec import GateSpec, Guard
 
@@ -27,8 +33,9 @@ class SideRounds:
 
     status: str  # ok when every round was ok, else the first other status
     message: str
-    step_ms: list[float]  # per round, the round's p50
-    peak_mib: list[float]  # per round; empty on CPU
+    step_ms: list[float]  # per ok round, the round's p50
+    peak_mib: list[float]  # per ok round that recorded a peak; empty on CPU
+    rounds: int = 0  # rounds that measured the point, ok or not
 
 
 @dataclass
@@ -63,18 +70,21 @@ class GuardVerdict:
 
 
 def _collapse(rows_by_round: dict[int, list[dict]]) -> SideRounds:
-    step, mem = [], []
+    step, mem, worst = [], [], None
     for number in sorted(rows_by_round):
         rows = rows_by_round[number]
         bad = [r for r in rows if r.get("status") != "ok"]
         if bad:
-            worst = next((r for r in bad if r["status"] == "oom"), bad[0])
-            return SideRounds(worst["status"], str(worst.get("message") or "")[:300], [], [])
+            here = next((r for r in bad if r["status"] == "oom"), bad[0])
+            worst = worst if worst is not None and worst["status"] == "oom" else here
+            continue
         step.append(stats.median([float(r["step_ms"]["p50"]) for r in rows]))
         peaks = [float(r["peak_allocated_gib"]) * 1024 for r in rows if r.get("peak_allocated_gib")]
         if peaks:
             mem.append(stats.median(peaks))
-    return SideRounds("ok", "", step, mem if len(mem) == len(step) else [])
+    if worst is not None:
+        return SideRounds(worst["status"], str(worst.get("message") or "")[:300], step, mem, len(rows_by_round))
+    return SideRounds("ok", "", step, mem, len(rows_by_round))
 
 
 def side_points(rows: list[dict]) -> dict[str, tuple[dict, SideRounds]]:
@@ -90,13 +100,22 @@ def side_points(rows: list[dict]) -> dict[str, tuple[dict, SideRounds]]:
 
 def judge_point(p: PointVerdict, spec: GateSpec) -> PointVerdict:
     base, head = p.base, p.head
-    if base is None or head is None:
-        p.outcome, p.verdict = "warn", f"only in {'head' if base is None else 'base'}"
+    if head is None and base is not None:  # both swept one suite: head stopped measuring it
+        p.outcome, p.verdict = "fail", "missing in head"
+        p.reasons.append("base measured it; head wrote no row of it (the point no longer runs, or its identity changed)")
         return p
+    if base is None:
+        p.outcome, p.verdict = "warn", "only in head"
+        return p
+    notes = []
     if base.status != "ok":
-        p.outcome = "warn"
-        p.verdict = f"fixed (was {base.status})" if head.status == "ok" else f"{base.status} in both"
-        return p
+        ok_rounds = len(base.step_ms)
+        if head.status != "ok" or ok_rounds < 2 or 2 * ok_rounds < base.rounds:
+            p.outcome = "warn"
+            p.verdict = f"fixed (was {base.status})" if head.status == "ok" else f"{base.status} in both"
+            return p
+        # a flaky base round does not exempt the point: judged on base's ok rounds, and said
+        notes.append(f"base {base.status} in {base.rounds - ok_rounds} of {base.rounds} rounds, judged on the other {ok_rounds}")
     if head.status == "skipped":
         p.outcome, p.verdict = "warn", "skipped in head"
         p.reasons.append(f"skipped in head: {head.message}")
@@ -114,7 +133,9 @@ def judge_point(p: PointVerdict, spec: GateSpec) -> PointVerdict:
         p.reasons.append(f"step time x{p.time.estimate:.3f} [{p.time.low:.3f}, {p.time.high:.3f}], "
                          f"p = {p.time.p:.2g} < {spec.alpha:g}, beyond +{spec.max_slowdown:.0%}")
     grew = less = False
-    if base.peak_mib and head.peak_mib:
+    if bool(base.peak_mib) != bool(head.peak_mib):
+        notes.append(f"memory not judged: {'head' if base.peak_mib else 'base'} recorded no peak")
+    if len(base.peak_mib) >= 2 and len(head.peak_mib) >= 2:
         p.memory = stats.shift(base.peak_mib, head.peak_mib, alpha=spec.alpha)
         mem_sig = p.memory.p < spec.alpha
         grew = mem_sig and p.memory.estimate > spec.max_memory_mib
@@ -129,6 +150,10 @@ def judge_point(p: PointVerdict, spec: GateSpec) -> PointVerdict:
         p.verdict = " and ".join(v for v, hit in (("faster", faster), ("less memory", less)) if hit)
     elif significant:
         p.verdict = f"changed {p.time.estimate - 1:+.1%}, within {spec.max_slowdown:.0%}"
+    if notes:
+        p.verdict = "; ".join([p.verdict, *notes]) if p.verdict else "; ".join(notes)
+        if p.outcome != "fail":
+            p.outcome = "warn"
     return p
 
 
@@ -174,6 +199,10 @@ def judge(base_rows: list[dict], head_rows: list[dict], spec: GateSpec, parity_r
     """Points from the judged rows; guards from ``guard_rows`` (head's rows of every variant;
     default ``head_rows``) and, where base ran them too, ``base_guard_rows``."""
     base_points, head_points = side_points(base_rows), side_points(head_rows)
+    if base_points and head_points and not set(base_points) & set(head_points):
+        raise GateError(f"none of head's {len(head_points)} points matches one of base's {len(base_points)}: the "
+                        "fields that name a point (harness.row.match_key: data, switches, lora_dtype, ...) "
+                        "changed between the two codes, so nothing can be compared; gate that change by hand")
     head_all = side_points(guard_rows) if guard_rows is not None else head_points
     base_all = side_points(base_guard_rows) if base_guard_rows is not None else base_points
     points = []
