@@ -44,7 +44,9 @@ FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM
 BENCH_KEY = ("kind", "model", "seq_len", "doc_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type",
              "corpus", "adapter_seed",  # convergence: another corpus, order or seed is another measurement
-             "stack", "settings", "lora_rank")  # memory: another stack, set of switches or rank is another measurement
+             "stack", "settings", "lora_rank",  # memory: another stack, set of switches or rank is another measurement
+             "loss_mode", "dtype", "attn",  # offload: the full loss's rows beside the chunked one's, not over them
+             "attn_implementation", "experts_implementation")  # trainer: which stock attention and experts ran
 
 
 def now() -> str:

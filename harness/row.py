@@ -152,6 +152,7 @@ MEASURED = {
     "hardware_flops_per_step": "the FLOPs executed, recompute included",
     "mfu": "model FLOPs utilization (None with mfu_note when the peak is unknown)",
     "hfu": "hardware FLOPs utilization",
+    "flops_version": "the FLOP count's version (harness.measure.flops.FLOPS_VERSION; reports show no hfu of an older one)",
     "mfu_note": "why mfu is None",
     "num_docs": "documents per measured batch",
     "sum_len": "tokens per measured batch",

@@ -74,3 +74,27 @@ def test_full_finetune_counts_everything_as_trained():
     m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=None, gradient_checkpointing=False)
     frozen, adapter = flops.matmul_params(m)
     assert frozen == 0 and adapter > 0
+
+
+def test_the_lm_head_is_not_counted_as_recomputed():
+    """Checkpointing runs the decoder layers again, never the lm_head and the loss: HFU's extra
+    forward leaves the output projection out, and a row of the older count shows no HFU."""
+    kw = dict(tokens=1000, frozen_params=600, adapter_params=10, doc_lengths=[1000], layer_windows=[None],
+              num_heads=2, head_dim=4)
+    plain = flops.step_flops(**kw, recompute=1.0)
+    headed = flops.step_flops(**kw, recompute=1.0, head_params=100)
+    assert headed.model_flops == plain.model_flops
+    assert plain.hardware_flops - headed.hardware_flops == 2.0 * 100 * 1000
+    assert flops.step_flops(**kw, recompute=0.0, head_params=100).hardware_flops == plain.model_flops
+    spec = models.get("qwen3-0.6b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+    cfg = m.config
+    assert flops.head_params(m) == cfg.vocab_size * cfg.hidden_size  # tied or not, one output projection
+    assert flops.hfu_of({"hfu": 0.5}) is None and flops.hfu_of({"hfu": 0.5, "flops_version": flops.FLOPS_VERSION}) == 0.5
+
+
+def test_peak_lookup_matches_whole_words():
+    assert flops.peak_flops("NVIDIA L40") == 181.05e12 and flops.peak_flops("NVIDIA L4") == 121e12  # not the L4's
+    assert flops.peak_flops("NVIDIA H200 NVL") == 835.5e12 and flops.peak_flops("NVIDIA H200") == 989.4e12
+    assert flops.peak_flops("NVIDIA GH200 480GB") == 989.4e12 and flops.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert flops.peak_flops("NVIDIA H100 PCIe") == 756e12 and flops.peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12

@@ -16,7 +16,7 @@ def _row(model, seq_len, variant, p50, peak=None, hfu=None, status="ok", message
     r = {"kind": "step", "gpu_slug": "h100", "model": model, "seq_len": seq_len, "variant": variant,
          "status": status, "message": message, "recorded_at": "2026-11-23T07:00:00+00:00", "env": {"git_sha": "abc"}}
     if status == "ok":
-        r.update(step_ms={"p20": p50 - 1, "p50": p50, "p80": p50 + 1}, peak_allocated_gib=peak, hfu=hfu)
+        r.update(step_ms={"p20": p50 - 1, "p50": p50, "p80": p50 + 1}, peak_allocated_gib=peak, hfu=hfu, flops_version=2)
     return r
 
 
@@ -51,6 +51,10 @@ def test_targets_are_judged_on_the_measured_values():
     assert goals["user ≥ 1.3× faster than Liger, qwen3-8b at 8192 tokens (h100)"] == (pytest.approx(1251.5 / 988.1), False)
     assert goals["user peak ≤ 1× Liger's, qwen3-8b at 8192 tokens (h100)"] == ((pytest.approx(20.87 / 20.55), 20.87, 20.55), False)
     assert goals["user HFU ≥ 45%, qwen3-8b at 8192 tokens (h100)"] == (0.40, False)
+    # a row of the older FLOP count (the lm_head counted as recomputed) judges no HFU, and says why
+    old = [{k: v for k, v in r.items() if k != "flops_version"} for r in ROWS]
+    assert _goals(old, SPEC)["user HFU ≥ 45%, qwen3-8b at 8192 tokens (h100)"] == (
+        "recorded with an older FLOP count (the lm_head counted as recomputed): not judged", None)
     assert goals["user ≤ 270 ms, gpt-oss-20b at 2048 tokens (h100)"] == (236.5, True)
     with fmt.recording() as tables:
         assert user_md(ROWS, SPEC).startswith("## The user's path beside the peers")

@@ -39,3 +39,17 @@ def test_corrupt_row_is_an_error_not_silently_dropped(tmp_path):
     with pytest.raises(ValueError):
         res.append_row(path, {"point_id": "b"})
     assert path.read_text() == before  # nothing written over a file we could not read
+
+
+def test_a_bench_rerun_with_another_loss_or_attention_keeps_the_earlier_rows():
+    """The offload bench's full-loss rows sit beside its chunked-loss rows (their peaks differ by
+    the logits), and the Trainer bench's sdpa rows beside its flex rows: each setting is its own
+    measurement; the same setting again replaces its row."""
+    offload = {"kind": "offload", "model": "m", "seq_len": 2048, "mode": "double", "loss_mode": "chunked",
+               "dtype": "bf16", "attn": "sdpa"}
+    assert res.bench_key(offload) != res.bench_key({**offload, "loss_mode": "full"})
+    assert res.bench_key(offload) != res.bench_key({**offload, "attn": "flex_attention"})
+    trainer = {"kind": "trainer", "model": "m", "mode": "graphed", "tokens": 2048, "attn_implementation": "flex_attention",
+               "experts_implementation": "grouped_mm"}
+    assert res.bench_key(trainer) != res.bench_key({**trainer, "attn_implementation": "sdpa"})
+    assert res.bench_key(trainer) == res.bench_key({**trainer, "ms": 1.0})

@@ -170,6 +170,8 @@ gradient_checkpointing = false
         assert all(v >= 0 for v in phases.values())
         assert sum(phases.values()) - phases["wait"] <= row["wall_s"] + 0.05
         assert phases["measured"] > 0 and phases["wait"] < took
+        # the first step's loss is in the row too: numerics are judged from the first step
+        assert len(row["warmup_losses"]) == row["warmup_steps"] and all(x > 0 for x in row["warmup_losses"])
     if launcher == "process":  # each point imports torch itself; a fork of the server has it
         assert first["setup_s"]["wait"] > 0.5 and second["setup_s"]["wait"] > 0.5
 

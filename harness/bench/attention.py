@@ -122,7 +122,8 @@ def measure(backend: str, seq_len: int, doc_len: int, *, heads: int, kv_heads: i
             "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."),
             "forward_ms": fwd, "forward_backward_ms": both, "forward_flops": flops,
             "forward_backward_peak_kib_per_token": peak,
-            # the backward's useful FLOPs are 2.5x the forward's (dQ, dK, dV and the recomputed scores)
+            # FlashAttention's convention: the backward 2.5x the forward, its recomputed scores included
+            # (harness.measure.flops counts 2x for MFU, so these TFLOP/s read about 17 % above that count)
             "forward_tflops": flops / fwd["p50"] / 1e9 if fwd["p50"] else None,
             "forward_backward_tflops": 3.5 * flops / both["p50"] / 1e9 if both["p50"] else None,
             "kernel_calls": P.kernels(), "status": "ok"}

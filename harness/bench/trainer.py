@@ -64,6 +64,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
             diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])), default=None)
         rows.append({"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
                      "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
+                     "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
                      "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
                      "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
                      "max_rel_loss_diff_vs_stock": diff,

@@ -6,36 +6,49 @@ input gradients for frozen weights (2·N_frozen) but input and weight gradients 
 (query, key) pair in the forward (QKᵀ and PV), 2× that in the backward. With packing, the pairs
 come from each document alone: Σ ℓ(ℓ+1)/2 causally, fewer under a sliding window.
 
-MFU counts the model FLOPs; HFU adds the forward that gradient checkpointing recomputes.
+MFU counts the model FLOPs; HFU adds the forward that gradient checkpointing recomputes: the
+decoder layers', not the lm_head's (it and the loss run once). ``FLOPS_VERSION`` 2 is that count;
+rows of version 1 (no ``flops_version``) counted the lm_head as recomputed too, so ``hfu_of``
+gives no HFU for them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+FLOPS_VERSION = 2  # 2: the lm_head is not counted as recomputed (1 counted it)
 
 # Dense bf16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS: dict[str, float] = {
     "h100 sxm": 989.4e12,
     "h100 80gb hbm3": 989.4e12,
     "h100 pcie": 756.0e12,
-    "h100 nvl": 835.0e12,
+    "h100 nvl": 835.5e12,
     "h200": 989.4e12,
+    "h200 nvl": 835.5e12,
     "gh200": 989.4e12,
     "b200": 2250e12,
     "a100": 312e12,
     "l40s": 362.05e12,
+    "l40": 181.05e12,
     "l4": 121e12,
 }
 
 
 def peak_flops(device_name: str) -> float | None:
     """The bf16 peak for a GPU name, or None if unknown: we refuse to guess."""
-    name = device_name.lower().replace("nvidia", "").strip()
-    # longest key first so "h100 pcie" wins over a shorter partial match
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in name:
+    words = set(re.split(r"[\s_-]+", device_name.lower().replace("nvidia", "").strip()))
+    # whole words only ("l4" is not in "l40"), the most specific key first ("h100 pcie" before "h100")
+    for key in sorted(PEAK_BF16_FLOPS, key=lambda k: (len(k.split()), len(k)), reverse=True):
+        if set(key.split()) <= words:
             return PEAK_BF16_FLOPS[key]
     return None
+
+
+def hfu_of(row: dict) -> float | None:
+    """A row's HFU where the FLOP count it was computed with is the current one, else None."""
+    return row.get("hfu") if (row.get("flops_version") or 1) >= FLOPS_VERSION else None
 
 
 def attended_pairs(length: int, window: int | None = None) -> int:
@@ -65,9 +78,12 @@ def step_flops(
     num_heads: int,
     head_dim: int,
     recompute: float,
+    head_params: int = 0,
 ) -> StepFlops:
     """FLOPs of one step over ``tokens`` tokens; ``recompute`` is the share of the layers whose
-    forward gradient checkpointing runs again (True: all, False: none).
+    forward gradient checkpointing runs again (True: all, False: none); ``head_params`` are the
+    part of ``frozen_params`` and ``adapter_params`` in the output projection, which no
+    checkpoint recomputes.
 
     ``frozen_params``/``adapter_params`` are the matmul parameters each token passes through
     (for MoE, only the active experts' share). ``layer_windows`` has one entry per decoder layer:
@@ -78,7 +94,8 @@ def step_flops(
     linear_fwd = 2.0 * (frozen_params + adapter_params) * tokens
     linear_bwd = 2.0 * frozen_params * tokens + 4.0 * adapter_params * tokens
     model = linear_fwd + linear_bwd + 3.0 * attn_fwd
-    hardware = model + (linear_fwd + attn_fwd) * float(recompute)
+    layers_fwd = linear_fwd - 2.0 * head_params * tokens  # what a recompute runs again
+    hardware = model + (layers_fwd + attn_fwd) * float(recompute)
     return StepFlops(model, hardware, frozen_params, adapter_params, attn_fwd)
 
 
@@ -107,6 +124,20 @@ def matmul_params(model, num_experts: int = 0, experts_per_token: int = 0) -> tu
         else:
             frozen += n
     return frozen, adapter
+
+
+def head_params(model) -> int:
+    """The output projection's matmul parameters (lm_head, or the tied embedding), an adapter on
+    it included: part of ``matmul_params``' count, and run once a step whatever is checkpointed."""
+    n = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or p.dim() < 2:
+            continue
+        seen.add(id(p))
+        if "lm_head" in name or ("embed_tokens" in name and _is_tied(model)):
+            n += p.numel()
+    return n
 
 
 def _is_tied(model) -> bool:

@@ -7,6 +7,7 @@ from typing import Callable
 
 import pandas as pd
 
+from harness.measure.flops import hfu_of
 from harness.report.palette import ROLE_LABEL
 from harness.roles import PARTS, parts, role_of
 
@@ -59,7 +60,7 @@ def steps_frame(rows: list[dict]) -> pd.DataFrame:
             stats = row.get(metric) or {}
             records.append({**ids, "metric": metric, **{s: stats.get(s) for s in STATS}})
         for metric in SCALAR_METRICS:
-            value = row.get(metric)
+            value = hfu_of(row) if metric == "hfu" else row.get(metric)  # no HFU of an older FLOP count
             records.append({**ids, "metric": metric, **{s: value for s in STATS}})
     df = pd.DataFrame.from_records(records, columns=[*ID_COLUMNS, "metric", *STATS])
     df[list(STATS)] = df[list(STATS)].astype(float)

@@ -372,6 +372,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         "compiled_graphs_per_step": compiles,
         # what the peaks span: the measured steps, or (graphed) the capture and the replays
         "peak_scope": "capture and replays" if graphed is not None else "measured steps",
+        "warmup_losses": warmup_losses,  # the first step's loss included: numerics from the first step
     }
     if run.world is not None:  # after the measured steps: one more, profiled, for its collectives
         out.update(distributed.collective_ms(lambda: run.step(point, n_steps - 1)))

@@ -141,6 +141,7 @@ def recomputed_share(point, model) -> float:
 
 def flops(point, spec, model, measured, times, device) -> dict:
     frozen, adapter = flopsmod.matmul_params(model, spec.num_experts, spec.experts_per_token)
+    head = flopsmod.head_params(model)
     share = recomputed_share(point, model)
     windows = flopsmod.layer_windows(spec.config())
     per_step = [
@@ -148,14 +149,15 @@ def flops(point, spec, model, measured, times, device) -> dict:
             tokens=b.sum_len, frozen_params=frozen, adapter_params=adapter,
             doc_lengths=[l for r in b.lengths for l in r], layer_windows=windows,
             num_heads=spec.num_attention_heads, head_dim=spec.head_dim,
-            recompute=share,
+            recompute=share, head_params=head,
         )
         for b in measured
     ]
     model_flops = sum(f.model_flops for f in per_step) / len(per_step)
     hw_flops = sum(f.hardware_flops for f in per_step) / len(per_step)
     out = {"model_flops_per_step": model_flops, "hardware_flops_per_step": hw_flops,
-           "flops_per_step": model_flops, "mfu": None, "hfu": None, "mfu_note": ""}
+           "flops_per_step": model_flops, "mfu": None, "hfu": None, "mfu_note": "",
+           "flops_version": flopsmod.FLOPS_VERSION}
     if device.type != "cuda":
         out["mfu_note"] = "no GPU peak on CPU"
         return out
