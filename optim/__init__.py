@@ -95,6 +95,8 @@ def enable(model, *, only=None, **settings):
         if outside:
             raise ValueError(f"switch(es) {outside} belong to modules outside only={tuple(names)}")
         mods = {k: v for k, v in mods.items() if k in names}
+    for mod in mods.values():  # every value checked (keywords and OPTIM_* alike) before the model changes
+        resolved(mod, **{k: v for k, v in settings.items() if k in mod.SWITCHES})
     done = {}
     for name, mod in mods.items():
         own = {k: v for k, v in settings.items() if k in mod.SWITCHES}

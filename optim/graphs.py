@@ -126,11 +126,19 @@ class GraphedStep:
 
     ``forward_loss()`` runs the model on the caller's static input tensors and returns the
     scalar loss. ``warmup`` eager steps run on a side stream before the capture, as torch asks
-    (they train the model like any other step).
+    (they train the model like any other step). At least one: the first step makes the optimizer's
+    state, which a capture would otherwise record, zero-fills included, and replay every step.
+
+    The optimizer step's learning rate is the one it was captured with where it is a float (a
+    kernel argument): ``optimizer_step`` refuses to replay once a group's float lr has changed (a
+    scheduler's step). A learning rate built as a tensor is read by the graph at each replay.
     """
 
     def __init__(self, forward_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
                  *, warmup: int = 2):
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"GraphedStep warmup must be an int >= 1 (the optimizer's state is made in an "
+                             f"eager step, not in the capture), got {warmup!r}")
         if not torch.cuda.is_available():
             raise CaptureError("a CUDA graph needs a CUDA device; none is visible")
         self.forward_loss = forward_loss
@@ -174,6 +182,7 @@ class GraphedStep:
                 "shape); see optim.graphs for what a capturable step needs") from e
         torch.cuda.synchronize()
         self.graphs = (fwd, bwd, opt)
+        self._captured_lr = _float_lrs(self.optimizer)
         self.loss = loss.detach()
         self.capture_ms = (time.perf_counter() - t0) * 1e3
 
@@ -191,4 +200,14 @@ class GraphedStep:
         self._graph(1).replay()
 
     def optimizer_step(self) -> None:
-        self._graph(2).replay()
+        graph = self._graph(2)
+        if _float_lrs(self.optimizer) != self._captured_lr:
+            raise CaptureError("the optimizer's learning rate changed after the capture, and a float lr is "
+                               "fixed in the captured step: build the optimizer with lr=torch.tensor(lr, "
+                               "device='cuda') so a scheduler's changes reach the graph")
+        graph.replay()
+
+
+def _float_lrs(optimizer: torch.optim.Optimizer) -> list:
+    """Each param group's lr where it is a plain number (None where a tensor: read at replay)."""
+    return [None if isinstance(g.get("lr"), torch.Tensor) else g.get("lr") for g in optimizer.param_groups]

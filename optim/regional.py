@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from optim._fallback import passes_through
+from optim._fallback import passes_through, recompile_limit
 from optim._hf import owner
 from optim.packing.routing import in_stock_mode
 from optim.switches import Switch, switches_of
@@ -123,7 +123,10 @@ class _LayerCall:
         if state.failed is None:
             state.calls["compiled"] += 1  # counted before: checkpoint's early stop raises out
             try:
-                return compiled(*args, **kwargs)
+                # the limit the other compiled paths raise: train and eval, adapters on and off, a
+                # second model and a new length each make an entry, past dynamo's 8 it runs eager
+                with recompile_limit():
+                    return compiled(*args, **kwargs)
             except Exception as e:  # a compiler failure must not stop training
                 if passes_through(e):
                     raise

@@ -46,7 +46,10 @@ class Switch:
         if explicit is not None:
             return self.parse(explicit)
         if self.env_var in os.environ:
-            return self.parse(os.environ[self.env_var])
+            try:
+                return self.parse(os.environ[self.env_var])
+            except ValueError as e:  # say where the value came from: no keyword named it
+                raise ValueError(f"{e} (from the environment variable {self.env_var})") from None
         return self.default
 
 

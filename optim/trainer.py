@@ -81,7 +81,7 @@ class GraphedTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        inputs = {k: v for k, v in self._prepare_inputs(inputs).items() if k not in _HOST_ONLY}
+        inputs = self._device_inputs(self._prepare_inputs(inputs))
         if self._graph is None:
             if any(p.grad is not None for p in self._trainable(model)):
                 # capture at the start of an accumulation cycle, so no partial sum is in flight
@@ -92,6 +92,19 @@ class GraphedTrainer(Trainer):
         self._graph.replay()
         self._accumulate(model)
         return self._loss.detach().clone()
+
+    @staticmethod
+    def _device_inputs(inputs: dict) -> dict:
+        """The batch as the graph takes it: tensors only. Host metadata (``packing=``) cannot be
+        refilled into a graph, so the documents travel as the position_ids it gives (restarting at
+        each document); a batch with both keeps its own position_ids (checked against it eagerly)."""
+        out = {k: v for k, v in inputs.items() if k not in _HOST_ONLY}
+        meta = inputs.get("packing")
+        if meta is not None and out.get("position_ids") is None:
+            ids = out.get("input_ids")
+            out["position_ids"] = meta.position_ids().to(ids.device if isinstance(ids, torch.Tensor) else "cpu",
+                                                         non_blocking=True)
+        return out
 
     @staticmethod
     def _trainable(model) -> list[torch.nn.Parameter]:
@@ -167,13 +180,20 @@ class GraphedTrainer(Trainer):
                                "The usual cause is a host sync inside compute_loss or the model (.item(), "
                                "nonzero, a data-dependent shape); see optim.graphs") from e
         self._graph, self._loss = graph, loss
+        self._graph_params = params
         self._graph_grads = [p.grad for p in params]
         self._accum = [torch.empty_like(g) if g is not None else None for g in self._graph_grads]
         for p in params:
             p.grad = None
 
     def _accumulate(self, model) -> None:
-        for p, g, acc in zip(self._trainable(model), self._graph_grads, self._accum):
+        params = self._trainable(model)
+        if len(params) != len(self._graph_params) or any(a is not b for a, b in zip(params, self._graph_params)):
+            # each captured gradient belongs to one parameter: another trainable set (requires_grad
+            # changed, set_adapter, a new model) would hand gradients to the wrong parameters
+            raise CaptureError("the trainable parameters changed after the step was captured (requires_grad, "
+                               "set_adapter, model_init); build a new GraphedTrainer for the new set")
+        for p, g, acc in zip(params, self._graph_grads, self._accum):
             if g is None:
                 continue
             if p.grad is None:  # a new accumulation cycle (Trainer's zero_grad set it to None)

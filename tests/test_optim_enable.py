@@ -50,6 +50,22 @@ def test_unknown_switch_is_refused():
     assert "moe_backend" in optim.SWITCHES and "offload" in optim.SWITCHES
 
 
+def test_an_invalid_environment_value_is_named_and_leaves_the_model_as_it_was(monkeypatch):
+    """OPTIM_COMPILE_LAYERS set to nonsense: one error that names the variable, raised before any
+    module changed the model (no attention swapped, no loss patched, nothing to disable)."""
+    model = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4)
+    attention = model.config._attn_implementation
+    from optim import loss as optim_loss
+
+    forward = type(optim_loss.causal_lm(model)).forward
+    monkeypatch.setenv("OPTIM_COMPILE_LAYERS", "yes please")
+    with pytest.raises(ValueError, match="from the environment variable OPTIM_COMPILE_LAYERS"):
+        optim.enable(model)
+    assert model.config._attn_implementation == attention and optim.enabled(model) == {}
+    lm = optim_loss.causal_lm(model)
+    assert "forward" not in vars(lm) and type(lm).forward is forward  # the stock loss, untouched
+
+
 def test_data_parallel_of_an_enabled_model_is_refused_with_the_way_out_and_disable_lifts_it():
     # nn.DataParallel (what Trainer does with several GPUs and no launcher) replicates every module
     # through _replicate_for_data_parallel: its replicas would call the forwards optim bound

@@ -159,3 +159,37 @@ def test_compiled_layers_under_offloaded_checkpointing(mode):
     assert "compile_error" not in d and d["layer_calls"]["eager"] == 0
     if mode == "double":
         assert off.stats()["offloaded"] > 0
+
+
+def test_adapters_train_and_eval_stay_compiled_past_dynamos_default_recompile_limit(monkeypatch):
+    """Four adapters, each on and off, in train and in eval: 16 entries per layer, past dynamo's
+    default of 8, after which it would run the layers eager without a word in describe()."""
+    import functools
+    import io
+
+    from peft import LoraConfig
+
+    from optim import regional
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # no C++ build here
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.float32, lora_rank=4,
+                         gradient_checkpointing=False)
+        for name in "bcd":
+            m.add_adapter(name, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        optim.enable(m, compile_layers=True)
+        ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+        for mode in ("train", "eval"):
+            getattr(m, mode)()
+            for adapter in ("default", "b", "c", "d"):
+                m.set_adapter(adapter)
+                m(input_ids=ids, labels=ids)
+                with m.disable_adapter():
+                    m(input_ids=ids, labels=ids)
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert "recompile_limit" not in said.getvalue() and "cache_size_limit" not in said.getvalue(), said.getvalue()[-500:]
+    assert regional.describe(m)["layer_calls"]["eager"] == 0

@@ -47,3 +47,60 @@ def test_checkpointing_a_capture_cannot_take_is_refused_with_the_fix():
     off = offload.enable(models.build(spec, device="cpu", dtype=torch.float32, lora_rank=2), offload="double")
     with pytest.raises(CaptureError, match="leave optim.offload off"):
         check_checkpointing(off)
+
+
+def test_a_batch_of_packing_metadata_reaches_the_graph_as_its_position_ids():
+    """The graph refills tensors only: a batch that names its documents by ``packing=`` alone
+    reaches the captured step with the position_ids that metadata gives, not as one document a row."""
+    from optim.trainer import GraphedTrainer
+
+    batch = PackingCollator(max_length=16, rows=2)([{"input_ids": [1, 2, 3]}, {"input_ids": [4] * 10}])
+    meta = batch.pop("packing")
+    given = batch.pop("position_ids")
+    got = GraphedTrainer._device_inputs({**batch, "packing": meta})
+    assert "packing" not in got and torch.equal(got["position_ids"], given)
+    own = torch.zeros_like(given)
+    assert GraphedTrainer._device_inputs({**batch, "packing": meta, "position_ids": own})["position_ids"] is own
+
+
+def test_gradients_are_not_handed_to_another_set_of_parameters():
+    """The captured gradients belong to the parameters trainable at capture; another set (a frozen
+    adapter, set_adapter) must not receive them by position."""
+    from optim.trainer import GraphedTrainer
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    trainer = GraphedTrainer.__new__(GraphedTrainer)  # its CUDA checks aside: only the hand-over is run
+    trainer._graph_params = [p for p in model.parameters()]
+    trainer._graph_grads = [torch.ones_like(p) for p in trainer._graph_params]
+    trainer._accum = [torch.empty_like(p) for p in trainer._graph_params]
+    trainer._accumulate(model)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+    model[0].requires_grad_(False)
+    with pytest.raises(CaptureError, match="trainable parameters changed after the step was captured"):
+        trainer._accumulate(model)
+
+
+def test_a_graphed_step_refuses_no_warm_up_and_a_learning_rate_changed_after_capture():
+    """Without a warm-up step the capture would record the optimizer's state being made and replay
+    it every step; a float lr is fixed in the captured step, so a scheduler's change is refused
+    rather than ignored. A tensor lr is read at each replay."""
+    from optim.graphs import GraphedStep, _float_lrs
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        GraphedStep(lambda: torch.zeros(()), opt, warmup=0)
+    replays = []
+
+    class Replayed:  # stands in for the captured optimizer graph: it only counts its replays
+        def replay(self):
+            replays.append(1)
+
+    step = GraphedStep.__new__(GraphedStep)
+    step.optimizer, step.graphs, step._captured_lr = opt, (None, None, Replayed()), _float_lrs(opt)
+    step.optimizer_step()
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5).step()  # a scheduler halves the lr
+    with pytest.raises(CaptureError, match="learning rate changed after the capture"):
+        step.optimizer_step()
+    assert len(replays) == 1
+    tensor_lr = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor(1e-3))
+    assert _float_lrs(tensor_lr) == [None]
