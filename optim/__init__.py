@@ -81,6 +81,11 @@ def enable(model, *, only=None, **settings):
     with ``offload="none"`` still routes checkpointing through the offloader. ``enabled(model)``
     says what the calls applied; ``disable(model)`` undoes them all.
     """
+    import torch
+
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        raise TypeError(f"optim.enable got a {type(model).__name__}: enable the model it wraps "
+                        "(optim.enable(model.module), or before wrapping it), then wrap the enabled model")
     mods = _modules()
     known = {k for mod in mods.values() for k in mod.SWITCHES}
     unknown = set(settings) - known

@@ -47,6 +47,8 @@ def test_one_call_keeps_loss_and_grads(name):
 def test_unknown_switch_is_refused():
     with pytest.raises(ValueError, match="unknown optim switch.*valid: .*packing_cache"):
         optim.enable(torch.nn.Linear(2, 2), packing_cahce=False)
+    with pytest.raises(TypeError, match=r"got a DataParallel: enable the model it wraps \(optim.enable\(model.module\)"):
+        optim.enable(torch.nn.DataParallel(torch.nn.Linear(2, 2)))
     assert "moe_backend" in optim.SWITCHES and "offload" in optim.SWITCHES
 
 
