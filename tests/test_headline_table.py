@@ -93,3 +93,25 @@ def test_the_range_sentence_keeps_points_without_every_peer_apart():
     assert "1.24× at qwen3-14b 8192 on the H200 (against Liger-Kernel, 2 of 4 peers run)" in text
     only_some = headline._range(cite.Figures(), "packing", [some])
     assert only_some.startswith("**packing** (`experiments/packing.toml`): Over the 1 point one run measured, not every peer ran")
+
+
+def test_a_peer_with_and_without_checkpointing_is_its_faster_step_and_its_lower_peak():
+    """The ratio is against the faster of a peer's two variants; the memory cell against the lower
+    peak of them: a user chooses one or the other, and each figure takes that user's choice."""
+    from harness.report.blog import data
+
+    rows = []
+    for variant, role, stack, ms, peak in (("stock", "stock", "", 1500.0, 30.0),
+                                           ("stock-compiled", "stock-compiled", "compiled", 985.0, 32.1),
+                                           ("stock-compiled-nockpt", "stock-compiled", "compiled", 760.0, 60.0),
+                                           ("liger", "peer", "liger", 1250.0, 20.55), ("user", "user", "user", 569.0, 54.48)):
+        r = _row(variant, ms, peak)
+        r.update(role=role, stack=stack, baseline_variant="stock", point_id=f"p-{variant}")
+        rows.append(r)
+    (p,) = data.role_points(rows)
+    assert p.rows["stock-compiled"]["variant"] == "stock-compiled-nockpt"
+    assert p.low["stock-compiled"]["variant"] == "stock-compiled"
+    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
+    assert cells["enable() against the fastest other"].startswith("1.33× (stock + torch.compile")  # 760 / 569
+    assert cells["peak, enable() / the lowest other"].strip() == "54.48 GiB / 20.55 GiB"

@@ -113,16 +113,17 @@ def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_non
     rows = [{**r, "baseline_variant": "stock", "role": roles[r["variant"]][0], "stack": roles[r["variant"]][1]}
             for r in ROWS]
     targets = {"targets": SPEC["targets"]}
-    assert variant_names(rows, targets) == {"stock": "stock", "compiled": None, "liger": "liger", "unsloth": None, "user": "user"}
+    assert variant_names(rows, targets) == {"stock": ("stock",), "compiled": (), "liger": ("liger",), "unsloth": (),
+                                            "user": ("user",)}
     def seen(pts):
         return [(p["model"], p["ms"], p["over_stock"], p["over_liger"], list(p["others"])) for p in pts]
     assert seen(user_points(rows, targets)) == seen(user_points(ROWS, SPEC))
     # an older row's ours-default with the user's stack is the user's path too
     older = [{**r, "role": "ours-default"} if r["variant"] == "user" else r for r in rows]
-    assert variant_names(older, targets)["user"] == "user"
+    assert variant_names(older, targets)["user"] == ("user",)
     # two variants of role user: the spec must choose, else the column is empty
     two = rows + [{**r, "variant": "user-2"} for r in rows if r["variant"] == "user"]
-    assert variant_names(two, targets)["user"] is None and variant_names(two, {"user": "user-2"})["user"] == "user-2"
+    assert variant_names(two, targets)["user"] == () and variant_names(two, {"user": "user-2"})["user"] == ("user-2",)
     with fmt.recording() as tables:
         user_md(two, targets)
     assert "optim.enable (`–`) ms" in tables[0].header
@@ -144,7 +145,7 @@ def test_every_committed_user_experiment_finds_its_columns_by_role():
         want = [c for c in names if c != "unsloth" or any(f.get("stack") == "unsloth" for f in fields)]
         assert all(names[c] for c in want), path.name
         if path.name == "user.toml":
-            assert names["unsloth"] == "unsloth"
+            assert names["unsloth"] == ("unsloth", "unsloth-nockpt")  # with and without checkpointing
 
 
 def test_a_compiled_stock_faster_than_the_other_peers_is_the_headline_denominator():
@@ -276,3 +277,22 @@ def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not
     (p,) = user_points(run1 + oom, {})
     assert p["rows"]["liger"]["status"] == "oom" and p["elsewhere"] == {"compiled", "unsloth"}  # run1's, marked
     assert p["fastest_peer"] == "stock" and p["over_fastest"] == pytest.approx(1490.0 / 610.0)
+
+
+def test_a_peer_run_with_and_without_checkpointing_is_one_column_at_its_faster():
+    """A competent user turns checkpointing off where the model fits: the column of a peer run both
+    ways shows, at each point, the faster of the two, and the headline ratio is against it."""
+    def peer(v, ms, role, stack, peak=30.0):
+        return {**_row("qwen3-8b", 8192, v, ms, peak), "baseline_variant": "stock", "role": role, "stack": stack}
+
+    rows = [peer("stock", 1500.0, "stock", ""), peer("stock-compiled", 985.0, "stock-compiled", "compiled", 18.0),
+            peer("stock-compiled-nockpt", 760.0, "stock-compiled", "compiled", 60.0), peer("liger", 1250.0, "peer", "liger"),
+            peer("user", 569.0, "user", "user")]
+    names = variant_names(rows, {})
+    assert names["compiled"] == ("stock-compiled", "stock-compiled-nockpt")
+    (p,) = user_points(rows, {})
+    assert p["rows"]["compiled"]["variant"] == "stock-compiled-nockpt" and p["fastest_peer"] == "compiled"
+    assert round(p["over_fastest"], 4) == round(760.0 / 569.0, 4) and "stock-compiled-nockpt" not in p["others"]
+    assert p["peak"]["compiled"] == 18.0  # its memory is the checkpointed variant's: the lower of the two
+    text = user_md(rows, {})
+    assert "stock + compile (`stock-compiled / stock-compiled-nockpt`) ms" in text

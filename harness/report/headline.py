@@ -48,7 +48,8 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
         user = p.rows.get("user")
         # the fastest of the peers that ran: say so where some did not
         vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]}{p.peers_short()})" if fastest and user else "–"
-        others = [p.rows[r] for r in PEERS if r in p.rows and p.rows[r].get("peak_allocated_gib") is not None]
+        # each peer's lowest peak over its variants: its checkpointed run where the faster one is not
+        others = [p.low[r] for r in PEERS if r in p.low]
         low = min(others, key=lambda r: float(r["peak_allocated_gib"]), default=None)
         mem = (f"{f.gib(user)} / {f.gib(low)}" if user and low and user.get("peak_allocated_gib") is not None else "–")
         exp = str((user or p.rows.get("stock") or {}).get("experiment"))

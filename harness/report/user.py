@@ -34,20 +34,36 @@ _PLAYS = {"stock": lambda r: r.get("variant") == r.get("baseline_variant"),
           "user": lambda r: role_of(r) == "user"}
 
 
-def variant_names(rows: list[dict], spec: dict) -> dict[str, str | None]:
-    """Each of the three columns' variant: as ``spec`` names it, else the one variant whose rows play
-    it (None where none does, or several do and the spec does not choose)."""
+def variant_names(rows: list[dict], spec: dict) -> dict[str, tuple[str, ...]]:
+    """Each column's variants: as ``spec`` names them (a name or a list), else every variant whose
+    rows play it (empty where none does). A peer run both with and without checkpointing is two
+    variants of one column: at each point the column shows the faster, as a user would choose.
+    The user's path is one call: where several variants play it, the spec must choose one."""
     out = {}
     for col in ROLES:
-        found = sorted({str(r.get("variant")) for r in rows if _PLAYS[col](r)})
-        out[col] = spec.get(col) or (found[0] if len(found) == 1 else None)
+        named = spec.get(col)
+        found = tuple(sorted({str(r.get("variant")) for r in rows if _PLAYS[col](r)}))
+        if named:
+            out[col] = (named,) if isinstance(named, str) else tuple(named)
+        else:
+            out[col] = found if col in PEERS or len(found) == 1 else ()
     return out
 
 
-def _best(rows: list[dict], variant: str) -> dict | None:
-    """The variant's row at a point: the ok repeat with the median step p50, else its failure."""
-    mine = [r for r in rows if r.get("variant") == variant]
-    return median_repeat(mine) or (mine[0] if mine else None)
+def shown(variants: tuple[str, ...]) -> str:
+    """A column's variants as a header names them."""
+    return " / ".join(variants) if variants else DASH
+
+
+def _best(rows: list[dict], variants) -> dict | None:
+    """The column's row at a point: of its variants' ok rows (each variant's median repeat), the
+    fastest; else a failure of one of them."""
+    variants = (variants,) if isinstance(variants, str) else tuple(variants)
+    picks = [r for v in variants if (r := median_repeat([x for x in rows if x.get("variant") == v]))]
+    if picks:
+        return min(picks, key=lambda r: fmt.stat(r, "step_ms"))
+    mine = [r for r in rows if r.get("variant") in variants]
+    return mine[0] if mine else None
 
 
 def _side_by_side(rows: list[dict], names: dict[str, str | None]) -> list[dict]:
@@ -55,17 +71,18 @@ def _side_by_side(rows: list[dict], names: dict[str, str | None]) -> list[dict]:
     user's path and of a peer, so the columns are measured side by side and a later run of some
     of them does not mix with an earlier one's; every row where no run has both."""
     def ok(run, col):
-        return any(r.get("variant") == names[col] and r.get("status") == "ok" for r in run) if names[col] else False
+        return any(r.get("variant") in names[col] and r.get("status") == "ok" for r in run)
 
     paired = [run for run in split_runs(rows) if ok(run, "user") and any(ok(run, c) for c in PEERS)]
     return paired[-1] if paired else rows
 
 
 
-def _latest(rows: list[dict], variant: str) -> dict | None:
-    """The variant's row from the latest run that has one."""
-    runs = [run for run in split_runs(rows) if any(r.get("variant") == variant for r in run)]
-    return _best(runs[-1], variant) if runs else None
+def _latest(rows: list[dict], variants) -> dict | None:
+    """The row of ``variants`` (a name or several) from the latest run that has one of them."""
+    variants = (variants,) if isinstance(variants, str) else tuple(variants)
+    runs = [run for run in split_runs(rows) if any(r.get("variant") in variants for r in run)]
+    return _best(runs[-1], variants) if runs else None
 
 
 def _peak(r: dict | None) -> float | None:
@@ -89,8 +106,14 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
                 elsewhere.add(role)
     ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
     fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
+    peak = {role: _peak(r) for role, r in got.items()}
+    for role in PEERS:  # a peer's lowest peak over its variants (checkpointed or not), of the same run
+        src = at if role in elsewhere else mine
+        lows = [x for v in names[role] if (x := _peak(median_repeat([r for r in src if r.get("variant") == v])))]
+        if lows:
+            peak[role] = min(lows)
     return {
-        "rows": got, "ms": ms, "peak": {role: _peak(r) for role, r in got.items()},
+        "rows": got, "ms": ms, "peak": peak,
         "hfu": fmt.number(hfu_of(got["user"] or {})),
         "hfu_stale": bool((got["user"] or {}).get("hfu")) and hfu_of(got["user"] or {}) is None,
         "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
@@ -107,13 +130,14 @@ def user_points(rows: list[dict], spec: dict) -> list[dict]:
     """Per (gpu, model, seq_len) with any of the columns' variants: their rows (median repeat) from
     one run (``_columns``), the ratios a reader asks for, and the other variants' rows."""
     names = variant_names(rows, spec)
+    named = {v for vs in names.values() for v in vs}
     out = []
     for slug, g in steps_by_gpu(rows).items():
-        keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in names.values()}
+        keys = {(r.get("model"), r.get("seq_len")) for r in g if r.get("variant") in named}
         for model, t in sorted(keys, key=lambda k: (fmt.natural(k[0]), fmt.number(k[1]) or 0)):
             at = [r for r in g if r.get("model") == model and r.get("seq_len") == t]
             cols = _columns(at, names)
-            others = sorted({r["variant"] for r in at if r.get("variant") not in names.values()})
+            others = sorted({r["variant"] for r in at if r.get("variant") not in named})
             out.append({
                 "gpu": slug, "model": model, "seq_len": t, **cols,
                 # each other variant from the latest run that has it, and whether that is the columns' run
@@ -147,7 +171,7 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
     pts = user_points(rows, spec)
     if not pts:
         return ""
-    names = {col: v or DASH for col, v in variant_names(rows, spec).items()}
+    names = {col: shown(v) for col, v in variant_names(rows, spec).items()}
     many = len({p["gpu"] for p in pts}) > 1
     body = []
     for p in pts:
@@ -182,7 +206,7 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
                  "latest run that has it; \"vs user\" only where that is the run of the columns above:",
                  fmt.table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
     for p in pts:
-        labelled = [(names[role], [r]) for role in ROLES if (r := p["rows"][role]) is not None]
+        labelled = [(str(r.get("variant")), [r]) for role in ROLES if (r := p["rows"][role]) is not None]
         if len(labelled) > 1:
             text.append(f"{p['model']} at {p['seq_len']} tokens ({p['gpu']}): " + run_note(labelled))
     goals = user_targets(pts, spec.get("targets") or [], trainer_rows or [])
@@ -215,7 +239,7 @@ def as_variant(p: dict, variant: str) -> dict | None:
     run (and, as for the user's path, a peer that run lacks from another run); None where that run
     failed it or measured no peer beside it."""
     r = p["others"].get(variant)
-    names = {**p["names"], "user": variant}
+    names = {**p["names"], "user": (variant,)}
     if r is None or r.get("status") != "ok":
         return None
     cols = _columns(p["at"], names)

@@ -131,7 +131,10 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
         model, r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0, bias="none",
         target_modules=_target_modules(spec),
         use_gradient_checkpointing="unsloth" if gradient_checkpointing else False, random_state=seed)
-    FastLanguageModel.for_training(model)
+    if gradient_checkpointing:
+        FastLanguageModel.for_training(model)
+    else:  # its default turns checkpointing on in every module: a no-checkpoint peer would still recompute
+        FastLanguageModel.for_training(model, use_gradient_checkpointing=False)
     same_adapters(model, spec, lora_rank)
     return model
 

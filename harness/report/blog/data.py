@@ -22,6 +22,7 @@ class RolePoint:
     model: str
     seq_len: int
     rows: dict = field(default_factory=dict)  # role -> the row shown (ok, median repeat)
+    low: dict = field(default_factory=dict)  # role -> its variant with the lowest peak (a peer run with and without checkpointing)
     failed: dict = field(default_factory=dict)  # role -> "oom" / "error" where no ok row
 
     @property
@@ -113,6 +114,9 @@ def role_points(rows: list[dict]) -> list[RolePoint]:
             picks = [p for v in by_variant.values() if (p := _median_repeat(v))]
             if picks:
                 pt.rows[role] = min(picks, key=lambda r: fmt.stat(r, "step_ms"))
+                peaked = [r for r in picks if fmt.number(r.get("peak_allocated_gib")) is not None]
+                if peaked:
+                    pt.low[role] = min(peaked, key=lambda r: float(r["peak_allocated_gib"]))
             elif cand:
                 pt.failed[role] = "/".join(sorted({str(r.get("status")) for r in cand}))
         out.append(pt)
