@@ -346,7 +346,7 @@ def _attention_modules(model) -> Iterable[torch.nn.Module]:
 
 # Model types whose stock attention does not keep packed documents apart: transformers builds their
 # masks without position_ids (tests/test_optim_enable.py says when that changes).
-STOCK_MIXES_DOCUMENTS = {"gpt_oss": "transformers 5.17 to 5.23 build gpt-oss's masks without position_ids"}
+STOCK_MIXES_DOCUMENTS = {"gpt_oss": "transformers 5.17 to 5.24 (the newest tested) build gpt-oss's masks without position_ids"}
 
 
 def enable(model, *, packing_cache=None, packing_backend=None, validate=None, attention_split=None, **_ignored):

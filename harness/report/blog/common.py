@@ -107,7 +107,7 @@ def stock_caveats(points: list[RolePoint]) -> str:
         return ""
     return ("**Stock gpt-oss does not keep packed documents apart.** transformers builds gpt-oss's "
             "attention masks without the position ids (in 5.17, which these GPU rows ran, and still in "
-            "5.23), so in stock and under Liger-Kernel a packed row's later documents attend to the "
+            "5.24, the newest tested), so in stock and under Liger-Kernel a packed row's later documents attend to the "
             "earlier ones: a different loss from each document alone, and on the full-attention layers "
             "more attention work than the documents need. `optim.enable()` attends each document alone; "
             "stock Qwen3 and Llama do too. The CPU tests check all three on every run.")
