@@ -20,7 +20,8 @@ forward. In split mode the peft ``ParamWrapper`` modules stay in place (same par
 state-dict keys, so ``save_pretrained``/``from_pretrained`` keep working) but, instead of
 parametrizing, hand their factors to the experts forward, which adds s·(X·A_e)·B_e on the routed
 rows only. ``moe_lora="merged"`` keeps peft's behaviour (our backends then read the parametrized
-weight). The router is frozen unless ``moe_train_router=True``.
+weight). The router's own weights are frozen unless ``moe_train_router=True``; a router the user
+made trainable through peft (``modules_to_save``, an adapter on it) is left as peft set it.
 
 ``moe_compile`` (``auto`` = on CUDA): the grouped_mm layer runs as one ``torch.compile``'d pure
 function (``_moe_ops.grouped_pure``) shared by every layer; the gate, bias gathers and routing
@@ -228,6 +229,18 @@ def _routers(model: nn.Module):
     return out
 
 
+# peft's trainable parts of a wrapped module: a modules_to_save copy, LoRA factors and the like.
+_ADAPTER_PARTS = {"modules_to_save", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                  "lora_magnitude_vector"}
+
+
+def _router_weights(router: nn.Module):
+    """The router's own weights, which ``moe_train_router`` freezes or trains. Parameters peft added
+    on it (the router in ``modules_to_save``, an adapter on it) are the user's choice to train it
+    and keep their requires_grad."""
+    return [p for n, p in router.named_parameters() if not _ADAPTER_PARTS & set(n.split("."))]
+
+
 # ---------------------------------------------------------------------------------------------
 # enable
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +294,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
         w.__class__ = SplitLoraParamWrapper if cfg["moe_lora"] == "split" else ParamWrapper
     routers = _routers(model)
     for r in routers:
-        for p in r.parameters():
+        for p in _router_weights(r):
             p.requires_grad_(cfg["moe_train_router"])
     state["_optim_moe"] = MoeSettings(
         cfg["moe_backend"], cfg["moe_lora"], cfg["moe_compile"], cfg["moe_train_router"],

@@ -313,3 +313,30 @@ def test_experts_with_a_norm_after_each_expert_keep_transformers_own(caplog):
     torch.testing.assert_close(experts(h, idx, w), stock, rtol=0, atol=0)
     experts._is_expert_parallel, experts.has_post_expert_norm = True, False
     assert moe._refusal(experts) == "experts sharded over ranks (expert parallel)"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_router_the_user_made_trainable_through_peft_stays_trainable(name):
+    """A router in peft's ``modules_to_save`` is the user's choice to train it: the default
+    (router frozen) freezes the router's own weights, not the copy peft trains and saves."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build(name, "cpu", torch.float32, None)
+    router_name = "router" if hasattr(base.model.layers[0].mlp, "router") else "gate"
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj"],
+                        modules_to_save=[router_name])
+    model = get_peft_model(base, config)
+    wrapper = getattr(model.get_base_model().model.layers[0].mlp, router_name)
+    copy = [p for n, p in wrapper.named_parameters() if "modules_to_save" in n]
+    original = [p for n, p in wrapper.named_parameters() if "modules_to_save" not in n]
+    assert copy and original and all(p.requires_grad for p in copy)
+    moe.enable(model, moe_backend="loop")
+    assert all(p.requires_grad for p in copy), "the router copy peft trains was frozen"
+    assert not any(p.requires_grad for p in original)
+    ids = torch.randint(0, 512, (1, 8))
+    model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in copy)
+    moe.enable(model, moe_backend="loop", moe_train_router=True)  # the base weights too, asked for
+    assert all(p.requires_grad for p in original + copy)
+    moe.disable(model)
+    assert all(p.requires_grad for p in copy) and not any(p.requires_grad for p in original)
