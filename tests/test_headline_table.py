@@ -8,7 +8,7 @@ from harness.report.blog.data import RolePoint
 
 def _row(variant, ms, peak):
     return {"kind": "step", "variant": variant, "point_id": f"p-{variant}", "status": "ok", "model": "qwen3-8b", "seq_len": 8192,
-            "lora_rank": 16, "experiment": "user", "gpu_slug": "nvidia-h200", "env": {"git_sha": "abcdef0123"},
+            "lora_rank": 16, "experiment": "user", "gpu_slug": "nvidia-h200", "device_name": "NVIDIA H200", "env": {"git_sha": "abcdef0123"},
             "recorded_at": "2026-11-23T17:40:00+00:00", "step_ms": {"p20": ms - 1, "p50": ms, "p80": ms + 1},
             "peak_allocated_gib": peak}
 
@@ -115,3 +115,33 @@ def test_a_peer_with_and_without_checkpointing_is_its_faster_step_and_its_lower_
     cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
     assert cells["enable() against the fastest other"].startswith("1.33× (stock + torch.compile")  # 760 / 569
     assert cells["peak, enable() / the lowest other"].strip() == "54.48 GiB / 20.55 GiB"
+
+
+def test_the_memory_first_sentence_reads_each_peers_lowest_peak_not_its_fastest_variants(tmp_path):
+    """A peer run with and without checkpointing: the memory-first variant's peak is set against the
+    lower peak of the two (the checkpointed one), as the user report's target judges it, not the
+    no-checkpoint variant's that the ratio is against."""
+    import json
+
+    exp = tmp_path / "user" / "experiments"
+    exp.mkdir(parents=True)
+    (exp / "0123456789abcdef.toml").write_text(  # the only kept file: the rows name none
+        '[experiment]\nname = "user"\nmodels = ["qwen3-8b"]\nseq_lens = [8192]\ndevice = "cuda"\n'
+        'baseline = "stock"\n[variants.stock]\nrole = "stock"\n[variants.unsloth]\nstack = "unsloth"\n'
+        '[variants.unsloth-nockpt]\nstack = "unsloth"\ngradient_checkpointing = false\n'
+        '[variants.user]\nrole = "user"\n[variants.lowmem]\nrole = "ablation"\nstack = "user"\nrecompute = "all"\n'
+        '[report.user]\ntargets = [{ model = "qwen3-8b", seq_len = 8192, variant = "lowmem", '
+        'min_speedup_over_fastest = 1.0, max_peak_over_lowest = 1.0 }]\n')
+    rows = []
+    for i, (variant, role, stack, ms, peak) in enumerate((
+            ("stock", "stock", "", 1400.0, 32.1), ("unsloth", "unsloth", "unsloth", 910.0, 17.38),
+            ("unsloth-nockpt", "unsloth", "unsloth", 680.0, 50.55), ("user", "user", "user", 540.0, 54.48),
+            ("lowmem", "ablation", "user", 750.0, 17.65))):
+        r = _row(variant, ms, peak)
+        r.update(role=role, stack=stack, baseline_variant="stock",
+                 recorded_at=f"2026-11-27T22:0{i}:00+00:00", switches={"recompute": "all"} if variant == "lowmem" else {})
+        rows.append(r)
+    (tmp_path / "user" / "nvidia-h200.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = headline._memory_first(cite.Figures(), tmp_path)
+    assert "`lowmem` (recompute='all') at qwen3-8b 8192 on the H200: 750.0 ms, 0.90× against the fastest other (Unsloth; stock + compile, Liger-Kernel not run)" in text
+    assert "peak 17.65 GiB against the lowest other's 17.38 GiB (Unsloth;" in text, text  # not unsloth-nockpt's 50.55

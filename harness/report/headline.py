@@ -130,14 +130,14 @@ def _memory_first(f: cite.Figures, root: Path) -> str:
             if not v or not v["fastest_peer"]:
                 continue
             row, fastest = v["rows"]["user"], v["rows"][v["fastest_peer"]]
-            low = min((v["rows"][c] for c in user_report.PEERS if v["peak"][c]),
+            low = min((v["low"][c] for c in user_report.PEERS if c in v["low"]),
                       key=lambda r: float(r["peak_allocated_gib"]), default=None)
             if low is None or row.get("peak_allocated_gib") is None:
                 continue
             sw = row.get("switches") or {}
             settings = ", ".join(f"{k}={sw[k]!r}" for k in ("recompute", "offload", "mlp_chunk") if k in sw)
             apart = {c: ", another run" if c in v["elsewhere"] else "" for c in user_report.PEERS}
-            low_role = next(c for c in user_report.PEERS if v["rows"][c] is low)
+            low_role = next(c for c in user_report.PEERS if v["low"].get(c) is low)
             missing = user_report.not_run(v)
             short = f"; {', '.join(missing)} not run" if missing else ""
             said.append(f"`{variant}` ({settings}) at {model} {p['seq_len']} on the {data.gpu_short(str(row.get('device_name')))}: "

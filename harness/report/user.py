@@ -107,13 +107,16 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
     ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
     fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
     peak = {role: _peak(r) for role, r in got.items()}
+    low = {role: r for role, r in got.items() if peak[role]}
     for role in PEERS:  # a peer's lowest peak over its variants (checkpointed or not), of the same run
         src = at if role in elsewhere else mine
-        lows = [x for v in names[role] if (x := _peak(median_repeat([r for r in src if r.get("variant") == v])))]
+        lows = [r for v in names[role] if _peak(r := median_repeat([x for x in src if x.get("variant") == v]))]
         if lows:
-            peak[role] = min(lows)
+            low[role] = min(lows, key=_peak)
+            peak[role] = _peak(low[role])
     return {
         "rows": got, "ms": ms, "peak": peak,
+        "low": low,  # each role's row of its lowest peak (a peer's may be another variant than its fastest)
         "hfu": fmt.number(hfu_of(got["user"] or {})),
         "hfu_stale": bool((got["user"] or {}).get("hfu")) and hfu_of(got["user"] or {}) is None,
         "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
