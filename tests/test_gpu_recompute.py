@@ -12,6 +12,7 @@ from _lora import randomize_lora_b
 
 import optim
 import optim.recompute as R
+from optim._memory import usable_and_total
 from harness.workload import models
 
 pytestmark = pytest.mark.gpu
@@ -27,12 +28,13 @@ def _batches(shapes):
     return [torch.randint(0, SPEC.vocab_size, s, generator=g).cuda() for s in shapes]
 
 
-def _train(batches, starts=None, **switches):
+def _train(batches, starts=None, after_step=None, **switches):
     """Trains on ``batches`` and returns each step's loss and gradients, with the trainable weights
     each step began from (in ``steps[i][2]``). Given ``starts`` (a reference run's), each step
     begins from the reference's weights, so its gradients are compared at the same point: the
     causal kernel's backward (flash) adds in no fixed order, and an optimizer step would carry
-    that run-to-run noise into every later step's weights."""
+    that run-to-run noise into every later step's weights. ``after_step(model, i)`` runs once
+    step ``i``'s optimizer step and zero_grad are done, before the next forward decides."""
     gc.collect()
     torch.cuda.empty_cache()
     model = randomize_lora_b(models.build(SPEC, device="cuda", dtype=torch.bfloat16, lora_rank=8))
@@ -52,6 +54,8 @@ def _train(batches, starts=None, **switches):
         skipped.append(R.describe(model)["layers_skipped"]["last"])
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(model, i)
     stats = R.describe(model)
     state = vars(R.owner(model)).get(R._ATTR)
     if state is not None and state.growth is not None:  # the measurement in bytes, unrounded
@@ -110,19 +114,34 @@ def _model_room(probe: dict) -> int:
 
 
 def test_a_full_gpu_keeps_the_recomputes_without_an_oom():
-    """Room for the model and the checkpointed step, and half a layer's activations more: the
-    first step's measurement leaves every later step recomputing, and nothing runs out of memory."""
+    """Once the first step has measured, the GPU is filled to leave what the step grows, the
+    headroom and half a layer's activations: every later step keeps every recompute, and nothing
+    runs out of memory. The filler is sized from what the decision itself reads (the measured
+    growth and activations of this model, the memory the process can still allocate), so memory
+    an earlier test of the process left cached or allocated cannot move it."""
     batches = _batches([(2, 2048)] * STEPS)
     ref, _, _ = _train(batches, recompute="all")
-    _, _, probe = _train(batches[:2])
-    raw = probe["raw"]
-    filler = _fill_leaving(_model_room(probe) + raw["growth"] + raw["act_per_layer"] // 2)
-    try:
-        steps, skipped, st = _train(batches, ref)
-    finally:
-        del filler
+    held, seen = [], {}
+
+    def fill(model, i):
+        if i != 0:
+            return
+        state = vars(R.owner(model))[R._ATTR]
+        assert state.growth is not None and state.acts, R.describe(model)  # the first step measured
+        gc.collect()
         torch.cuda.empty_cache()
-    assert skipped[1:] == [0] * (STEPS - 1), st
+        usable, total = usable_and_total(torch.device("cuda"))
+        leave = state.growth + R.headroom(total) + max(state.acts.values()) // 2
+        held.append(torch.empty(usable - leave, dtype=torch.uint8, device="cuda"))
+        seen.update(leave=leave, left=usable_and_total(torch.device("cuda"))[0])
+
+    try:
+        steps, skipped, st = _train(batches, ref, after_step=fill)
+    finally:
+        held.clear()
+        torch.cuda.empty_cache()
+    assert seen["left"] <= seen["leave"] + 4 * 2**20, seen  # the filler left what it meant to, within a block
+    assert skipped == [0] * STEPS, (skipped, st, seen)
     assert st["recomputes"] == SPEC.num_hidden_layers * STEPS, st
     _assert_steps_match(steps, ref)
 
