@@ -115,6 +115,15 @@ def test_a_peer_with_and_without_checkpointing_is_its_faster_step_and_its_lower_
     cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
     assert cells["enable() against the fastest other"].startswith("1.33× (stock + torch.compile")  # 760 / 569
     assert cells["peak, enable() / the lowest other"].strip() == "54.48 GiB / 20.55 GiB"
+    assert cells["stock + torch.compile"].strip() == "760.0 ms"  # no mark: the row names no switch
+    p.rows["stock-compiled"]["switches"] = {"gradient_checkpointing": False}
+    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
+    assert cells["stock + torch.compile"].strip() == "760.0 ms ‡" and cells["Liger-Kernel"].strip() == "1250.0 ms"
+    assert cells["commit"].strip() == "`abcdef0`"
+    p.rows["user"]["env"] = {"git_sha": "abcdef0123", "git_dirty": True}  # measured with changes on top of it
+    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["commit"].strip() == "`abcdef0` (dirty)"
 
 
 def test_the_memory_first_sentence_reads_each_peers_lowest_peak_not_its_fastest_variants(tmp_path):

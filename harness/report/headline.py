@@ -38,7 +38,12 @@ def _cell(f: cite.Figures, p: data.RolePoint, role: str) -> str:
     r = p.rows.get(role)
     if r is None:
         return p.failed.get(role, "not run")
-    return f.ms(r) + (" †" if p.apart_from_stock(role) else "")
+    return f.ms(r) + (" †" if p.apart_from_stock(role) else "") + (" ‡" if _no_checkpointing(r) else "")
+
+
+def _no_checkpointing(r: dict | None) -> bool:
+    """A peer's row run with gradient checkpointing off (its variant set it so)."""
+    return ((r or {}).get("switches") or {}).get("gradient_checkpointing") is False
 
 
 def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
@@ -53,9 +58,10 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
         low = min(others, key=lambda r: float(r["peak_allocated_gib"]), default=None)
         mem = (f"{f.gib(user)} / {f.gib(low)}" if user and low and user.get("peak_allocated_gib") is not None else "–")
         exp = str((user or p.rows.get("stock") or {}).get("experiment"))
-        code = str(((user or {}).get("env") or {}).get("git_sha") or "?")[:7]
+        env = (user or {}).get("env") or {}
+        code = f"`{str(env.get('git_sha') or '?')[:7]}`" + (" (dirty)" if env.get("git_dirty") else "")  # changes on top of it
         body.append([p.gpu_name, _workload(user or p.rows["stock"]), *(_cell(f, p, r) for r in PEERS),
-                     _cell(f, p, "user"), vs, mem, f"`{code}`", f"[{exp}](reports/{exp}/README.md)"])
+                     _cell(f, p, "user"), vs, mem, code, f"[{exp}](reports/{exp}/README.md)"])
     return fmt.table(["GPU", "workload", *(ROLE_LABEL[r] for r in PEERS), "`optim.enable(model)`",
                       "enable() against the fastest other", "peak, enable() / the lowest other", "commit", "report"], body)
 
@@ -160,7 +166,10 @@ def render(results_root: Path | str) -> str:
              "would run instead, each row's roles from one sweep on the GPU named (`python -m harness sweep "
              "experiments/user.toml`, and `user-moe.toml`): the median step, and the one call's speed-up over the "
              "fastest of stock, stock + torch.compile, Liger-Kernel and Unsloth measured at that point. † marks a role "
-             "measured by another run than the stock beside it.",
+             "measured by another run than the stock beside it."
+             + (" ‡ marks a peer whose faster run had gradient checkpointing off (each peer also ran with it "
+                "on; the memory column reads the lower peak of the two)."
+                if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else ""),
              _table(f, user)]
     if line := _memory_first(f, root):
         parts.append(line)
