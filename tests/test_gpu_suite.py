@@ -49,7 +49,8 @@ def test_a_shard_past_its_time_is_killed_and_fails_and_the_visible_gpus_are_the_
     assert suite.main(["--gpus", "0", "--shards", "2", "--timeout", "0.2", "--logs", str(tmp_path), "--",
                        "tests/test_memtrace.py"]) == 1
     out = capsys.readouterr().out
-    assert out.count("[exit timeout]") == 2 and "failed: shard(s) 1, 2" in out, out
+    table = out[out.index("  shard  GPUs"):]  # each shard's line is also printed as it ends, above the table
+    assert table.count("[exit timeout]") == 2 and "failed: shard(s) 1, 2" in out, out
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
     assert suite.visible_gpus() == ["2", "3"]
 
@@ -67,3 +68,19 @@ def test_only_runs_the_named_shards_and_lists_the_rest_as_not_run(tmp_path, caps
 
     with pytest.raises(SystemExit):
         suite.main(["--gpus", "0", "--shards", "3", "--only", "4"])
+
+
+def test_each_shard_is_printed_as_it_ends_and_stop_after_starts_no_more(tmp_path, capsys):
+    """A call with a time limit: a shard's line is printed when it ends (a killed run still shows
+    what finished), and past --stop-after no shard starts; those are listed as not run, which
+    fails nothing, so the next call runs them with --only."""
+    assert suite.main(["--gpus", "0", "--shards", "3", "--stop-after", "0", "--logs", str(tmp_path), "--",
+                       "-m", "not gpu", "tests/test_memtrace.py"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not started (--stop-after)") == 3 and "not run: 1, 2, 3" in out, out
+    assert not list(tmp_path.iterdir())
+    assert suite.main(["--gpus", "0", "--shards", "2", "--logs", str(tmp_path), "--",
+                       "-m", "not gpu", "tests/test_memtrace.py"]) == 0
+    out = capsys.readouterr().out
+    ended = [line for line in out.splitlines() if re.match(r"\[\s*\d+ s\]", line)]
+    assert len(ended) == 2 and out.index(ended[-1]) < out.index("  shard  GPUs"), out  # before the table

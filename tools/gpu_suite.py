@@ -10,6 +10,7 @@ result is printed last, and the exit status is 1 when any shard failed (no tests
     python3 tools/gpu_suite.py                      # every visible GPU, 7 shards
     python3 tools/gpu_suite.py --gpus 0 1 2 3 --reverse 3 5 7 -- -x
     python3 tools/gpu_suite.py --only 2 6           # a share of them, where one call cannot hold all
+    python3 tools/gpu_suite.py --stop-after 420     # start none past 420 s; a line per shard as it ends
 
 ``--only`` runs the named shards as the full plan would (shard 1 on two GPUs included) and lists
 the others as not run: the suite passes when every share of it has.
@@ -103,13 +104,17 @@ def _pytest(cmd: list[str], log: Path, visible: str, timeout: float | None):
 
 
 def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path, timeout: float | None,
-        only: set[int] | None = None) -> list[dict]:
+        only: set[int] | None = None, stop_after: float | None = None) -> list[dict]:
+    """Every planned shard's result; a shard not started once ``stop_after`` seconds have passed is
+    left out (listed by the caller as not run). Each result is also printed as its shard ends, so a
+    run killed from outside still shows the shards that finished."""
     lanes = plan(gpus, shard_seconds(n), shard_one_needs_two(n, extra) if len(gpus) > 1 else False)
     if only is not None:  # a share of the suite (one call of several): the planned lanes, less the rest
         lanes = [[(k, v) for k, v in lane if k in only] for lane in lanes]
     logs.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     first_done = threading.Event()
+    started = time.time()
 
     def shard(k: int, visible: str) -> None:
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--no-header", "-rs", "-m", "gpu",
@@ -121,14 +126,17 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
             summary = summary_line(log.read_text(errors="replace"))
         except Exception as e:  # the runner's own failure is the shard's: never a shard without a result
             rc, summary = f"runner error: {e!r}", ""
-        results.append({"shard": k, "gpus": visible, "rc": rc, "seconds": round(time.time() - t0),
-                        "summary": summary, "log": str(log)})
+        results.append(r := {"shard": k, "gpus": visible, "rc": rc, "seconds": round(time.time() - t0),
+                             "summary": summary, "log": str(log)})
+        print(f"[{time.time() - started:6.0f} s] {_line(r, n)}", flush=True)
 
     def lane(i: int) -> None:
         if i == 1 and lanes[0] and lanes[0][0][0] == 1 and "," in lanes[0][0][1]:
             first_done.wait()  # shard 1 sees this GPU too
         for k, visible in lanes[i]:
             try:
+                if stop_after is not None and time.time() - started >= stop_after:
+                    continue  # not started: the next call's --only runs it
                 shard(k, visible)
             finally:
                 if k == 1:
@@ -140,6 +148,11 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
     for t in threads:
         t.join()
     return sorted(results, key=lambda r: r["shard"])
+
+
+def _line(r: dict, n: int) -> str:
+    return (f"{r['shard']:>3}/{n:<3}  {r['gpus']:<7} {r['seconds']:>5}  {r['summary']}"
+            + ("" if r["rc"] in PASSING or r["rc"] == "not run" else f"   [exit {r['rc']}]"))
 
 
 def visible_gpus() -> list[str]:
@@ -166,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None, help="seconds a shard may run")
     ap.add_argument("--only", type=int, nargs="+", default=None, metavar="K",
                     help="run these shards alone (the suite split over calls; the rest are listed as not run)")
+    ap.add_argument("--stop-after", type=float, default=None, metavar="S",
+                    help="start no shard once S seconds have passed (a call with a time limit); those are listed as not run")
     args = ap.parse_args(ours)
     gpus = args.gpus if args.gpus is not None else visible_gpus()
     if not gpus:
@@ -174,19 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--shards must be at least 1 and --reverse and --only name shards 1 to {args.shards}")
     only = set(args.only) if args.only else None
     logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
-    results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout, only)
+    print(f"logs: {logs}", flush=True)
+    results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout, only, args.stop_after)
     got = {r["shard"] for r in results}
-    results += [{"shard": k, "gpus": "-", "rc": "no result", "seconds": 0, "summary": "", "log": ""}
+    late = "not started (--stop-after)" if args.stop_after is not None else ""
+    results += [{"shard": k, "gpus": "-", "rc": "not run" if late else "no result", "seconds": 0, "summary": late, "log": ""}
                 for k in range(1, args.shards + 1) if k not in got and (only is None or k in only)]
     results += [{"shard": k, "gpus": "-", "rc": "not run", "seconds": 0, "summary": "not run (--only)", "log": ""}
                 for k in range(1, args.shards + 1) if only is not None and k not in only]
     results.sort(key=lambda r: r["shard"])
     width = max(len("result"), *(len(r["summary"]) for r in results))
-    print(f"logs: {logs}")
     print(f"{'shard':>7}  {'GPUs':<7} {'s':>5}  {'result':<{width}}")
     for r in results:
-        print(f"{r['shard']:>3}/{args.shards:<3}  {r['gpus']:<7} {r['seconds']:>5}  {r['summary']}"
-              + ("" if r["rc"] in PASSING or r["rc"] == "not run" else f"   [exit {r['rc']}]"))
+        print(_line(r, args.shards))
     failed = [r["shard"] for r in results if r["rc"] not in PASSING and r["rc"] != "not run"]
     skipped = [r["shard"] for r in results if r["rc"] == "not run"]
     print(("every shard passed" if not skipped else f"every shard run passed; not run: {', '.join(map(str, skipped))}")
