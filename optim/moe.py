@@ -52,6 +52,11 @@ try:  # peft is optional: without it there is simply no LoRA to split
     from peft.tuners.lora.layer import ParamWrapper
 except ImportError:  # pragma: no cover
     ParamWrapper = None
+try:  # what peft made of a router: a modules_to_save wrapper, an adapter layer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+except ImportError:  # pragma: no cover
+    BaseTunerLayer = AuxiliaryTrainingWrapper = None
 
 SWITCHES: dict[str, Switch] = switches_of("optim.moe")
 
@@ -229,16 +234,21 @@ def _routers(model: nn.Module):
     return out
 
 
-# peft's trainable parts of a wrapped module: a modules_to_save copy, LoRA factors and the like.
-_ADAPTER_PARTS = {"modules_to_save", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
-                  "lora_magnitude_vector"}
-
-
-def _router_weights(router: nn.Module):
-    """The router's own weights, which ``moe_train_router`` freezes or trains. Parameters peft added
-    on it (the router in ``modules_to_save``, an adapter on it) are the user's choice to train it
-    and keep their requires_grad."""
-    return [p for n, p in router.named_parameters() if not _ADAPTER_PARTS & set(n.split("."))]
+def _router_weights(router: nn.Module) -> list[nn.Parameter]:
+    """The router's own weights, which ``moe_train_router`` freezes or trains. What peft made of a
+    router is the user's choice and keeps the requires_grad peft gave it: a router in
+    ``modules_to_save`` (peft trains its copy, and the original is out of the forward), and the
+    adapter factors on a router peft tuned (its base weights follow the switch)."""
+    if AuxiliaryTrainingWrapper is not None and isinstance(router, AuxiliaryTrainingWrapper):
+        return []
+    adapters = set()
+    for m in router.modules():
+        if BaseTunerLayer is not None and isinstance(m, BaseTunerLayer):
+            for name in (*m.adapter_layer_names, *m.other_param_names):
+                part = getattr(m, name, None)
+                if isinstance(part, nn.Module):
+                    adapters |= {id(p) for p in part.parameters()}
+    return [p for p in router.parameters() if id(p) not in adapters]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +292,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
         state[_SAVED] = (
             [(c, getattr(c, "_experts_implementation", None)) for c in {id(m.config): m.config for m in experts}.values()],
             [(w, type(w)) for w in _expert_wrappers(model)],
-            [(p, p.requires_grad) for r in _routers(model) for p in r.parameters()],
+            [(p, p.requires_grad) for r in _routers(model) for p in _router_weights(r)],
         )
     # Backend: transformers dispatches every experts forward through config._experts_implementation.
     for conf in {id(m.config): m.config for m in experts}.values():

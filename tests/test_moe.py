@@ -336,7 +336,35 @@ def test_router_the_user_made_trainable_through_peft_stays_trainable(name):
     ids = torch.randint(0, 512, (1, 8))
     model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in copy)
-    moe.enable(model, moe_backend="loop", moe_train_router=True)  # the base weights too, asked for
-    assert all(p.requires_grad for p in original + copy)
-    moe.disable(model)
+    # the original is out of the forward while peft trains its copy: training it would add a
+    # parameter that never gets a gradient (DDP without find_unused_parameters refuses it)
+    moe.enable(model, moe_backend="loop", moe_train_router=True)
     assert all(p.requires_grad for p in copy) and not any(p.requires_grad for p in original)
+    # disable() leaves what peft owns alone: with two adapters, the active one's copy trains after it
+    config_b = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj"],
+                          modules_to_save=[router_name])
+    model.add_adapter("b", config_b)
+    model.set_adapter("b")
+    copy_b = [p for n, p in wrapper.named_parameters() if "modules_to_save.b." in n]
+    assert copy_b and all(p.requires_grad for p in copy_b)
+    moe.disable(model)
+    assert all(p.requires_grad for p in copy_b) and not any(p.requires_grad for p in original)
+
+
+def test_a_router_with_a_lora_adapter_keeps_its_factors_trainable_and_freezes_its_weight():
+    """LoRA on the router itself (peft ``target_parameters``): its factors are the user's to train;
+    the router's own weight follows ``moe_train_router``."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build("qwen3-30b-a3b-tiny", "cpu", torch.float32, None)
+    model = get_peft_model(base, LoraConfig(r=RANK, target_modules=["q_proj"], target_parameters=["mlp.gate.weight"]))
+    router = model.get_base_model().model.layers[0].mlp.gate
+    factors = [p for n, p in router.named_parameters() if "lora_" in n]
+    weights = [p for n, p in router.named_parameters() if "lora_" not in n]
+    assert factors and weights and all(p.requires_grad for p in factors)
+    moe.enable(model, moe_backend="loop")
+    assert all(p.requires_grad for p in factors) and not any(p.requires_grad for p in weights)
+    moe.enable(model, moe_backend="loop", moe_train_router=True)
+    assert all(p.requires_grad for p in factors + weights)
+    moe.disable(model)
+    assert all(p.requires_grad for p in factors) and not any(p.requires_grad for p in weights)
