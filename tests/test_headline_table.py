@@ -121,6 +121,9 @@ def test_a_peer_with_and_without_checkpointing_is_its_faster_step_and_its_lower_
     cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
     assert cells["stock + torch.compile"].strip() == "760.0 ms ‡" and cells["Liger-Kernel"].strip() == "1250.0 ms"
     assert cells["commit"].strip() == "`abcdef0`"
+    p.rows["user"]["switches"] = {"gradient_checkpointing": False}  # the mark is a peer's alone
+    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["`optim.enable(model)`"].strip() == "569.0 ms"
     p.rows["user"]["env"] = {"git_sha": "abcdef0123", "git_dirty": True}  # measured with changes on top of it
     head, _, line = headline._table(cite.Figures(), [p]).splitlines()
     assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["commit"].strip() == "`abcdef0` (dirty)"

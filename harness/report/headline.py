@@ -38,7 +38,7 @@ def _cell(f: cite.Figures, p: data.RolePoint, role: str) -> str:
     r = p.rows.get(role)
     if r is None:
         return p.failed.get(role, "not run")
-    return f.ms(r) + (" †" if p.apart_from_stock(role) else "") + (" ‡" if _no_checkpointing(r) else "")
+    return f.ms(r) + (" †" if p.apart_from_stock(role) else "") + (" ‡" if role in PEERS and _no_checkpointing(r) else "")
 
 
 def _no_checkpointing(r: dict | None) -> bool:
@@ -167,8 +167,8 @@ def render(results_root: Path | str) -> str:
              "experiments/user.toml`, and `user-moe.toml`): the median step, and the one call's speed-up over the "
              "fastest of stock, stock + torch.compile, Liger-Kernel and Unsloth measured at that point. † marks a role "
              "measured by another run than the stock beside it."
-             + (" ‡ marks a peer whose faster run had gradient checkpointing off (each peer also ran with it "
-                "on; the memory column reads the lower peak of the two)."
+             + (" ‡ marks a peer whose row shown had gradient checkpointing off; where a peer ran both ways, its "
+                "column is the faster run and the memory column reads the lower peak."
                 if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else ""),
              _table(f, user)]
     if line := _memory_first(f, root):
