@@ -5,6 +5,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "tools" / "gpu_suite.py")
 suite = importlib.util.module_from_spec(_spec)
@@ -84,3 +86,22 @@ def test_each_shard_is_printed_as_it_ends_and_stop_after_starts_no_more(tmp_path
     out = capsys.readouterr().out
     ended = [line for line in out.splitlines() if re.match(r"\[\s*\d+ s\]", line)]
     assert len(ended) == 2 and out.index(ended[-1]) < out.index("  shard  GPUs"), out  # before the table
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the lane dies on purpose
+def test_a_lane_that_dies_is_no_result_even_with_stop_after(tmp_path, capsys, monkeypatch):
+    """Only the shards the deadline kept from starting are "not run"; a shard missing for any other
+    reason (its lane's thread died) fails the run."""
+    line, calls = suite._line, []
+
+    def first_raises(r, n):
+        calls.append(r["shard"])
+        if len(calls) == 1:
+            raise RuntimeError("the lane dies")
+        return line(r, n)
+
+    monkeypatch.setattr(suite, "_line", first_raises)
+    assert suite.main(["--gpus", "0", "--shards", "2", "--stop-after", "1000", "--logs", str(tmp_path), "--",
+                       "-m", "not gpu", "tests/test_memtrace.py"]) == 1
+    out = capsys.readouterr().out
+    assert "failed: shard(s) 2" in out and "not started" not in out, out

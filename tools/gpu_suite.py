@@ -104,17 +104,17 @@ def _pytest(cmd: list[str], log: Path, visible: str, timeout: float | None):
 
 
 def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path, timeout: float | None,
-        only: set[int] | None = None, stop_after: float | None = None) -> list[dict]:
-    """Every planned shard's result; a shard not started once ``stop_after`` seconds have passed is
-    left out (listed by the caller as not run). Each result is also printed as its shard ends, so a
-    run killed from outside still shows the shards that finished."""
+        only: set[int] | None = None, deadline: float | None = None) -> tuple[list[dict], set[int]]:
+    """Every planned shard's result, and the shards not started because ``deadline`` (a
+    ``time.time()``) had passed. Each result is also printed as its shard ends, so a run killed
+    from outside still shows the shards that finished."""
     lanes = plan(gpus, shard_seconds(n), shard_one_needs_two(n, extra) if len(gpus) > 1 else False)
     if only is not None:  # a share of the suite (one call of several): the planned lanes, less the rest
         lanes = [[(k, v) for k, v in lane if k in only] for lane in lanes]
     logs.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     first_done = threading.Event()
-    started = time.time()
+    started, printing, late = time.time(), threading.Lock(), set()
 
     def shard(k: int, visible: str) -> None:
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--no-header", "-rs", "-m", "gpu",
@@ -128,15 +128,17 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
             rc, summary = f"runner error: {e!r}", ""
         results.append(r := {"shard": k, "gpus": visible, "rc": rc, "seconds": round(time.time() - t0),
                              "summary": summary, "log": str(log)})
-        print(f"[{time.time() - started:6.0f} s] {_line(r, n)}", flush=True)
+        with printing:  # one line at a time from the lanes
+            print(f"[{time.time() - started:6.0f} s] {_line(r, n)}", flush=True)
 
     def lane(i: int) -> None:
         if i == 1 and lanes[0] and lanes[0][0][0] == 1 and "," in lanes[0][0][1]:
             first_done.wait()  # shard 1 sees this GPU too
         for k, visible in lanes[i]:
             try:
-                if stop_after is not None and time.time() - started >= stop_after:
-                    continue  # not started: the next call's --only runs it
+                if deadline is not None and time.time() >= deadline:
+                    late.add(k)  # not started: the next call's --only runs it
+                    continue
                 shard(k, visible)
             finally:
                 if k == 1:
@@ -147,7 +149,7 @@ def run(gpus: list[str], n: int, reverse: set[int], extra: list[str], logs: Path
         t.start()
     for t in threads:
         t.join()
-    return sorted(results, key=lambda r: r["shard"])
+    return sorted(results, key=lambda r: r["shard"]), late
 
 
 def _line(r: dict, n: int) -> str:
@@ -168,6 +170,7 @@ def visible_gpus() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()  # --stop-after counts from here: planning runs a pytest collection first
     argv = sys.argv[1:] if argv is None else argv
     ours, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(prog="python3 tools/gpu_suite.py", description=__doc__.split("\n\n")[0],
@@ -190,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only) if args.only else None
     logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     print(f"logs: {logs}", flush=True)
-    results = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout, only, args.stop_after)
+    deadline = started + args.stop_after if args.stop_after is not None else None
+    results, late = run(gpus, args.shards, set(args.reverse), extra, logs, args.timeout, only, deadline)
     got = {r["shard"] for r in results}
-    late = "not started (--stop-after)" if args.stop_after is not None else ""
-    results += [{"shard": k, "gpus": "-", "rc": "not run" if late else "no result", "seconds": 0, "summary": late, "log": ""}
-                for k in range(1, args.shards + 1) if k not in got and (only is None or k in only)]
+    results += [{"shard": k, "gpus": "-", "rc": "not run", "seconds": 0, "summary": "not started (--stop-after)", "log": ""}
+                for k in sorted(late)]
+    results += [{"shard": k, "gpus": "-", "rc": "no result", "seconds": 0, "summary": "", "log": ""}
+                for k in range(1, args.shards + 1) if k not in got | late and (only is None or k in only)]
     results += [{"shard": k, "gpus": "-", "rc": "not run", "seconds": 0, "summary": "not run (--only)", "log": ""}
                 for k in range(1, args.shards + 1) if only is not None and k not in only]
     results.sort(key=lambda r: r["shard"])
