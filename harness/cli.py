@@ -196,7 +196,7 @@ A regression gate for CI, in one of two modes.
 
 Revisions (--base REV --head REV): check both revisions out into worktrees and sweep the gate
 suite (default: head's experiments/gate.toml) with each one's own code on this machine, in
-interleaved rounds (base, head, base, head, ...; one fresh sweep per round, raw step samples kept).
+interleaved rounds (base, head, head, base, ...; one fresh sweep per round, raw step samples kept).
 Each point's per-round step-time medians and peak memories are compared with a Mann-Whitney U
 test; a point fails when its change is significant (p < alpha) and larger than --max-slowdown
 (step time) or --max-memory MiB (peak memory), or when it ran ok in base and not in head. Each

@@ -153,8 +153,13 @@ def _gate(repo: Path, out: Path, *extra: str, head: str = "head") -> int:
     return main(["gate", "--base", "base", "--head", head, "--repo", str(repo), "--out", str(out), *extra])
 
 
-def test_schedule_interleaves_base_and_head():
-    assert rounds.schedule(3) == [(1, "base"), (1, "head"), (2, "base"), (2, "head"), (3, "base"), (3, "head")]
+def test_schedule_interleaves_base_and_head_and_flips_who_goes_first():
+    assert rounds.schedule(3) == [(1, "base"), (1, "head"), (2, "head"), (2, "base"), (3, "base"), (3, "head")]
+    # a clock that slows a little with every slot (a warming GPU): over an even number of rounds
+    # both sides see the same mean slot, so a steady drift does not read as a change
+    order = rounds.schedule(4)
+    slots = {side: [i for i, (_, s) in enumerate(order) if s == side] for side in ("base", "head")}
+    assert sum(slots["base"]) == sum(slots["head"])
 
 
 def test_a_slower_head_fails_rounds_interleaved_and_worktrees_removed(repo, tmp_path, monkeypatch, capsys):
@@ -165,7 +170,8 @@ def test_a_slower_head_fails_rounds_interleaved_and_worktrees_removed(repo, tmp_
     out = tmp_path / "out"
     assert _gate(repo, out) == 1
     ran = order.read_text().split("\n")[:-1]
-    assert ran == [f"sweep {base}", f"sweep {head}"] * 5 + [f"parity {head}"]
+    flip = [f"sweep {base}", f"sweep {head}", f"sweep {head}", f"sweep {base}"]
+    assert ran == flip * 2 + [f"sweep {base}", f"sweep {head}", f"parity {head}"]
     assert _git(repo, "worktree", "list").count("\n") == 0  # only the repository's own
 
     verdict = json.loads((out / "gate.json").read_text())
@@ -333,7 +339,8 @@ def test_a_side_with_a_round_server_runs_all_its_rounds_in_it(repo, tmp_path, mo
     out = tmp_path / "out"
     assert _gate(repo, out) == 0
     assert order.read_text().split("\n")[:-1] == (
-        [f"sweep {base}", f"serve {head}", f"sweep {head}"] + [f"sweep {base}", f"sweep {head}"] * 4 + [f"parity {head}"])
+        [f"sweep {base}", f"serve {head}", f"sweep {head}"]
+        + [f"sweep {head}", f"sweep {base}", f"sweep {base}", f"sweep {head}"] * 2 + [f"parity {head}"])
     verdict = json.loads((out / "gate.json").read_text())
     assert verdict["round_modes"] == {"base": "fresh", "head": "server"}
     assert "base ran one fresh sweep process per round; head ran one sweep process for all its rounds" in (

@@ -50,7 +50,7 @@ def markdown(report) -> str:
         "",
         (f"Base `{report.base_rev}` ({report.base_sha[:10]}) against head `{report.head_rev}` "
          f"({report.head_sha[:10]}), on {', '.join(report.device_names) or 'unknown device'}: "
-         f"{spec.rounds} rounds each, interleaved base, head, base, head, ..., every point a fresh "
+         f"{spec.rounds} rounds each, interleaved base, head, head, base, ..., every point a fresh "
          f"process{_modes(report.round_modes)}. {report.wall_s / 60:.1f} min of rounds"
          + (f" and {report.parity_s / 60:.1f} min of parity checks" if report.parity_s else "")
          + f". Suite `{report.suite}`."),

@@ -1,7 +1,9 @@
 """The gate's rounds: the suite swept once per round, in the checkout of the side it measures.
 
-Rounds alternate base, head, base, head, ... so that whatever drifts on the machine (clocks,
-temperature, a neighbour on a shared GPU) lands on both sides alike. Each round is one
+Rounds alternate in pairs whose order flips, base, head, head, base, base, head, ... so that
+whatever drifts on the machine (clocks, temperature, a neighbour on a shared GPU) lands on both
+sides alike: in plain alternation one side always runs a slot later, and a steady drift would
+read as a change. Each round is one
 ``python -m harness sweep`` of that side's code, in its worktree, writing its rows (the raw step
 samples included) under ``<out>/rounds/<NN>-<side>/``; every point in it is a fresh process.
 By default each side's sweeps run in one process that stays (``Server``, ``harness.gate.side``),
@@ -29,8 +31,9 @@ SIDES = ("base", "head")
 
 
 def schedule(rounds: int) -> list[tuple[int, str]]:
-    """(round number, side) in the order they run: base, head, base, head, ..."""
-    return [(r, side) for r in range(1, rounds + 1) for side in SIDES]
+    """(round number, side) in the order they run: base first in odd rounds, head first in even
+    ones (base, head, head, base, base, head, ...)."""
+    return [(r, side) for r in range(1, rounds + 1) for side in (SIDES if r % 2 else SIDES[::-1])]
 
 
 @dataclass

@@ -33,7 +33,7 @@ class Guard:
 class GateSpec:
     """``[gate]``: how ``python -m harness gate --base --head`` runs and judges this suite."""
 
-    rounds: int = 5  # per side, interleaved base, head, base, head, ...
+    rounds: int = 5  # per side, interleaved base, head, head, base, ...
     alpha: float = 0.01  # a change counts only when significant at this level (Mann-Whitney U)
     max_slowdown: float = 0.05  # ... and larger than this fraction of step time
     max_memory_mib: float = 64.0  # ... or this much peak allocated memory
