@@ -284,7 +284,12 @@ def test_variant_models_and_gate_suite(write_toml):
     assert exp.gate.rounds == 6 and exp.gate.max_slowdown == 0.03 and exp.gate.alpha == 0.01
     (g,) = exp.gate.guards
     assert (g.switch, g.on, g.off, g.min_speedup, g.parity) == ("packing_cache", "cache", "nocache", 1.1, True)
+    assert g.param_tol == 0.25
     assert experiment.load(write_toml(VALID)).gate is None
+    tuned = experiment.load(write_toml(GATE.replace("min_speedup = 1.1", "min_speedup = 1.1\nparam_tol = 0.4")))
+    assert tuned.gate.guards[0].param_tol == 0.4
+    with pytest.raises(experiment.ExperimentError, match="param_tol"):  # 1 or more lets a dropped gradient pass
+        experiment.load(write_toml(GATE.replace("min_speedup = 1.1", "min_speedup = 1.1\nparam_tol = 1.0")))
 
 
 def test_a_variant_runs_at_its_own_lengths_and_a_guard_needs_its_pair_there(write_toml):

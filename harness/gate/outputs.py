@@ -75,7 +75,7 @@ def markdown(report) -> str:
         out += ["", "### Switch guards", "",
                 ("Each switch's own on/off pair in head's rounds: its speedup (off/on step time) against the "
                  "floor in the suite, and the loss and gradients of on against off on one fixed batch."), "",
-                f"| switch | pair | speedup in head [{conf}] | floor | in base | parity: loss, grads (rel.) | verdict |",
+                f"| switch | pair | speedup in head [{conf}] | floor | in base | parity: loss, grads, worst parameter (rel.) | verdict |",
                 "|---|---|---|---:|---|---|---|"]
         for g in report.guards:
             par = g.parity
@@ -84,7 +84,8 @@ def markdown(report) -> str:
             elif par is None:
                 ptxt = "missing"
             elif "loss_rel" in par:
-                ptxt = f"{par['loss_rel']:.1e}, {par['grad_rel']:.1e} {'ok' if par['ok'] else 'FAIL'}"
+                worst = f", {par['worst_rel']:.1e}" if "worst_rel" in par else ""
+                ptxt = f"{par['loss_rel']:.1e}, {par['grad_rel']:.1e}{worst} {'ok' if par['ok'] else 'FAIL'}"
             else:
                 ptxt = f"FAIL: {par.get('message', '')[:80]}"
             verdict = "ok" if g.ok else "**FAIL**"

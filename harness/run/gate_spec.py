@@ -16,7 +16,10 @@ from harness.workload import models as model_registry
 class Guard:
     """A switch's own on/off pair in a gate suite: the gate fails when the measured speedup of
     ``on`` over ``off`` falls below ``min_speedup``, or when their loss and gradients on one fixed
-    batch differ by more than the tolerances (relative; bf16 rounding stays well inside them)."""
+    batch differ by more than the tolerances (relative; bf16 rounding stays well inside them).
+    ``grad_tol`` bounds the gradients' error over every trainable parameter together, ``param_tol``
+    each parameter's own: a switch that drops one small parameter's gradient (relative error 1)
+    moves the global figure by as little as that parameter's share of the total, and fails here."""
 
     switch: str  # a switch name, or "optim.enable" for the user path against stock
     model: str
@@ -27,6 +30,9 @@ class Guard:
     parity: bool = True
     loss_tol: float = 2e-2
     grad_tol: float = 5e-2
+    # Far above what bf16 moves one parameter in the GPU gate suite's guards, MoE's top-k ties
+    # included (``worst_rel`` in results/gate/*/parity.json), and far below a dropped gradient.
+    param_tol: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ class GateSpec:
 
 ENABLE_GUARD = "optim.enable"  # a guard's switch name for the user's path (role user) vs stock
 GATE_KEYS = {"rounds", "alpha", "max_slowdown", "max_memory_mib", "guards", "judge", "guard_rounds"}
-GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity", "loss_tol", "grad_tol"}
+GUARD_KEYS = {"switch", "model", "seq_len", "on", "off", "min_speedup", "parity", "loss_tol", "grad_tol",
+              "param_tol"}
 
 
 def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants: dict, variant_models: dict,
@@ -111,6 +118,7 @@ def parse_gate(path, raw: Any, models: list[str], seq_lens: list[int], variants:
             min_speedup=positive_number(path, f"{where}.min_speedup", g["min_speedup"]), parity=parity,
             loss_tol=positive_number(path, f"{where}.loss_tol", g.get("loss_tol", Guard.loss_tol), below=1),
             grad_tol=positive_number(path, f"{where}.grad_tol", g.get("grad_tol", Guard.grad_tol), below=1),
+            param_tol=positive_number(path, f"{where}.param_tol", g.get("param_tol", Guard.param_tol), below=1),
         ))
     judge = _judged(path, raw.get("judge", []), variants, roles)
     rounds = integer(path, "gate.rounds", raw.get("rounds", GateSpec.rounds), 2)

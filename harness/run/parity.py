@@ -4,8 +4,9 @@ its ``on`` variant against its ``off`` variant on one fixed batch, in one proces
 Each side is built as its sweep point builds it (same seed, same weights, the same optim
 switches), with every lora_B drawn non-zero first so the adapters take part, then runs one
 forward and backward of the point's loss on the point's first batch, eagerly (a graphed point
-replays the same kernels). The check passes when the losses differ by at most ``loss_tol`` and
-the trainable gradients by at most ``grad_tol``, both relative to ``off``.
+replays the same kernels). The check passes when the losses differ by at most ``loss_tol``, the
+trainable gradients together by at most ``grad_tol`` and each parameter's own by at most
+``param_tol``, all relative to ``off``.
 
 ``python -m harness parity SUITE.toml [--json FILE]``; the gate runs it in the head's checkout.
 """
@@ -47,7 +48,8 @@ def _side(point, spec) -> tuple[float, dict]:
 def compare(guard: Guard, off: tuple[float, dict], on: tuple[float, dict]) -> dict:
     """The verdict of one guard from each side's (loss, {parameter: gradient})."""
     (loss_off, g_off), (loss_on, g_on) = off, on
-    out = {"loss_off": loss_off, "loss_on": loss_on, "loss_tol": guard.loss_tol, "grad_tol": guard.grad_tol}
+    out = {"loss_off": loss_off, "loss_on": loss_on, "loss_tol": guard.loss_tol, "grad_tol": guard.grad_tol,
+           "param_tol": guard.param_tol}
     missing = sorted(set(g_off) ^ set(g_on))
     if missing:
         out.update(ok=False, message=f"the two sides train different parameters ({len(missing)} differ, "
@@ -58,17 +60,31 @@ def compare(guard: Guard, off: tuple[float, dict], on: tuple[float, dict]) -> di
         return out
     diff2 = sum(float((g_on[n] - g_off[n]).square().sum()) for n in g_off)
     ref2 = sum(float(g_off[n].square().sum()) for n in g_off)
-    worst = max(g_off, key=lambda n: float((g_on[n] - g_off[n]).norm()) / max(float(g_off[n].norm()), 1e-12))
+    rel = {n: _rel(g_on[n], g_off[n]) for n in g_off}
+    worst = max(rel, key=lambda n: rel[n] if not math.isnan(rel[n]) else math.inf)
     out["loss_rel"] = abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)
     out["grad_rel"] = math.sqrt(diff2 / ref2) if ref2 > 0 else (0.0 if diff2 == 0 else math.inf)
     out["worst_param"] = worst
-    out["worst_rel"] = float((g_on[worst] - g_off[worst]).norm()) / max(float(g_off[worst].norm()), 1e-12)
+    out["worst_rel"] = rel[worst]
+    out["params_over"] = sum(1 for v in rel.values() if not v <= guard.param_tol)
     finite = all(math.isfinite(v) for v in (loss_on, loss_off, out["grad_rel"]))
-    out["ok"] = finite and out["loss_rel"] <= guard.loss_tol and out["grad_rel"] <= guard.grad_tol
+    out["ok"] = (finite and out["loss_rel"] <= guard.loss_tol and out["grad_rel"] <= guard.grad_tol
+                 and out["params_over"] == 0)
     out["message"] = "" if out["ok"] else (
         f"loss {loss_off:.5g} -> {loss_on:.5g} (rel {out['loss_rel']:.2e}, tol {guard.loss_tol:.0e}), "
-        f"gradients rel {out['grad_rel']:.2e} (tol {guard.grad_tol:.0e})")
+        f"gradients rel {out['grad_rel']:.2e} (tol {guard.grad_tol:.0e})"
+        + (f", {out['params_over']} parameter(s) past {guard.param_tol:g} on their own, worst {worst} "
+           f"(rel {out['worst_rel']:.2e})" if out["params_over"] else ""))
     return out
+
+
+def _rel(on, off) -> float:
+    """One parameter's gradient error relative to its reference: 1.0 for a gradient dropped, inf
+    for one where the reference has none, 0.0 where both are zero."""
+    diff, ref = float((on - off).norm()), float(off.norm())
+    if ref > 0:
+        return diff / ref
+    return 0.0 if diff == 0 else math.inf
 
 
 def check(exp: Experiment, guard: Guard) -> dict:
