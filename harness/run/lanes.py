@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import results as res
-from harness.run import sweep
+from harness.run import gpu_lock, sweep
 from harness.run.sweep import LANE_ENV, PARENT_ENV
 
 COMMAND_ENV = "PACKBENCH_COMMAND"  # the command that started the lanes, recorded in each child's rows
@@ -141,7 +141,9 @@ def _prepare(exp, args, lane0: str):
         results = res.results_path(args.results, exp.name, slug)
         res.check_writable(results.parent)
         kept = sweep.keep_experiment_file(exp, args.results)
-        sweep.ensure_bandwidth(exp, results, device_name, slug, overwrite=args.overwrite)
+        gpus = [] if device_name == "cpu" else gpu_lock.visible_gpus(len(lane0.split(",")))
+        with gpu_lock.hold(gpus, f"the bandwidth rows of {exp.name}'s lanes"):
+            sweep.ensure_bandwidth(exp, results, device_name, slug, overwrite=args.overwrite)
     finally:
         if visible is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -26,6 +26,7 @@ from harness import row as rowmod
 from harness.errors import InputError
 from harness.measure import env as envmod
 from harness.measure.env import REPO_ROOT
+from harness.run import gpu_lock
 from harness.run.experiment import Experiment
 from harness.run.launchers import for_point
 
@@ -283,9 +284,21 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     its wall time on another, at most ``point_estimate_s``, else ``point_estimate_s``, else it
     starts if the deadline has not passed), and a shorter point after it still may. The points not
     started stay unfinished for a rerun (``summary.left``); a point the sweep was stopped in leaves
-    a ``stopped_row``."""
+    a ``stopped_row``. On a GPU, it holds its GPUs' locks throughout (``gpu_lock``): a second sweep
+    on them waits, then reads the first one's rows before it decides what is left."""
     started = time.monotonic()
     device_name = detect_device_name(exp.device)
+    # the GPUs its points run on, held from before it reads which points are finished until its last row
+    gpus = [] if device_name == "cpu" else gpu_lock.visible_gpus(max(exp.gpus))
+    with gpu_lock.hold(gpus, command or f"a sweep of {exp.name}"):
+        return _run(exp, results_root, device_name, started, overwrite=overwrite, progress=progress,
+                    command=command, stop_after_s=stop_after_s, deadline_s=deadline_s,
+                    point_estimate_s=point_estimate_s, keep_older=keep_older)
+
+
+def _run(exp: Experiment, results_root: str | Path, device_name: str, started: float, *, overwrite: bool,
+         progress: bool, command: str, stop_after_s: float | None, deadline_s: float | None,
+         point_estimate_s: float | None, keep_older: bool) -> SweepSummary:
     slug = res.gpu_slug(device_name)
     path = res.results_path(results_root, exp.name, slug)
     summary = SweepSummary(results_path=path)
