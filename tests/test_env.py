@@ -28,6 +28,30 @@ def test_code_sha_tracks_the_measuring_code_only(tmp_path, env_of_a_tree):
     assert env.code_sha() != first
 
 
+def test_a_sweeps_own_rows_do_not_make_the_tree_dirty(tmp_path, monkeypatch, env_of_a_tree):
+    """Every row after a sweep's first once read dirty: the sweep had appended to a tracked
+    results file. Changes to results/ and reports/ are what it measures, not what it runs."""
+    import subprocess
+
+    env = env_of_a_tree
+    monkeypatch.delenv("PACKBENCH_GIT_SHA", raising=False)
+    for d in ("results", "reports"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "f.jsonl").write_text("{}\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], cwd=tmp_path, check=True)
+    assert env.git_state()["git_dirty"] is False
+    for d in ("results", "reports"):
+        (tmp_path / d / "f.jsonl").write_text("{}\n{}\n")
+    (tmp_path / "scratch.py").write_text("untracked\n")
+    state = env.git_state()
+    assert state["git_dirty"] is False and len(state["git_sha"]) == 40
+    (tmp_path / "optim" / "a.py").write_text("x = 2\n")
+    assert env.git_state()["git_dirty"] is True
+
+
 def test_code_id_covers_the_sources_and_the_versions_of_the_stack_and_the_peers(tmp_path, monkeypatch, env_of_a_tree):
     from importlib import metadata
 

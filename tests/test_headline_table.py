@@ -3,6 +3,7 @@ of the peers ran where some did not (a point measured beside stock and Liger alo
 its ratio is against the fastest of all four)."""
 
 from harness.report import cite, headline
+from harness.report.runs import other_code
 from harness.report.blog.data import RolePoint
 
 
@@ -20,7 +21,7 @@ def _point(**roles):
 
 
 def _ratio_cell(p):
-    head, _, row = headline._table(cite.Figures(), [p]).splitlines()
+    head, _, row = headline._table(cite.Figures(), [p], other_code(list(p.rows.values()))).splitlines()
     cells = dict(zip(head.strip("|").split(" | "), row.strip("|").split(" | ")))
     return cells["enable() against the fastest other"].strip()
 
@@ -111,21 +112,29 @@ def test_a_peer_with_and_without_checkpointing_is_its_faster_step_and_its_lower_
     (p,) = data.role_points(rows)
     assert p.rows["stock-compiled"]["variant"] == "stock-compiled-nockpt"
     assert p.low["stock-compiled"]["variant"] == "stock-compiled"
-    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    head, _, line = headline._table(cite.Figures(), [p], other_code(rows)).splitlines()
     cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
     assert cells["enable() against the fastest other"].startswith("1.33× (stock + torch.compile")  # 760 / 569
     assert cells["peak, enable() / the lowest other"].strip() == "54.48 GiB / 20.55 GiB"
     assert cells["stock + torch.compile"].strip() == "760.0 ms"  # no mark: the row names no switch
     p.rows["stock-compiled"]["switches"] = {"gradient_checkpointing": False}
-    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    head, _, line = headline._table(cite.Figures(), [p], other_code(rows)).splitlines()
     cells = dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))
     assert cells["stock + torch.compile"].strip() == "760.0 ms ‡" and cells["Liger-Kernel"].strip() == "1250.0 ms"
     assert cells["commit"].strip() == "`abcdef0`"
     p.rows["user"]["switches"] = {"gradient_checkpointing": False}  # the mark is a peer's alone
-    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    head, _, line = headline._table(cite.Figures(), [p], other_code(rows)).splitlines()
     assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["`optim.enable(model)`"].strip() == "569.0 ms"
-    p.rows["user"]["env"] = {"git_sha": "abcdef0123", "git_dirty": True}  # measured with changes on top of it
-    head, _, line = headline._table(cite.Figures(), [p]).splitlines()
+    p.rows["user"]["env"] = {"git_sha": "abcdef0123", "git_dirty": True, "code_sha": "c0de"}  # changes on top
+    head, _, line = headline._table(cite.Figures(), [p], other_code(rows)).splitlines()
+    assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["commit"].strip() == "`abcdef0` (dirty)"
+    # a clean row of the commit that ran the same measuring code: the tree's change was elsewhere
+    # (the rows the sweep had appended to results/ before this one)
+    rows[0]["env"] = {"git_sha": "abcdef0123", "git_dirty": False, "code_sha": "c0de"}
+    head, _, line = headline._table(cite.Figures(), [p], other_code(rows)).splitlines()
+    assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["commit"].strip() == "`abcdef0`"
+    rows[0]["env"]["code_sha"] = "other"  # the clean row ran other code: it vouches for nothing
+    head, _, line = headline._table(cite.Figures(), [p], other_code(rows)).splitlines()
     assert dict(zip(head.strip("|").split(" | "), line.strip("|").split(" | ")))["commit"].strip() == "`abcdef0` (dirty)"
 
 

@@ -147,14 +147,19 @@ def nvml_memory_gib(index: int = 0) -> tuple[float | None, float | None]:
 
 
 def git_state() -> dict:
-    """The commit measured. A copy of the tree without .git (a GPU machine the tree was copied to)
-    takes it from PACKBENCH_GIT_SHA / PACKBENCH_GIT_DIRTY set by whoever shipped the tree."""
+    """The commit measured, and whether tracked files outside results/ and reports/ had changes on
+    top of it. A copy of the tree without .git (a GPU machine the tree was copied to) takes both
+    from PACKBENCH_GIT_SHA / PACKBENCH_GIT_DIRTY set by whoever shipped the tree."""
     # Whoever shipped the tree knows best: a copy may carry a stale .git (a machine the tree is
     # copied to again and again may keep the .git of the first copy while the files move on).
     if not os.environ.get("PACKBENCH_GIT_SHA"):
         sha = _git("rev-parse", "HEAD")
         if sha is not None:
-            return {"git_sha": sha, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+            # the rows a sweep appends to results/ (and the reports built from them) change tracked
+            # files as it runs: they are what it measured, not what it measured with
+            changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                           ":(exclude)results", ":(exclude)reports")
+            return {"git_sha": sha, "git_dirty": None if changed is None else bool(changed)}
     dirty = os.environ.get("PACKBENCH_GIT_DIRTY")
     return {"git_sha": os.environ.get("PACKBENCH_GIT_SHA"),
             "git_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}

@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.report import cite, fmt
 from harness.report.blog import data
 from harness.report.blog.style import ROLE_LABEL
+from harness.report.runs import other_code
 from harness.roles import PEERS
 
 BEGIN = "<!-- headline: written by `python -m harness report` from results/; edit harness/report/headline.py, not this block -->"
@@ -46,7 +47,7 @@ def _no_checkpointing(r: dict | None) -> bool:
     return ((r or {}).get("switches") or {}).get("gradient_checkpointing") is False
 
 
-def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
+def _table(f: cite.Figures, points: list[data.RolePoint], dirty) -> str:
     body = []
     for p in points:
         _, fastest = p.over_fastest_peer()
@@ -59,7 +60,7 @@ def _table(f: cite.Figures, points: list[data.RolePoint]) -> str:
         mem = (f"{f.gib(user)} / {f.gib(low)}" if user and low and user.get("peak_allocated_gib") is not None else "–")
         exp = str((user or p.rows.get("stock") or {}).get("experiment"))
         env = (user or {}).get("env") or {}
-        code = f"`{str(env.get('git_sha') or '?')[:7]}`" + (" (dirty)" if env.get("git_dirty") else "")  # changes on top of it
+        code = f"`{str(env.get('git_sha') or '?')[:7]}`" + (" (dirty)" if dirty(user or {}) else "")
         body.append([p.gpu_name, _workload(user or p.rows["stock"]), *(_cell(f, p, r) for r in PEERS),
                      _cell(f, p, "user"), vs, mem, code, f"[{exp}](reports/{exp}/README.md)"])
     return fmt.table(["GPU", "workload", *(ROLE_LABEL[r] for r in PEERS), "`optim.enable(model)`",
@@ -160,8 +161,8 @@ def render(results_root: Path | str) -> str:
     """The block, markers and keys included, from results/ alone."""
     root = Path(results_root)
     f = cite.Figures()
-    user = [p for p in data.role_points(data.load_rows(root, [e for e in USER if (root / e).is_dir()]))
-            if "user" in p.rows]
+    rows = data.load_rows(root, [e for e in USER if (root / e).is_dir()])
+    user = [p for p in data.role_points(rows) if "user" in p.rows]
     parts = ["What `optim.enable(model)` gives with its defaults in a plain training loop, beside what a user "
              "would run instead, each row's roles from one sweep on the GPU named (`python -m harness sweep "
              "experiments/user.toml`, and `user-moe.toml`): the median step, and the one call's speed-up over the "
@@ -169,8 +170,9 @@ def render(results_root: Path | str) -> str:
              "measured by another run than the stock beside it."
              + (" ‡ marks a peer whose row shown had gradient checkpointing off; where a peer ran both ways, its "
                 "column is the faster run and the memory column reads the lower peak."
-                if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else ""),
-             _table(f, user)]
+                if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else "")
+             + (" (dirty) marks a commit that the measured code had changes on top of." if any(other_code(rows)(p.rows["user"]) for p in user) else ""),
+             _table(f, user, other_code(rows))]
     if line := _memory_first(f, root):
         parts.append(line)
     for name in SWEEPS:

@@ -32,6 +32,21 @@ def recorded_at(r: dict):
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
+def other_code(rows: list[dict]):
+    """A test of a row: whether it ran other measuring code than its commit's. Its tree was dirty
+    (``env.git_dirty``) and no clean row of that commit recorded the same ``env.code_sha``. A sweep
+    once read its own rows, appended to the tracked results/, as changes: every row after a run's
+    first said dirty. The first, clean, row of that run vouches for the others of the same code."""
+    clean = {(e.get("git_sha"), e.get("code_sha")) for r in rows
+             if (e := r.get("env") or {}).get("git_dirty") is False and e.get("code_sha")}
+
+    def test(r: dict) -> bool:
+        e = r.get("env") or {}
+        return bool(e.get("git_dirty")) and (e.get("git_sha"), e.get("code_sha")) not in clean
+
+    return test
+
+
 def code_ids(rows: list[dict]) -> set:
     """What ran: the hash of the measuring code where rows record it (env.code_sha), else the commit."""
     return {code_of(r) for r in rows} - {None}

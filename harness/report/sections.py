@@ -166,11 +166,13 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
     def env(key: str, unit: str = "") -> str:
         return fmt.distinct(e.get(key) for e in envs) + unit if any(e.get(key) is not None for e in envs) else "unknown"
 
+    dirty = runs.other_code(rows)
+
     def git(e):
         sha = e.get("git_sha")
         if not sha:
             return None
-        return sha[:12] + (" (dirty)" if e.get("git_dirty") else "")
+        return sha[:12] + (" (dirty)" if dirty({"env": e}) else "")
 
     def pcie(gen_key, width_key):
         return fmt.distinct(f"Gen{e.get(gen_key)} x{e.get(width_key)}" for e in envs
