@@ -142,3 +142,110 @@ def test_a_second_sweep_on_the_gpu_waits_then_finds_the_point_done(lock_dir, tmp
     assert f"in use by pid {first.pid} (sweep A)" in second.stderr, second.stderr
     assert a == {"ran": 1, "skipped": 0}
     assert b == {"ran": 0, "skipped": 1}  # it read the first sweep's row after the wait, not before
+
+
+def test_a_sweep_whose_time_runs_out_waiting_starts_nothing_and_leaves_its_points(lock_dir, tmp_path, write_toml,
+                                                                                   monkeypatch, capsys):
+    from harness.run import experiment, sweep
+
+    monkeypatch.setattr(sweep, "detect_device_name", lambda requested: "NVIDIA Fake GPU")
+    monkeypatch.setattr(gpu_lock, "visible_gpus", lambda count: ["GPU-fake-0"])
+    first = _holder("GPU-fake-0", 60.0)
+    try:
+        began = time.monotonic()
+        summary = sweep.run(experiment.load(write_toml(EXP)), tmp_path / "results", progress=False, stop_after_s=1.5)
+        assert time.monotonic() - began < 10
+    finally:
+        first.kill()
+        first.wait()
+    assert (summary.ran, summary.left) == (0, 1)
+    assert "stayed in use by pid" in capsys.readouterr().err
+
+
+def test_the_wait_has_a_limit(lock_dir):
+    first = _holder("GPU-aaaa", 60.0)
+    try:
+        with pytest.raises(gpu_lock.Busy, match="GPU-aaaa stayed in use by pid"):
+            with gpu_lock.hold(["GPU-aaaa"], "in a hurry", stream=io.StringIO(), timeout_s=1.0):
+                pass
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_every_user_can_open_the_lock_file_whatever_the_umask(lock_dir):
+    old = os.umask(0o077)
+    try:
+        with gpu_lock.hold(["GPU-aaaa"], "umask 077"):
+            pass
+    finally:
+        os.umask(old)
+    assert (lock_dir / "GPU-aaaa.lock").stat().st_mode & 0o777 == 0o666
+
+
+def test_a_planted_link_is_never_written(lock_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    lock_dir.mkdir()
+    (lock_dir / "GPU-aaaa.lock").symlink_to(victim)
+    with pytest.raises(gpu_lock.LockError, match="symbolic link"):
+        with gpu_lock.hold(["GPU-aaaa"], "planted"):
+            pass
+    os.link(victim, lock_dir / "GPU-bbbb.lock")  # a second name for the file: locked, not written
+    with gpu_lock.hold(["GPU-bbbb"], "hard link"):
+        pass
+    assert victim.read_text() == "keep me\n"
+
+
+def test_a_lock_folder_that_cannot_be_made_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PACKBENCH_LOCK_DIR", str(tmp_path / "a-file" / "locks"))
+    with pytest.raises(gpu_lock.LockError, match="PACKBENCH_LOCK_DIR"):
+        with gpu_lock.hold(["GPU-aaaa"], "nowhere"):
+            pass
+
+
+class _FakeNVML:
+    """pynvml with four GPUs on the host: GPU-aaaa-0 ... GPU-dddd-3."""
+
+    class NVMLError(Exception):
+        pass
+
+    UUIDS = ["GPU-aaaa-0", "GPU-bbbb-1", "GPU-cccc-2", "GPU-dddd-3"]
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.UUIDS)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.UUIDS[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        raise self.NVMLError(uuid)
+
+    def nvmlDeviceGetUUID(self, handle):
+        return handle.encode()
+
+
+@pytest.mark.parametrize("visible, count, expected", [
+    (None, 2, ["GPU-aaaa-0", "GPU-bbbb-1"]),
+    ("2", 1, ["GPU-cccc-2"]),
+    ("2", 2, ["GPU-cccc-2"]),  # one visible: never NVML's own GPU 1 beside it
+    ("3,1", 2, ["GPU-dddd-3", "GPU-bbbb-1"]),
+    ("GPU-cccc", 1, ["GPU-cccc-2"]),  # a unique start of a UUID, as CUDA takes it
+    ("bbbb-1", 1, ["GPU-bbbb-1"]),  # without its prefix
+    ("7,0", 2, []),  # CUDA stops at the first entry it cannot resolve
+    ("GPU-", 1, []),  # not unique
+])
+def test_the_gpus_locked_are_the_ones_cuda_shows(monkeypatch, visible, count, expected):
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVML())
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_lock.visible_gpus(count) == expected

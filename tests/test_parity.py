@@ -42,9 +42,9 @@ def test_one_small_gradient_dropped_fails_though_the_global_error_is_inside_its_
 
 def test_a_gradient_where_the_reference_has_none_fails():
     off = {**_grads(), "layers.1.router.lora_A": torch.zeros(16)}
-    on = {**off, "layers.1.router.lora_A": torch.full((16,), 1e-3)}
+    on = {**off, "layers.1.router.lora_A": torch.full((16,), 10.0)}
     out = compare(GUARD, (2.0, off), (2.0, on))
-    assert not out["ok"] and out["worst_rel"] == math.inf and out["params_over"] == 1
+    assert not out["ok"] and out["worst_param"] == "layers.1.router.lora_A" and out["params_over"] == 1
 
 
 def test_a_nan_in_one_parameter_fails_and_is_named():
@@ -58,3 +58,20 @@ def test_both_sides_without_a_gradient_for_a_parameter_agree():
     off = {**_grads(), "layers.1.router.lora_A": torch.zeros(16)}
     out = compare(GUARD, (2.0, off), (2.0, dict(off)))
     assert out["ok"] and out["worst_rel"] == 0.0
+
+
+def test_a_reference_without_any_gradient_is_no_pass():
+    off = {n: torch.zeros_like(g) for n, g in _grads().items()}
+    out = compare(GUARD, (2.0, off), (2.0, dict(off)))
+    assert not out["ok"] and "every gradient of the reference is zero" in out["message"]
+
+
+def test_a_parameter_the_reference_barely_trains_is_judged_against_a_floor():
+    """Below a thousandth of the typical parameter's reference gradient, noise on a parameter the
+    reference leaves at zero is no failure; a real gradient there still is."""
+    off = {**_grads(), "layers.1.router.lora_A": torch.zeros(16)}
+    typical = sorted(float(g.norm()) for g in off.values())[1]
+    on = {**off, "layers.1.router.lora_A": torch.full((16,), 1e-5 * typical / 4)}  # norm 1e-5 of typical
+    assert compare(GUARD, (2.0, off), (2.0, on))["ok"]
+    on["layers.1.router.lora_A"] = torch.full((16,), 1e-2 * typical / 4)
+    assert not compare(GUARD, (2.0, off), (2.0, on))["ok"]

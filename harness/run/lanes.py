@@ -142,8 +142,11 @@ def _prepare(exp, args, lane0: str):
         res.check_writable(results.parent)
         kept = sweep.keep_experiment_file(exp, args.results)
         gpus = [] if device_name == "cpu" else gpu_lock.visible_gpus(len(lane0.split(",")))
-        with gpu_lock.hold(gpus, f"the bandwidth rows of {exp.name}'s lanes"):
-            sweep.ensure_bandwidth(exp, results, device_name, slug, overwrite=args.overwrite)
+        try:
+            with gpu_lock.hold(gpus, f"the bandwidth rows of {exp.name}'s lanes", timeout_s=args.stop_after):
+                sweep.ensure_bandwidth(exp, results, device_name, slug, overwrite=args.overwrite)
+        except gpu_lock.Busy as e:  # the lanes' children wait for their own GPUs, each within its time
+            sys.stderr.write(f"{e}: the bandwidth rows are left for a later run\n")
     finally:
         if visible is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -55,12 +55,17 @@ def compare(guard: Guard, off: tuple[float, dict], on: tuple[float, dict]) -> di
         out.update(ok=False, message=f"the two sides train different parameters ({len(missing)} differ, "
                                      f"e.g. {missing[0]})")
         return out
-    if not g_off:
-        out.update(ok=False, message="no parameter received a gradient")
+    if not g_off or not any(bool(g.any()) for g in g_off.values()):
+        out.update(ok=False, message="no parameter received a gradient" if not g_off else
+                   "every gradient of the reference is zero: nothing to compare")
         return out
     diff2 = sum(float((g_on[n] - g_off[n]).square().sum()) for n in g_off)
     ref2 = sum(float(g_off[n].square().sum()) for n in g_off)
-    rel = {n: _rel(g_on[n], g_off[n]) for n in g_off}
+    # a parameter counts on its own only above a floor: a thousandth of the typical parameter's
+    # reference gradient (a parameter the reference barely trains is no share of the step)
+    norms = sorted(float(g.double().norm()) for g in g_off.values())
+    floor = 1e-3 * norms[len(norms) // 2]
+    rel = {n: _rel(g_on[n], g_off[n], floor) for n in g_off}
     worst = max(rel, key=lambda n: rel[n] if not math.isnan(rel[n]) else math.inf)
     out["loss_rel"] = abs(loss_on - loss_off) / max(abs(loss_off), 1e-12)
     out["grad_rel"] = math.sqrt(diff2 / ref2) if ref2 > 0 else (0.0 if diff2 == 0 else math.inf)
@@ -78,10 +83,11 @@ def compare(guard: Guard, off: tuple[float, dict], on: tuple[float, dict]) -> di
     return out
 
 
-def _rel(on, off) -> float:
-    """One parameter's gradient error relative to its reference: 1.0 for a gradient dropped, inf
-    for one where the reference has none, 0.0 where both are zero."""
-    diff, ref = float((on - off).norm()), float(off.norm())
+def _rel(on, off, floor: float = 0.0) -> float:
+    """One parameter's gradient error relative to its reference, or to ``floor`` where that is
+    larger: 1.0 for a gradient dropped, inf for one where the reference has none (above no floor),
+    0.0 where both are zero."""
+    diff, ref = float((on.double() - off.double()).norm()), max(float(off.double().norm()), floor)
     if ref > 0:
         return diff / ref
     return 0.0 if diff == 0 else math.inf
@@ -119,7 +125,8 @@ def main(args) -> int:
         rows.append(row)
         verdict = "ok" if row["ok"] else f"FAIL {row['message']}"
         print(f"parity {guard.switch} ({guard.model} T={guard.seq_len}, {guard.on} vs {guard.off}): "
-              f"loss rel {row.get('loss_rel', math.nan):.2e}, grads rel {row.get('grad_rel', math.nan):.2e}  {verdict}")
+              f"loss rel {row.get('loss_rel', math.nan):.2e}, grads rel {row.get('grad_rel', math.nan):.2e}, "
+              f"worst parameter {row.get('worst_rel', math.nan):.2e}  {verdict}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"suite": str(args.suite), "guards": rows}, indent=2) + "\n")

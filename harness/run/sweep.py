@@ -290,10 +290,18 @@ def run(exp: Experiment, results_root: str | Path, *, overwrite: bool = False, p
     device_name = detect_device_name(exp.device)
     # the GPUs its points run on, held from before it reads which points are finished until its last row
     gpus = [] if device_name == "cpu" else gpu_lock.visible_gpus(max(exp.gpus))
-    with gpu_lock.hold(gpus, command or f"a sweep of {exp.name}"):
-        return _run(exp, results_root, device_name, started, overwrite=overwrite, progress=progress,
-                    command=command, stop_after_s=stop_after_s, deadline_s=deadline_s,
-                    point_estimate_s=point_estimate_s, keep_older=keep_older)
+    limits = [s for s in (stop_after_s, deadline_s) if s is not None]  # a wait spends the sweep's own time
+    try:
+        with gpu_lock.hold(gpus, command or f"a sweep of {exp.name}",
+                           timeout_s=min(limits) - (time.monotonic() - started) if limits else None):
+            return _run(exp, results_root, device_name, started, overwrite=overwrite, progress=progress,
+                        command=command, stop_after_s=stop_after_s, deadline_s=deadline_s,
+                        point_estimate_s=point_estimate_s, keep_older=keep_older)
+    except gpu_lock.Busy as e:  # its time went on waiting: every point left for the next call
+        sys.stderr.write(f"{e}; no point started (the same command resumes)\n")
+        path = res.results_path(results_root, exp.name, res.gpu_slug(device_name))
+        done, _ = (set(), "") if overwrite else finished(path, exp.points(), keep_older=keep_older)
+        return SweepSummary(results_path=path, left=sum(p.point_id not in done for p in exp.points()))
 
 
 def _run(exp: Experiment, results_root: str | Path, device_name: str, started: float, *, overwrite: bool,
