@@ -17,6 +17,7 @@ import pytest
 
 from harness.measure.env import REPO_ROOT
 from harness.run import gpu_lock
+from test_sweep import EXP as SWEEP_EXP
 
 HOLD = textwrap.dedent("""
     import sys, time
@@ -110,21 +111,7 @@ SWEEP = textwrap.dedent("""
     print(json.dumps({"ran": s.ran, "skipped": s.skipped}))
 """)
 
-EXP = """
-[experiment]
-name = "locked"
-models = ["llama-3.2-1b-tiny"]
-seq_lens = [32]
-device = "cpu"
-dtype = "fp32"
-lora_rank = 2
-timeout_s = 120
-bandwidth = false
-[data]
-median_doc_len = 8
-[variants.good]
-attn_implementation = "sdpa"
-"""
+EXP = SWEEP_EXP.split("[variants.boom]")[0]  # one tiny CPU point
 
 
 def test_a_second_sweep_on_the_gpu_waits_then_finds_the_point_done(lock_dir, tmp_path, write_toml):
