@@ -103,10 +103,13 @@ def test_the_switch_turns_the_locks_off(lock_dir, monkeypatch):
 
 
 SWEEP = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     from harness.run import experiment, gpu_lock, sweep
     sweep.detect_device_name = lambda requested: "NVIDIA Fake GPU"  # the points still run on the CPU
     gpu_lock.visible_gpus = lambda count: ["GPU-fake-0"]
+    if sys.argv[3] == "sweep A":  # it holds the GPU a while before its point: B surely finds it taken
+        real = sweep._run
+        sweep._run = lambda *a, **k: (time.sleep(5), real(*a, **k))[1]
     s = sweep.run(experiment.load(sys.argv[1]), sys.argv[2], progress=False, command=sys.argv[3])
     print(json.dumps({"ran": s.ran, "skipped": s.skipped}))
 """)
