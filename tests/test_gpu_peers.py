@@ -58,3 +58,24 @@ def test_unsloth_runs_its_packed_path_or_its_row_says_why(tmp_path):
     assert u["trainable_params"] == rows["stock"]["trainable_params"]  # LoRA on the same projections, same rank
     # random weights of one initializer, not the same draw: the first loss agrees to within a few %
     assert abs(u["loss"][0] - rows["stock"]["loss"][0]) <= 0.05 * rows["stock"]["loss"][0]
+
+
+def test_the_profile_command_profiles_unsloth(tmp_path):
+    # A sweep point's process imports Unsloth before torch, which it patches; the profile command
+    # runs its point in its own process and must do the same, or Unsloth's build refuses to run.
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("unsloth") is None:  # found, not imported: this process has torch
+        pytest.skip("the unsloth extra is not installed")
+    toml = tmp_path / "u.toml"
+    toml.write_text('[experiment]\nname = "u"\nmodels = ["qwen3-0.6b"]\nseq_lens = [2048]\ndevice = "cuda"\n'
+                    'lora_rank = 16\nbandwidth = false\n[variants.unsloth]\nstack = "unsloth"\n')
+    p = subprocess.run([sys.executable, "-m", "harness", "profile", str(toml), "--model", "qwen3-0.6b",
+                        "--seq-len", "2048", "--variant", "unsloth", "--warmup", "1", "--out", str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((tmp_path / "p" / "qwen3-0.6b-2048-unsloth.summary.json").read_text())
+    assert summary["phases"]["backward"]["gpu_busy_ms"] > 0 and summary["top_kernels"]

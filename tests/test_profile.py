@@ -50,3 +50,20 @@ def test_profile_cli_rejects_an_unknown_variant(tmp_path, capsys):
     rc = cli.main(["profile", "experiments/smoke-cpu.toml", "--model", "llama-3.2-1b-tiny", "--seq-len", "256",
                    "--variant", "nope", "--out", str(tmp_path)])
     assert rc == 2 and "nope" in capsys.readouterr().err
+
+
+def test_profile_cli_says_in_one_line_why_a_peer_cannot_run(tmp_path):
+    # A peer that cannot run here (Unsloth on a CPU point) is one line on stderr and exit 1, not a
+    # traceback; on a GPU, test_gpu_peers profiles Unsloth itself.
+    import subprocess
+    import sys
+
+    toml = tmp_path / "u.toml"
+    toml.write_text('[experiment]\nname = "u"\nmodels = ["llama-3.2-1b-tiny"]\nseq_lens = [256]\ndevice = "cpu"\n'
+                    'bandwidth = false\n[variants.unsloth]\nstack = "unsloth"\n')
+    p = subprocess.run([sys.executable, "-m", "harness", "profile", str(toml), "--model", "llama-3.2-1b-tiny",
+                        "--seq-len", "256", "--variant", "unsloth", "--out", str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr and "not imported first" not in p.stderr
+    assert p.stderr == "error: unsloth: Unsloth needs a CUDA GPU; this point runs on cpu\n"

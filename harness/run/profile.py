@@ -218,7 +218,19 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     point = exp.points()[0]
-    s = profile_point(point, Path(args.out), warmup=args.warmup, steps=args.steps, trace=args.trace)
+    if point.stack == "unsloth" and "torch" not in sys.modules:
+        # as a sweep point's process does: Unsloth patches torch, transformers and peft, so it
+        # comes first, or its build refuses to run
+        from harness.run import unsloth_stack
+
+        unsloth_stack.import_first()
+    from harness.run.peers import PeerUnavailable
+
+    try:
+        s = profile_point(point, Path(args.out), warmup=args.warmup, steps=args.steps, trace=args.trace)
+    except PeerUnavailable as e:  # a peer that cannot run here: one line, as its sweep row says
+        print(f"error: {point.variant}: {e}", file=sys.stderr)
+        return 1
     print(format_summary(s))
     return 0
 
