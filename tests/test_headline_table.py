@@ -166,3 +166,16 @@ def test_the_memory_first_sentence_reads_each_peers_lowest_peak_not_its_fastest_
     text = headline._memory_first(cite.Figures(), tmp_path)
     assert "`lowmem` (recompute='all') at qwen3-8b 8192 on the H200: 750.0 ms, 0.90× against the fastest other (Unsloth; stock + compile, Liger-Kernel not run)" in text
     assert "peak 17.65 GiB against the lowest other's 17.38 GiB (Unsloth;" in text, text  # not unsloth-nockpt's 50.55
+
+
+def test_a_speedup_whose_spreads_overlap_is_marked():
+    # 258.8 [255.8–264.8] against 254.3 [246.3–263.2]: 1.01×, and the run cannot tell the two apart
+    from harness.report import fmt
+
+    tie = _point(stock=(909.5, 97.1), unsloth=(258.8, 95.7), user=(254.3, 103.9))
+    tie.rows["unsloth"]["step_ms"].update(p20=255.8, p80=264.8)
+    tie.rows["user"]["step_ms"].update(p20=246.3, p80=263.2)
+    assert _ratio_cell(tie) == f"1.01× (Unsloth, 2 of 4 peers run) {fmt.OVERLAP}"
+    tie.rows["user"]["step_ms"].update(p80=255.7)  # just below the peer's p20: apart
+    assert _ratio_cell(tie) == "1.01× (Unsloth, 2 of 4 peers run)"
+    assert not fmt.spreads_overlap(tie.rows["user"], {"step_ms": {"p50": 250.0}})  # a spread unknown: no claim

@@ -296,3 +296,15 @@ def test_a_peer_run_with_and_without_checkpointing_is_one_column_at_its_faster()
     assert p["peak"]["compiled"] == 18.0  # its memory is the checkpointed variant's: the lower of the two
     text = user_md(rows, {})
     assert "stock + compile (`stock-compiled / stock-compiled-nockpt`) ms" in text
+
+
+def test_a_ratio_whose_spreads_overlap_is_marked_and_explained():
+    rows = [_row("qwen3-8b", 8192, "stock", 900.0, 30.0), _row("qwen3-8b", 8192, "liger", 258.8, 20.0),
+            _row("qwen3-8b", 8192, "user", 254.3, 21.0)]
+    rows[1]["step_ms"].update(p20=255.8, p80=264.8)
+    rows[2]["step_ms"].update(p20=246.3, p80=263.2)
+    text = user_md(rows, {"stock": "stock", "liger": "liger", "user": "user"})
+    assert f"1.01× (Liger-Kernel) {fmt.OVERLAP}" in text and fmt.OVERLAP_NOTE in text
+    rows[2]["step_ms"].update(p80=250.0)  # the spreads apart: no mark, no note
+    text = user_md(rows, {"stock": "stock", "liger": "liger", "user": "user"})
+    assert fmt.OVERLAP not in text

@@ -248,6 +248,21 @@ def spread(row: dict | None, metric: str) -> str:
     return Cell(f"{ms(p50)} [{ms(stat(row, metric, 'p20'))}–{ms(stat(row, metric, 'p80'))}]", p50)
 
 
+def spreads_overlap(a: dict | None, b: dict | None, metric: str = "step_ms") -> bool:
+    """Whether two rows' p20–p80 ranges of ``metric`` overlap: their run does not tell the two
+    apart, whatever the ratio of medians says. False where either range is unknown."""
+    lo = [stat(r, metric, "p20") for r in (a, b)]
+    hi = [stat(r, metric, "p80") for r in (a, b)]
+    if None in lo or None in hi:
+        return False
+    return max(lo) <= min(hi)
+
+
+OVERLAP = "§"  # the marker of a ratio whose two spreads overlap (``spreads_overlap``)
+OVERLAP_NOTE = (f"{OVERLAP} marks a speed-up whose two step-time spreads (p20–p80) overlap: the run does not "
+                "tell the two apart.")
+
+
 def gain_pct(slow, fast) -> float | None:
     """100·(slow/fast − 1): how much faster ``fast`` is (a steps/s gain), None if unknown."""
     slow, fast = number(slow), number(fast)

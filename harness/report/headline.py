@@ -47,6 +47,12 @@ def _no_checkpointing(r: dict | None) -> bool:
     return ((r or {}).get("switches") or {}).get("gradient_checkpointing") is False
 
 
+def _overlaps(p: data.RolePoint) -> bool:
+    """Whether the one call's step and the fastest peer's overlap in their spreads at ``p``."""
+    _, fastest = p.over_fastest_peer()
+    return bool(fastest) and fmt.spreads_overlap(p.rows.get(fastest), p.rows.get("user"))
+
+
 def _table(f: cite.Figures, points: list[data.RolePoint], dirty) -> str:
     body = []
     for p in points:
@@ -54,6 +60,8 @@ def _table(f: cite.Figures, points: list[data.RolePoint], dirty) -> str:
         user = p.rows.get("user")
         # the fastest of the peers that ran: say so where some did not
         vs = f"{f.ratio(p.rows[fastest], user)} ({ROLE_LABEL[fastest]}{p.peers_short()})" if fastest and user else "–"
+        if user and _overlaps(p):
+            vs += f" {fmt.OVERLAP}"
         # each peer's lowest peak over its variants: its checkpointed run where the faster one is not
         others = [p.low[r] for r in PEERS if r in p.low]
         low = min(others, key=lambda r: float(r["peak_allocated_gib"]), default=None)
@@ -171,7 +179,8 @@ def render(results_root: Path | str) -> str:
              + (" ‡ marks a peer whose row shown had gradient checkpointing off; where a peer ran both ways, its "
                 "column is the faster run and the memory column reads the lower peak."
                 if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else "")
-             + (" (dirty) marks a commit that the measured code had changes on top of." if any(other_code(rows)(p.rows["user"]) for p in user) else ""),
+             + (" (dirty) marks a commit that the measured code had changes on top of." if any(other_code(rows)(p.rows["user"]) for p in user) else "")
+             + (" " + fmt.OVERLAP_NOTE if any(_overlaps(p) for p in user) else ""),
              _table(f, user, other_code(rows))]
     if line := _memory_first(f, root):
         parts.append(line)

@@ -168,6 +168,17 @@ def _gib(x) -> str:
     return fmt.num(x, ".2f")
 
 
+def _overlap(p: dict) -> bool:
+    """Whether the one call's step and the fastest peer's overlap in their spreads at ``p``."""
+    return bool(p["over_fastest"]) and fmt.spreads_overlap(p["rows"][p["fastest_peer"]], p["rows"]["user"])
+
+
+def _over_fastest(p: dict) -> fmt.Cell:
+    """The one call against the fastest peer, with ``fmt.OVERLAP`` where their spreads overlap."""
+    cell = fmt.joined("", fmt.times(p["over_fastest"]), note=PEER_LABEL[p["fastest_peer"]])
+    return fmt.Cell(f"{cell} {fmt.OVERLAP}", cell.value) if _overlap(p) else cell
+
+
 def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None) -> str:
     """"## The user's path beside the peers": the three columns first, then the targets (a
     ``max_graphed_trainer_ms`` target reads ``harness.bench.trainer``'s rows)."""
@@ -182,8 +193,7 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
                      *(_marked(_cell(p["rows"][role])) if role in p["elsewhere"] else _cell(p["rows"][role])
                        for role in ROLES),
                      fmt.joined(" / ", *(_gib(p["peak"][role]) for role in ROLES)),
-                     fmt.joined("", fmt.times(p['over_fastest']), note=PEER_LABEL[p['fastest_peer']])
-                     if p["over_fastest"] else DASH,
+                     _over_fastest(p) if p["over_fastest"] else DASH,
                      fmt.times(p["over_stock"]) if p["over_stock"] else DASH,
                      fmt.times(p["over_liger"]) if p["over_liger"] else DASH,
                      fmt.fmt_pct(p["hfu"]) if p["hfu"] is not None else DASH])
@@ -198,7 +208,8 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
             "patches, Unsloth as its documentation builds a model, and `optim.enable(model)` with its defaults (the variant's `stack`; – where the file has no "
             "such variant). The headline ratio is against the fastest of the peers measured at that point. Peak "
             "is `torch.cuda.max_memory_allocated` over the measured steps. † marks a peer that the run of "
-            "the user's path lacks, from the latest run that measured it.",
+            "the user's path lacks, from the latest run that measured it."
+            + (" " + fmt.OVERLAP_NOTE if any(_overlap(p) for p in pts) else ""),
             fmt.table(header, body)]
     others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
                (fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["others_same_run"][v] else "other run")
