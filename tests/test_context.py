@@ -385,3 +385,30 @@ def test_a_peer_role_never_searched_withholds_a_met_verdict_and_is_named():
         == ["yes", "yes"]
     short_ours = [_row("user", "user", 16384, "ok", 800.0), _row("user", "user", 20480, "oom")]
     assert verdicts(peer + short_ours)[0].endswith("| no |")
+
+
+def test_an_unbounded_longest_is_projected_from_two_peaks_and_says_what_offload_would_hold():
+    from harness.report import context as report
+    from harness.run.context import HEADROOM
+
+    env = {"code_id": "c", "memory_total_gib": 80.0, "host_memory_gib": 125.0}
+    stats = {"host_buffer_bytes": 30 * 2**30}  # 30 GiB of checkpoints at 131072 tokens
+
+    def ok(variant, role, n, peak, **extra):
+        return _row(variant, role, n, "ok", 1000.0) | {"peak_allocated_gib": peak, "env": env, **extra}
+
+    rows = [ok("user-long", "ours", 65536, 25.0, offload_stats=stats | {"host_buffer_bytes": 15 * 2**30}),
+            ok("user-long", "ours", 131072, 35.0, offload_stats=stats),
+            ok("unsloth", "unsloth", 65536, 27.0), ok("unsloth", "unsloth", 131072, 38.0),
+            _row("unsloth", "unsloth", 262144, "oom")]
+    # 10 GiB per 65536 tokens from 35 GiB at 131072: 95 % of 80 GiB at 131072 + (76 - 35) / 10 * 65536
+    n = int(131072 + (HEADROOM * 80.0 - 35.0) / (10.0 / 65536))
+    assert report.projected(rows[:2], rows[1]) == n
+    assert report.projected(rows[2:], rows[3]) is None  # bounded: its out-of-memory probe says where
+    assert report.projected(rows[:1], rows[0]) is None  # one peak draws no line
+    text = report.lead(rows, rows, {})
+    assert f"| m | user-long | ours | 131072 | none probed | {n:,} (projected) |" in text
+    assert "| m | unsloth | unsloth | 131072 | 262144 (oom) | – |" in text
+    assert "| 30.00 of 125.0 |" in text  # what the checkpoints held, of the host's memory
+    # at the projected length the checkpoints grow with it: 30 GiB x n / 131072
+    assert f"`user-long` (m) {30 * n / 131072:.1f} GiB at {n:,} tokens, of the host's 125.0 GiB" in text

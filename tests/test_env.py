@@ -106,6 +106,18 @@ def test_collect_records_the_host_cpu_on_every_device():
 
     got = env.collect()
     assert got["cpu_model"] == env.cpu_model() and got["host_probe_ms"] > 0
+    assert got["host_memory_gib"] == env.host_memory_gib() > 0
+
+
+def test_host_memory_reads_memtotal(tmp_path):
+    from harness.measure import env
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemFree:         1024 kB\nMemTotal:       131072000 kB\nSwapTotal: 0 kB\n")
+    assert env.host_memory_gib(info) == 125.0  # 131072000 KiB
+    # no MemTotal line, or no file: what the system reports, never a wrong number from the file
+    info.write_text("MemFree: 1024 kB\n")
+    assert env.host_memory_gib(info) == env.host_memory_gib(tmp_path / "missing") > 0
 
 
 class _FakeNvml:

@@ -227,6 +227,23 @@ def cpu_model(cpuinfo: Path | str = "/proc/cpuinfo") -> str:
     return f"{name} ({', '.join(ident)})" if ident else name
 
 
+def host_memory_gib(meminfo: Path | str = "/proc/meminfo") -> float | None:
+    """The host's memory in GiB (``MemTotal`` of /proc/meminfo on Linux, else what ``os.sysconf``
+    gives; None where neither does): what offloaded checkpoints in pinned host memory share with
+    everything else on the host, the bound of a long sequence that offloads."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "MemTotal" and value.split() and value.split()[0].isdigit():
+                return round(int(value.split()[0]) * 1024 / 2**30, 2)  # the kernel counts kB (KiB)
+    except OSError:
+        pass
+    try:
+        return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 2)
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def host_probe_ms(repeats: int = 5, n: int = 100_000) -> float:
     """How long this host takes for a fixed piece of pure Python (a small function called ``n``
     times, with the attribute and dict lookups a kernel launch's Python path makes), the median of
@@ -280,6 +297,7 @@ def collect() -> dict:
         "code_id": code_id(sha),  # the sources are read once
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
+        "host_memory_gib": host_memory_gib(),
         "host_probe_ms": host_probe_ms(),
     }
     if torch.cuda.is_available():

@@ -32,7 +32,7 @@ from matplotlib.ticker import FuncFormatter
 from harness.report import fmt, plots
 from harness.report.palette import ROLE_COLOR, ROLE_LABEL
 from harness.roles import OURS, role_of
-from harness.run.context import FAILS, TRAINS, outcomes
+from harness.run.context import FAILS, HEADROOM, TRAINS, outcomes, peaks, predict
 
 PEER_ROLES = ("stock", "stock-compiled", "peer", "unsloth")
 DASH_NOT_REACHED = "none probed"
@@ -73,6 +73,47 @@ def _host_gib(row: dict | None) -> float | None:
     return host / 2**30 if host else None
 
 
+def _host_cell(row: dict | None) -> str:
+    """The host memory a probe's offloaded checkpoints held, and of how much the host has."""
+    held, total = _host_gib(row), ((row or {}).get("env") or {}).get("host_memory_gib")
+    if not held:
+        return fmt.DASH
+    return f"{held:.2f}" + (f" of {total:.1f}" if total else "")
+
+
+def projected(rows: list[dict], row: dict | None) -> int | None:
+    """Where a variant's longest is not bounded (no probe above it ran out of memory): the length
+    at which the line through the peaks of its two longest lengths that trained, measured by the
+    code of ``row``, fills ``HEADROOM`` of the card (``harness.run.context.predict``, where its
+    search would probe next). A projection, not a measurement; None where it is bounded or two
+    peaks are lacking."""
+    if row is None or _oom_above(rows, int(row["seq_len"])) is not None:
+        return None
+    code = (row.get("env") or {}).get("code_id")
+    got, capacity = peaks(rows, row.get("model"), row.get("variant"), code)
+    n = predict(got, capacity)
+    return n if n is not None and n > int(row["seq_len"]) else None
+
+
+def _projection_note(projections: list[tuple[str, str, dict, int]]) -> str:
+    """A sentence on the projected lengths, and what offload would hold of the host there."""
+    host = []
+    for model, variant, row, n in projections:
+        held = _host_gib(row)
+        if held:
+            total = (row.get("env") or {}).get("host_memory_gib")
+            host.append(f"`{variant}` ({model}) {held * n / int(row['seq_len']):.1f} GiB at {n:,} tokens"
+                        + (f", of the host's {total:.1f} GiB" if total else " (the host's memory not recorded)"))
+    text = (f"\"card full at\" extends, where no probe above the longest ran out of memory, the line through the "
+            f"peaks of the two longest lengths that trained to {HEADROOM:.0%} of the card (where the search would "
+            "probe next): a projection from two rows, not a measurement; attention or any other part that grows "
+            "faster than the length makes it long.")
+    if host:
+        text += (" Offloaded checkpoints grow with the length, so at that length they would hold: "
+                 + "; ".join(host) + ".")
+    return text
+
+
 def offload_bound(row: dict | None) -> dict | None:
     """Of a probe whose offloader was profiled (``offload_profile``): n, the layer inputs reloaded
     in its last step; c and g, the median reload and layer backward (recompute + backprop); and
@@ -111,21 +152,27 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
              "AdamW), searched by `python -m harness context`: doubling, then bisection; each probe one fresh "
              "process. Step time, tokens/s and peak are the probe's at that length (its few measured steps)."]
     for slug in sorted({k[0] for k in groups}):
-        body, profiled = [], []
+        body, profiled, projections = [], [], []
         for (g, model, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
             if g != slug:
                 continue
             row, above, why = longest(rs)
             if offload_bound(row):
                 profiled.append((model, variant, row))
+            if (n := projected(rs, row)) is not None:
+                projections.append((model, variant, row, n))
             body.append([model, variant, role_of(rs[0]), row["seq_len"] if row else "none",
-                         f"{above} ({why})" if above else DASH_NOT_REACHED, fmt.ms(fmt.stat(row, "step_ms")),
+                         f"{above} ({why})" if above else DASH_NOT_REACHED,
+                         f"{n:,} (projected)" if n is not None else fmt.DASH, fmt.ms(fmt.stat(row, "step_ms")),
                          fmt.num((row or {}).get("tokens_per_s"), ",.0f") if row else fmt.DASH,
                          fmt.num((row or {}).get("peak_allocated_gib"), ".2f") if row else fmt.DASH,
-                         fmt.num(_host_gib(row), ".2f") if _host_gib(row) else fmt.DASH, len(rs)])
+                         _host_cell(row), len(rs)])
         parts.append(f"### {fmt.distinct(r.get('device_name') for r in steps if r.get('gpu_slug') == slug)}")
         parts.append(fmt.table(["model", "variant", "role", "longest trained", "shortest that did not",
-                                "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)", "probes"], body))
+                                "card full at", "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)",
+                                "probes"], body))
+        if projections:
+            parts.append(_projection_note(projections))
         if profiled:
             parts.append(_bound_table(profiled))
         if out_dir is not None and (path := plot_longest({k: rs for k, rs in groups.items() if k[0] == slug},
