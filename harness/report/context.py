@@ -36,6 +36,7 @@ from harness.run.context import FAILS, HEADROOM, TRAINS, outcomes, peaks, predic
 
 PEER_ROLES = ("stock", "stock-compiled", "peer", "unsloth")
 DASH_NOT_REACHED = "none probed"
+FILLED = 0.85  # of the card: a longest probe that held this much is projected no further (``projected``)
 
 
 def by_variant(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -85,12 +86,15 @@ def projected(rows: list[dict], row: dict | None) -> int | None:
     """Where a variant's longest is not bounded (no probe above it ran out of memory): the length
     at which the line through the peaks of its two longest lengths that trained, measured by the
     code of ``row``, fills ``HEADROOM`` of the card (``harness.run.context.predict``, where its
-    search would probe next). A projection, not a measurement; None where it is bounded or two
-    peaks are lacking."""
+    search would probe next). A projection, not a measurement; None where it is bounded, two
+    peaks are lacking, or the longest already held ``FILLED`` of the card: a stack that keeps what
+    memory allows (``recompute="auto"``) fills the card at every length, and no line extends it."""
     if row is None or _oom_above(rows, int(row["seq_len"])) is not None:
         return None
     code = (row.get("env") or {}).get("code_id")
     got, capacity = peaks(rows, row.get("model"), row.get("variant"), code)
+    if capacity and got.get(int(row["seq_len"]), 0) >= FILLED * capacity:
+        return None
     n = predict(got, capacity)
     return n if n is not None and n > int(row["seq_len"]) else None
 
