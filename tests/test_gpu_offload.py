@@ -116,6 +116,37 @@ def test_pinned_pool_and_profile_events():
     assert st["prefetched"] == 3 and st["demand_loads"] == 1
 
 
+def test_host_buffers_pin_exactly_the_bytes_they_hold():
+    # 3 x 64 MiB: the caching host allocator would pin 256 MiB for it (the next power of two)
+    from optim.offload import hostmem
+
+    n = 3 * 2**26
+    t = hostmem.pinned_empty(n, torch.device("cuda"))
+    assert t.numel() == n and t.is_pinned()
+    cudart = torch.cuda.cudart()
+    # registered already (ours, not an allocator block); the failed call's error is cleared, or the
+    # next kernel launch check would raise it
+    assert int(cudart.cudaHostRegister(t.data_ptr(), n, hostmem.PORTABLE)) != 0
+    hostmem._clear_last_error()
+    torch.randn(4, device="cuda").sum().item()
+    # asynchronous copies both ways on a side stream, as the offloader makes them
+    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        t.view(torch.bfloat16).copy_(x, non_blocking=True)
+        y.copy_(t.view(torch.bfloat16), non_blocking=True)
+    side.synchronize()
+    assert torch.equal(x, y)
+    # the buffer unpins with the tensor that owns it (a view keeps the pages, not the pinning)
+    view = t[:]
+    del t
+    gc.collect()
+    assert int(cudart.cudaHostRegister(view.data_ptr(), n, hostmem.PORTABLE)) == 0
+    assert int(cudart.cudaHostUnregister(view.data_ptr())) == 0
+
+
 class _Resize(nn.Module):
     """A block that changes the width: the next block's input has another size."""
 

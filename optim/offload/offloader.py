@@ -13,6 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from optim._memory import usable_and_total
+from optim.offload.hostmem import pinned_empty
 from optim.offload.function import StepStats, OffloadFunction, Record, split_args
 from optim.switches import OFFLOAD_MODES, Switch, switches_of
 
@@ -268,8 +269,9 @@ class Offloader:
         return buf
 
     def _alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
-        # page-locked memory is resident from the start: no first-touch faults in the copies
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        # page-locked memory is resident from the start: no first-touch faults in the copies; of
+        # the exact size, where the caching host allocator would round it up to a power of two
+        return pinned_empty(nbytes, self._device) if pin else torch.empty(nbytes, dtype=torch.uint8)
 
     # -- staging buffers and the memory guard ----------------------------------------------
 
