@@ -109,11 +109,18 @@ def test_pinned_pool_and_profile_events():
     off = oo.get(model)
     st = off.stats()
     assert off._host and all(b.is_pinned() for b in off._host.values()) and st["host_pinned"]
+    # each slot pinned at its size, 8192 x 1536 bf16 = 24 MiB, not the allocator's 32 MiB block
+    from optim.offload import hostmem
+    assert all(b.numel() == 8192 * 1536 * 2 and b.data_ptr() in hostmem._OWNED for b in off._host.values())
+    assert st["host_buffer_bytes"] == 4 * 8192 * 1536 * 2
     assert all(b is not None and b.is_cuda for b in off._staging)
     assert off.host_allocs == 4 and off.staging_allocs == 2  # sized on step 1, reused after
     assert len(st["reload_ms"]) == 4 and all(t > 0 for t in st["reload_ms"])
     assert len(st["backward_ms"]) == 6 and all(t > 0 for t in st["backward_ms"])
     assert st["prefetched"] == 3 and st["demand_loads"] == 1
+    ptrs = [b.data_ptr() for b in off._host.values()]
+    off.close()
+    assert not off._host and not any(p in hostmem._OWNED for p in ptrs)  # unpinned on close
 
 
 def test_host_buffers_pin_exactly_the_bytes_they_hold():
@@ -122,12 +129,13 @@ def test_host_buffers_pin_exactly_the_bytes_they_hold():
 
     n = 3 * 2**26
     t = hostmem.pinned_empty(n, torch.device("cuda"))
-    assert t.numel() == n and t.is_pinned()
+    assert t.numel() == n and t.is_pinned() and t.data_ptr() % 4096 == 0
+    assert hostmem._cudart() is not None and t.data_ptr() in hostmem._OWNED
     cudart = torch.cuda.cudart()
     # registered already (ours, not an allocator block); the failed call's error is cleared, or the
     # next kernel launch check would raise it
     assert int(cudart.cudaHostRegister(t.data_ptr(), n, hostmem.PORTABLE)) != 0
-    hostmem._clear_last_error()
+    hostmem._cudart().cudaGetLastError()
     torch.randn(4, device="cuda").sum().item()
     # asynchronous copies both ways on a side stream, as the offloader makes them
     x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
@@ -139,12 +147,18 @@ def test_host_buffers_pin_exactly_the_bytes_they_hold():
         y.copy_(t.view(torch.bfloat16), non_blocking=True)
     side.synchronize()
     assert torch.equal(x, y)
-    # the buffer unpins with the tensor that owns it (a view keeps the pages, not the pinning)
-    view = t[:]
-    del t
+    # release unpins at once (the pages stay, held by the storage): they register again
+    pages = t.untyped_storage()
+    hostmem.release(t)
+    assert t.data_ptr() not in hostmem._OWNED
+    assert int(cudart.cudaHostRegister(pages.data_ptr(), n, hostmem.PORTABLE)) == 0
+    assert int(cudart.cudaHostUnregister(pages.data_ptr())) == 0
+    # and a buffer the collector takes unpins as it goes
+    u = hostmem.pinned_empty(n)
+    ptr = u.data_ptr()
+    del u
     gc.collect()
-    assert int(cudart.cudaHostRegister(view.data_ptr(), n, hostmem.PORTABLE)) == 0
-    assert int(cudart.cudaHostUnregister(view.data_ptr())) == 0
+    assert ptr not in hostmem._OWNED
 
 
 class _Resize(nn.Module):

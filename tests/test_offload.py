@@ -379,3 +379,15 @@ def test_offload_profile_is_a_switch_that_times_each_reload_and_layer_backward(m
     assert oo.get(m).profile is True
     oo.enable(m, offload="double", profile=False)  # the keyword's older name still wins over the environment
     assert oo.get(m).profile is False
+
+
+def test_host_memory_is_registered_only_where_its_error_can_be_cleared():
+    # without a CUDA runtime loaded (a CPU build) there is no libcudart to clear a failed
+    # registration's error, so pinned_empty never registers; release leaves a tensor it did not pin
+    from optim.offload import hostmem
+
+    if torch.version.cuda is None:
+        assert hostmem._cudart() is None
+    t = torch.zeros(16, dtype=torch.uint8)
+    hostmem.release(t)
+    assert t.data_ptr() not in hostmem._OWNED and int(t.sum()) == 0

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from optim._memory import usable_and_total
-from optim.offload.hostmem import pinned_empty
+from optim.offload import hostmem
 from optim.offload.function import StepStats, OffloadFunction, Record, split_args
 from optim.switches import OFFLOAD_MODES, Switch, switches_of
 
@@ -119,6 +119,8 @@ class Offloader:
         """Release the host pool and the staging buffers (after the last backward)."""
         if self._stream is not None:
             self._stream.synchronize()
+        for buf in self._host.values():
+            hostmem.release(buf)  # unpinned now the copy stream is done with it
         self._host.clear()
         self._slot_owner.clear()
         self._staging = [None, None]
@@ -256,12 +258,13 @@ class Offloader:
         buf = self._host.get(slot)
         if buf is not None and buf.numel() >= rec.nbytes:
             return buf
-        self._host.pop(slot, None)  # a larger batch: regrow this slot
-        try:
-            # Pinned memory is what makes the copy asynchronous and full-bandwidth; without
-            # CUDA there is nothing to pin.
+        if (old := self._host.pop(slot, None)) is not None:  # a larger batch: regrow this slot
+            if self._stream is not None:
+                self._stream.synchronize()  # its copies (the stream's only users of it) are done
+            hostmem.release(old)
+        try:  # pinned memory makes the copy asynchronous and full-bandwidth; a CPU run pins nothing
             buf = self._alloc_host(rec.nbytes, pin=rec.device.type == "cuda")
-        except (RuntimeError, torch.OutOfMemoryError) as e:
+        except (RuntimeError, OSError, torch.OutOfMemoryError) as e:  # OSError: a mapping refused
             self._fallback("none", f"pinned host memory unavailable ({str(e).splitlines()[0][:120]})")
             return None
         self.host_allocs += 1
@@ -269,9 +272,9 @@ class Offloader:
         return buf
 
     def _alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
-        # page-locked memory is resident from the start: no first-touch faults in the copies; of
-        # the exact size, where the caching host allocator would round it up to a power of two
-        return pinned_empty(nbytes, self._device) if pin else torch.empty(nbytes, dtype=torch.uint8)
+        # page-locked memory is resident from the start (no first-touch faults in the copies), of
+        # the exact size (``hostmem``: the caching host allocator rounds up to a power of two)
+        return hostmem.pinned_empty(nbytes, self._device) if pin else torch.empty(nbytes, dtype=torch.uint8)
 
     # -- staging buffers and the memory guard ----------------------------------------------
 
