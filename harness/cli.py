@@ -55,6 +55,10 @@ def cmd_context(args) -> int:
 
     exp = experiment.subset(experiment.load(Path(args.experiment)), models=args.models, variants=args.variants)
     experiment.check_requires(exp)
+    if args.start:  # where the searches start, in place of the file's first length
+        import dataclasses
+
+        exp = dataclasses.replace(exp, seq_lens=[args.start])
     try:
         found = context.run(exp, args.results, max_len=args.max_len, resolution=args.resolution,
                             command=args.command, stop_after_s=args.stop_after, progress=not args.quiet,
@@ -356,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiment", help="experiment TOML: its models, variants and [data]; its first seq_lens "
                                       "entry is where each search starts")
     p.add_argument("--max-len", type=int, default=1 << 20, help="the longest length probed (default: 1048576)")
+    p.add_argument("--start", type=argtypes.positive_int, metavar="N",
+                   help="start each search at N tokens rather than the file's first length (a search whose "
+                        "shorter lengths are known, or not wanted)")
     p.add_argument("--resolution", type=int, default=1024,
                    help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")

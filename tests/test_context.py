@@ -175,6 +175,22 @@ def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tm
     assert "| ours trains at 128 tokens, qwen3-0.6b-tiny (cpu) | longest 128 | yes |" in text
 
 
+def test_the_cli_starts_where_it_is_told(tmp_path):
+    # --start in place of the file's first length (64): the search begins at 96, then --max-len
+    path = tmp_path / "ctx.toml"
+    path.write_text(EXP)
+    done = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--start", "96", "--max-len", "128",
+                           "--variants", "user", "--results", str(tmp_path / "results"), "--quiet"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "qwen3-0.6b-tiny user: longest trained 128 tokens (probes this run: 96 ok, 128 ok)" in done.stdout
+    rows = res.read_rows(res.results_path(tmp_path / "results", "ctx", "cpu"))
+    assert sorted((r["variant"], r["seq_len"]) for r in rows) == [("user", 96), ("user", 128)]
+    bad = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--start", "0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--start" in bad.stderr
+
+
 def _row(variant, role, n, status, ms=None):
     return {"kind": "step", "gpu_slug": "g", "device_name": "G", "model": "m", "variant": variant, "role": role,
             "seq_len": n, "status": status, "step_ms": {"p50": ms} if ms else None, "message": ""}
