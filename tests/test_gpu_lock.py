@@ -54,16 +54,23 @@ def test_a_second_holder_waits_for_the_first_and_names_it(lock_dir):
     assert f"GPU GPU-aaaa is in use by pid {first.pid} (the first sweep)" in said and "free after" in said
 
 
-def test_other_gpus_do_not_wait(lock_dir):
+def _holds_at_once(uuids: list[str], who: str, then=lambda: None) -> None:
+    """Take ``uuids`` while another process holds GPU-aaaa for 30 s (``then`` runs once it holds it):
+    with no wait and nothing said."""
     first = _holder("GPU-aaaa", 30.0)
     try:
+        then()
         out = io.StringIO()
         began = time.monotonic()
-        with gpu_lock.hold(["GPU-bbbb"], "another card", stream=out):
+        with gpu_lock.hold(uuids, who, stream=out):
             assert time.monotonic() - began < 5.0 and out.getvalue() == ""
     finally:
         first.kill()
         first.wait()
+
+
+def test_other_gpus_do_not_wait(lock_dir):
+    _holds_at_once(["GPU-bbbb"], "another card")
 
 
 def test_a_killed_holder_leaves_no_lock(lock_dir):
@@ -90,16 +97,8 @@ def test_the_same_process_holds_a_gpu_again_at_once(lock_dir):
 
 
 def test_the_switch_turns_the_locks_off(lock_dir, monkeypatch):
-    first = _holder("GPU-aaaa", 30.0)
-    try:
-        monkeypatch.setenv("PACKBENCH_GPU_LOCK", "0")
-        out = io.StringIO()
-        began = time.monotonic()
-        with gpu_lock.hold(["GPU-aaaa"], "shared on purpose", stream=out):
-            assert time.monotonic() - began < 5.0 and out.getvalue() == ""
-    finally:
-        first.kill()
-        first.wait()
+    # switched off in this process only, once the holder (locking as usual) has the GPU
+    _holds_at_once(["GPU-aaaa"], "shared on purpose", then=lambda: monkeypatch.setenv("PACKBENCH_GPU_LOCK", "0"))
 
 
 SWEEP = textwrap.dedent("""
