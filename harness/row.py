@@ -188,6 +188,8 @@ MEASURED = {
     "compile_stats": "optim.regional's compiled layers and failures",
     "traceback": "an error row's Python traceback (its last 4,000 characters)",
     "log_tail": "a row of a point whose process died without a result: the end of its log",
+    "memory_bound": "an oom row's memory that ran out where not the GPU's: host (the kernel's OOM killer ended the point)",
+    "host_used_peak_gib": "the host's memory in use (MemTotal - MemAvailable, every process's) at its peak while the point ran, sampled by the sweep process (harness.measure.host)",
     "recompute_stats": "optim.recompute's decisions: layers that skipped their recompute, what the first step measured",
     "mlp_stats": "optim.mlp's chunked MLPs and how many of their calls ran in chunks",
     "norm_stats": "optim.norm's chunked final norms, the norms it left alone, and how many calls ran in chunks",

@@ -431,3 +431,34 @@ def test_an_unbounded_longest_is_projected_from_two_peaks_and_says_what_offload_
     assert "| 30.00 of 125.0 |" in text  # what the checkpoints held, of the host's memory
     # at the projected length the checkpoints grow with it: 30 GiB x n / 131072
     assert f"`user-long` (m) {30 * n / 131072:.1f} GiB at {n:,} tokens, of the host's 125.0 GiB" in text
+
+
+def test_a_probe_the_host_ran_out_of_memory_for_bounds_the_search_and_says_so():
+    """A peer whose probe the kernel's OOM killer ended (memory_bound host) is bounded there as by a
+    GPU OOM: no projection past it, the verdict uses it, and the table says the host ran out and
+    how full it got; each longest probe shows the host's memory in use at its peak."""
+    from harness.report import context as report
+
+    env = {"code_id": "c", "memory_total_gib": 80.0, "host_memory_gib": 125.9}
+
+    def ok(variant, role, n, peak, host_used):
+        return _row(variant, role, n, "ok", 1000.0) | {"peak_allocated_gib": peak, "env": env,
+                                                        "host_used_peak_gib": host_used}
+
+    killed = _row("unsloth", "unsloth", 294912, "oom") | {"memory_bound": "host", "host_used_peak_gib": 124.8,
+                                                          "env": env}
+    rows = [ok("unsloth", "unsloth", 131072, 38.0, 60.2), ok("unsloth", "unsloth", 262144, 57.5, 110.4), killed,
+            ok("user-long", "ours", 262144, 55.3, 70.0), ok("user-long", "ours", 458752, 75.0, 112.3),
+            _row("user-long", "ours", 524288, "oom"), *_short("stock", "stock-compiled", "peer")]
+    text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]})
+    assert "| m | unsloth | unsloth | 262144 | 294912 (oom, host: 124.8 of 125.9 GiB in use) | – |" in text
+    assert "| 57.50 | – | 110.4 |" in text and "| 75.00 | – | 112.3 |" in text
+    # bounded on both sides: 458752 / 262144 = 1.75 at least, 524287 / 294911 at most: met
+    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 1.75× (458752 `user-long` vs 262144 `unsloth`) | yes |" \
+        in text
+    # the same peer killed by SIGKILL without the killer's word is an error: it bounds nothing
+    unsure = [r for r in rows if r is not killed] + [
+        _row("unsloth", "unsloth", 294912, "error") | {"message": "killed by SIGKILL (host out of memory?)"}]
+    text = report.lead(unsure, unsure, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]})
+    assert "| m | unsloth | unsloth | 262144 | 294912 (error) | – |" in text  # nor projected past the death
+    assert "the peers' could go longer" in text and "| not yet known |" in text

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from harness import results as res
+from harness.measure import env as envmod
+from harness.measure import host
 from harness.measure.env import REPO_ROOT
 from harness.row import Row
-from harness.run import experiment, sweep
+from harness.run import context, experiment, sweep
 
 EXP = """
 [experiment]
@@ -68,6 +70,11 @@ def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monk
     assert "Traceback" in rows["boom"]["traceback"]
     assert rows["oom"]["status"] == "oom" and "out of memory" in rows["oom"]["message"]
     assert rows["dies"]["status"] == "error" and "SIGKILL" in rows["dies"]["message"]
+    # the sweep's row for the dead point says which code measured it, as the point's own rows do:
+    # a search that resumes on that code (harness.run.context) sees it
+    assert {r["env"]["code_id"] for r in rows.values()} == {envmod.code_id()}
+    if sys.platform.startswith("linux"):  # the host's memory in use, read beside every point
+        assert all(0 < r["host_used_peak_gib"] <= r["env"]["host_memory_gib"] for r in rows.values())
     # A failure row, written by the point (boom, oom) or by the sweep for a dead one (dies), has
     # every field an ok row has but the measurements.
     header = set(Row.__dataclass_fields__) - {"measured"} | {"point_id"}
@@ -83,6 +90,27 @@ def test_failing_points_become_rows_and_sweep_goes_on(tmp_path, write_toml, monk
     rows = {r["variant"]: r for r in _rows(tmp_path)}
     assert len(_rows(tmp_path)) == 4
     assert rows["boom"]["status"] == rows["dies"]["status"] == "ok" and rows["oom"]["status"] == "oom"
+
+
+@pytest.mark.parametrize("oom_killer", [True, False])
+def test_a_point_the_kernels_oom_killer_ends_is_a_host_oom_row(tmp_path, write_toml, monkeypatch, oom_killer):
+    """A point killed by SIGKILL while the kernel's count of OOM kills went up ran the host out of
+    memory: an oom row whose memory_bound is host, which bounds a context search as a GPU OOM does.
+    A SIGKILL with the count unchanged is an error that says it was not the OOM killer."""
+    kills = iter(range(1000))
+    monkeypatch.setattr(host, "oom_kills", lambda *a: next(kills) if oom_killer else 7)
+    exp = experiment.load(write_toml(_with("process", EXP.split("[variants.good]")[0] + "[variants.dies]\n")))
+    monkeypatch.setenv("PACKBENCH_FAULT", "dies=crash")
+    sweep.run(exp, tmp_path / "results", progress=False)
+    (row,) = _rows(tmp_path)
+    if oom_killer:
+        assert (row["status"], row["memory_bound"]) == ("oom", "host")
+        assert row["message"] == "host out of memory: the kernel's OOM killer ended the point"
+        seen = context.outcomes(_rows(tmp_path), row["model"], "dies", envmod.code_id())
+        assert seen == {32: "oom"} and "oom" in context.FAILS
+    else:
+        assert row["status"] == "error" and "memory_bound" not in row
+        assert row["message"] == "killed by SIGKILL (not by the kernel's OOM killer)"
 
 
 def test_a_code_change_measures_again_and_says_so(tmp_path, write_toml):

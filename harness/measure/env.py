@@ -272,17 +272,18 @@ def host_probe_ms(repeats: int = 5, n: int = 100_000) -> float:
     return round(statistics.median(times), 3)
 
 
-def collect() -> dict:
-    import torch
-
-    env = {
+def light() -> dict:
+    """What ``collect`` records without importing torch or asking the GPU: the code's identity
+    (``code_id``), the versions, the commit and the host. The sweep process stamps it on a row the
+    point's process could not write (it died), so that row too says which code measured it."""
+    return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "peft": _version("peft"),
-        "triton": _version("triton"),
+        "torch": _dist_version("torch"),
+        "transformers": _dist_version("transformers"),
+        "peft": _dist_version("peft"),
+        "triton": _dist_version("triton"),
         "liger_kernel": _dist_version("liger-kernel"),
         "trl": _dist_version("trl"),
         "cut_cross_entropy": _dist_version("cut-cross-entropy"),
@@ -291,13 +292,25 @@ def collect() -> dict:
         "unsloth_zoo": _dist_version("unsloth-zoo"),
         "flash_attn": _dist_version("flash-attn"),
         "xformers": _dist_version("xformers"),
-        "cuda": torch.version.cuda,
         **git_state(),
         "code_sha": (sha := code_sha()),
         "code_id": code_id(sha),  # the sources are read once
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
         "host_memory_gib": host_memory_gib(),
+    }
+
+
+def collect() -> dict:
+    import torch
+
+    env = {
+        **light(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
         "host_probe_ms": host_probe_ms(),
     }
     if torch.cuda.is_available():

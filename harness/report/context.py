@@ -5,7 +5,8 @@ timed-out ``error`` did not. Only running out of memory bounds a verdict: a prob
 time limit is the harness's limit, not the card's (the search bisects below it all the same), so a
 variant stopped by one has a lower bound only, as one stopped on time or at a skipped probe. Per GPU type and model, a table gives each variant's longest length
 that trained, the shortest above it that did not, and the probe's step time, tokens/s, peak and
-the host memory its offloaded checkpoints held. Peers are the variants of roles ``stock``,
+the host memory its offloaded checkpoints held, and the host's memory in use at its peak (every
+process's, sampled by the sweep; a probe the kernel's OOM killer ended is ``oom, host``). Peers are the variants of roles ``stock``,
 ``stock-compiled``, ``peer`` and ``unsloth``; ours are the rest.
 
 ``[report.context]`` may list ``targets``, each ``{model}`` with any of ``min_over_best_peer``
@@ -82,15 +83,32 @@ def _host_cell(row: dict | None) -> str:
     return f"{held:.2f}" + (f" of {total:.1f}" if total else "")
 
 
+def _above_cell(rows: list[dict], above: int | None, why: str) -> str:
+    """The shortest length above the longest that did not train, and why: ``oom, host`` where the
+    kernel's OOM killer ended the probe (``memory_bound``), with how full the host got."""
+    if above is None:
+        return DASH_NOT_REACHED
+    at = [r for r in rows if int(r["seq_len"]) == above and r.get("status") != "ok"]
+    row = max(at, key=lambda r: str(r.get("recorded_at") or ""), default={})
+    if row.get("memory_bound") == "host":
+        used, total = row.get("host_used_peak_gib"), (row.get("env") or {}).get("host_memory_gib")
+        why = "oom, host" + (f": {used:.1f} of {total:.1f} GiB in use" if used and total else "")
+    return f"{above} ({why})"
+
+
 def projected(rows: list[dict], row: dict | None) -> int | None:
     """Where a variant's longest is not bounded (no probe above it ran out of memory): the length
     at which the line through the peaks of its two longest lengths that trained, measured by the
     code of ``row``, fills ``HEADROOM`` of the card (``harness.run.context.predict``, where its
     search would probe next). A projection, not a measurement; None where it is bounded, two
-    peaks are lacking, or the longest already held ``FILLED`` of the card: a stack that keeps what
+    peaks are lacking, a probe above it failed otherwise (an error, not a timeout), or the longest
+    already held ``FILLED`` of the card: a stack that keeps what
     memory allows (``recompute="auto"``) fills the card at every length, and no line extends it."""
     if row is None or _oom_above(rows, int(row["seq_len"])) is not None:
         return None
+    seen = outcomes(rows, row.get("model"), row.get("variant"), None)
+    if any(st == "error" for n, st in seen.items() if n > int(row["seq_len"])):
+        return None  # a probe above died (killed, crashed): no line goes past it, bound or not
     code = (row.get("env") or {}).get("code_id")
     got, capacity = peaks(rows, row.get("model"), row.get("variant"), code)
     if capacity and got.get(int(row["seq_len"]), 0) >= FILLED * capacity:
@@ -108,7 +126,7 @@ def _projection_note(projections: list[tuple[str, str, dict, int]]) -> str:
             total = (row.get("env") or {}).get("host_memory_gib")
             host.append(f"`{variant}` ({model}) {held * n / int(row['seq_len']):.1f} GiB at {n:,} tokens"
                         + (f", of the host's {total:.1f} GiB" if total else " (the host's memory not recorded)"))
-    text = (f"\"card full at\" extends, where no probe above the longest ran out of memory, the line through the "
+    text = (f"\"card full at\" extends, where no probe above the longest ran out of memory or died, the line through the "
             f"peaks of the two longest lengths that trained to {HEADROOM:.0%} of the card (where the search would "
             "probe next): a projection from two rows, not a measurement; attention or any other part that grows "
             "faster than the length makes it long.")
@@ -154,7 +172,10 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
     parts = ["## The longest trainable length per stack",
              "Each stack's longest single-document length that trained one full step (forward, backward, "
              "AdamW), searched by `python -m harness context`: doubling, then bisection; each probe one fresh "
-             "process. Step time, tokens/s and peak are the probe's at that length (its few measured steps)."]
+             "process. Step time, tokens/s and peak are the probe's at that length (its few measured steps); "
+             "\"host in use\" is the host's memory in use at its peak while that probe ran (every process's, read "
+             "by the sweep process), and a probe the kernel's OOM killer ended ran the host, not the card, out of "
+             "memory (\"oom, host\")."]
     for slug in sorted({k[0] for k in groups}):
         body, profiled, projections = [], [], []
         for (g, model, variant), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -166,15 +187,15 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
             if (n := projected(rs, row)) is not None:
                 projections.append((model, variant, row, n))
             body.append([model, variant, role_of(rs[0]), row["seq_len"] if row else "none",
-                         f"{above} ({why})" if above else DASH_NOT_REACHED,
+                         _above_cell(rs, above, why),
                          f"{n:,} (projected)" if n is not None else fmt.DASH, fmt.ms(fmt.stat(row, "step_ms")),
                          fmt.num((row or {}).get("tokens_per_s"), ",.0f") if row else fmt.DASH,
                          fmt.num((row or {}).get("peak_allocated_gib"), ".2f") if row else fmt.DASH,
-                         _host_cell(row), len(rs)])
+                         _host_cell(row), fmt.num((row or {}).get("host_used_peak_gib"), ".1f"), len(rs)])
         parts.append(f"### {fmt.distinct(r.get('device_name') for r in steps if r.get('gpu_slug') == slug)}")
         parts.append(fmt.table(["model", "variant", "role", "longest trained", "shortest that did not",
                                 "card full at", "step ms", "tokens/s", "peak GiB", "offloaded GiB (host)",
-                                "probes"], body))
+                                "host in use GiB", "probes"], body))
         if projections:
             parts.append(_projection_note(projections))
         if profiled:

@@ -4,7 +4,8 @@ Each probe is one sweep point at one length: one fresh process, ``probe_warmup``
 and ``probe_steps`` measured ones (forward, backward and optimizer; fewer than a timing sweep
 takes, since a probe asks whether the length trains, and a long one takes seconds a step), rows as the experiment's ``[data]`` draws them (a ``fixed``
 document length at least the longest probe makes each row one document). A point that runs out
-of memory is an ``oom`` row like any other; one past its time limit is an ``error`` row whose
+of memory is an ``oom`` row like any other, the GPU's or (killed by the kernel's OOM killer, ``memory_bound``
+``host``) the host's; one past its time limit is an ``error`` row whose
 message says it timed out. At such a length the stack does not train. Per model and variant the search doubles the length from
 the file's first ``seq_lens`` entry until a probe does not train or ``max_len`` is reached, then
 bisects between the longest length that trained and the shortest that did not, to ``resolution``
@@ -147,8 +148,9 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
             break
         run_point(dataclasses.replace(one, seq_lens=[length]))
         status = outcomes(rows_of(), model, variant, code).get(length)
-        if status is None:  # the file limits this variant to other models or lengths
-            s.stopped = f"no row at {length} tokens: the experiment file has no such point for this variant"
+        if status is None:  # the file limits this variant to other models or lengths, or the row is another code's
+            s.stopped = (f"no row of this code at {length} tokens after its probe: the experiment file has no such "
+                         "point for this variant, or the row does not say which code measured it")
             break
         s.probes.append((length, status))
     seen = outcomes(rows_of(), model, variant, code)

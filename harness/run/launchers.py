@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from harness.measure import env as envmod
+from harness.measure import host
 from harness.measure.env import REPO_ROOT
 from harness.run import policy, server
 from harness.run.experiment import SweepPoint
@@ -47,14 +49,15 @@ class Launcher:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             env[SPAWNED_AT_ENV] = repr(time.time())  # the point's row says how long it waited to start
-            child = self.spawn(spec_path, out_path, point, env)
-            returncode, timed_out = self._supervise(child, log_path, point.timeout_s, on_progress)
-            # a point past its limit is an error even if it finished while its stacks were taken
-            if not timed_out:
-                row = self.result(out_path)
-                if row is not None:
-                    return row
-            return self._failure_row(point, returncode, timed_out, log_path)
+            with host.Watch() as watch:  # the host's memory meanwhile, and whether its OOM killer struck
+                child = self.spawn(spec_path, out_path, point, env)
+                returncode, timed_out = self._supervise(child, log_path, point.timeout_s, on_progress)
+            row = None if timed_out else self.result(out_path)  # past its limit: an error, finished or not
+            if row is None:
+                row = self._failure_row(point, returncode, timed_out, log_path, watch.oom_killed)
+            if watch.peak_gib is not None:
+                row["host_used_peak_gib"] = round(watch.peak_gib, 2)
+            return row
 
     def result(self, out_path: str) -> dict | None:
         """The row the point's process wrote, if it wrote a whole one (else the point's failure row
@@ -127,20 +130,34 @@ class Launcher:
                 raise
 
     @staticmethod
-    def _failure_row(point: SweepPoint, returncode: int, timed_out: bool, log_path: Path) -> dict:
+    def _failure_row(point: SweepPoint, returncode: int, timed_out: bool, log_path: Path,
+                     oom_killed: bool | None = None) -> dict:
+        """The row of a point whose process wrote none. ``oom_killed``: whether the kernel's OOM
+        killer ended a process while it ran (None: not known); a point killed by SIGKILL then ran
+        the host out of memory, an ``oom`` row whose ``memory_bound`` is ``host``. The sweep
+        process's own ``env`` (``harness.measure.env.light``) says which code measured it."""
         tail = log_path.read_text()[-2000:] if log_path.exists() else ""
+        bound = None
         if timed_out:
             status, message = "error", f"timed out after {point.timeout_s:.0f} s"
+        elif returncode == -signal.SIGKILL and oom_killed:
+            status, message, bound = "oom", "host out of memory: the kernel's OOM killer ended the point", "host"
         elif any(m in tail for m in OOM_MARKERS):
             status, message = "oom", "out of memory (process died; see log)"
         elif returncode < 0:
             sig = signal.Signals(-returncode).name
-            status, message = "error", f"killed by {sig}" + (" (host out of memory?)" if sig == "SIGKILL" else "")
-        else:
-            status, message = "error", f"exited with code {returncode} without a result"
+            guess = {None: " (host out of memory?)", False: " (not by the kernel's OOM killer)"}.get(oom_killed, "")
+            status, message = "error", f"killed by {sig}" + (guess if sig == "SIGKILL" else "")
+        else:  # torchrun's code where the OOM killer ended one of its ranks
+            status, message = "error", f"exited with code {returncode} without a result" + (
+                "; the kernel's OOM killer ended a process meanwhile (the host's memory?)" if oom_killed else "")
         row = point.new_row().outcome(status, message)
         row.measured["log_tail"] = tail[-1500:]
-        return row.to_dict()
+        if bound:
+            row.measured["memory_bound"] = bound
+        out = row.to_dict()
+        out["env"] = envmod.light()
+        return out
 
 
 class Child:
