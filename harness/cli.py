@@ -62,7 +62,7 @@ def cmd_context(args) -> int:
     try:
         found = context.run(exp, args.results, max_len=args.max_len, resolution=args.resolution,
                             command=args.command, stop_after_s=args.stop_after, progress=not args.quiet,
-                            probe_warmup=args.probe_warmup, probe_steps=args.probe_steps)
+                            probe_warmup=args.probe_warmup, probe_steps=args.probe_steps, max_probes=args.probes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -367,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--stop-after", type=argtypes.seconds_or_zero, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
+    p.add_argument("--probes", type=argtypes.positive_int, metavar="N",
+                   help="run at most N probes in each search; a rerun goes on (with --start N: one probe at N)")
     p.add_argument("--probe-warmup", type=int, default=1, help="warm-up steps of each probe (default: 1)")
     p.add_argument("--probe-steps", type=int, default=2, help="measured steps of each probe (default: 2)")
     p.add_argument("--models", nargs="+", help="search only these of the file's models")

@@ -186,6 +186,13 @@ def test_the_cli_starts_where_it_is_told(tmp_path):
     assert "qwen3-0.6b-tiny user: longest trained 128 tokens (probes this run: 96 ok, 128 ok)" in done.stdout
     rows = res.read_rows(res.results_path(tmp_path / "results", "ctx", "cpu"))
     assert sorted((r["variant"], r["seq_len"]) for r in rows) == [("user", 96), ("user", 128)]
+    # --probes 1 with --start: one probe at that length and no more, and exit 0 (a rerun goes on)
+    one = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--start", "160", "--probes", "1",
+                          "--variants", "user", "--results", str(tmp_path / "one"), "--quiet"],
+                         capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "longest trained 160 tokens (probes this run: 160 ok); stopped: 1 probe(s) run, the limit" in one.stdout
+    assert [r["seq_len"] for r in res.read_rows(res.results_path(tmp_path / "one", "ctx", "cpu"))] == [160]
     bad = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--start", "0"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--start" in bad.stderr

@@ -122,8 +122,9 @@ class Search:
 
 def search(exp: Experiment, model: str, variant: str, results_root: str | Path, *, max_len: int,
            resolution: int, run_point, rows_of, code: str | None, deadline: float | None = None,
-           probe_warmup: int = 1, probe_steps: int = 2, use_peaks: bool = True) -> Search:
-    """One model's and variant's search. ``run_point(exp)`` runs the one-point experiment it is
+           probe_warmup: int = 1, probe_steps: int = 2, use_peaks: bool = True,
+           max_probes: int | None = None) -> Search:
+    """One model's and variant's search (at most ``max_probes`` probes this run, where given). ``run_point(exp)`` runs the one-point experiment it is
     given (the sweep); ``rows_of()`` reads the results file again after it. ``use_peaks``: past the
     lengths that trained, go where their peaks predict the card fills (``predict``), not only double."""
     one = dataclasses.replace(experiment_mod.subset(exp, models=[model], variants=[variant]),
@@ -146,6 +147,9 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
         if deadline is not None and time.monotonic() > deadline:
             s.stopped = "stopped: out of time (a rerun goes on)"
             break
+        if max_probes is not None and len(s.probes) >= max_probes:
+            s.stopped = f"stopped: {max_probes} probe(s) run, the limit (a rerun goes on)"
+            break
         run_point(dataclasses.replace(one, seq_lens=[length]))
         status = outcomes(rows_of(), model, variant, code).get(length)
         if status is None:  # the file limits this variant to other models or lengths, or the row is another code's
@@ -160,14 +164,14 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
 
 def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: int, command: str = "",
         stop_after_s: float | None = None, progress: bool = True, probe_warmup: int = 1,
-        probe_steps: int = 2, use_peaks: bool = True) -> list[Search]:
+        probe_steps: int = 2, use_peaks: bool = True, max_probes: int | None = None) -> list[Search]:
     """Every model and variant of ``exp``, one search each, in the file's order."""
     from harness.measure.env import code_id
     from harness.run import sweep
 
-    if resolution < 1 or max_len < exp.seq_lens[0] or probe_warmup < 0 or probe_steps < 1:
-        raise ValueError(f"resolution and probe_steps must be at least 1, probe_warmup at least 0, and max_len "
-                         f"at least the first length {exp.seq_lens[0]}")
+    if resolution < 1 or max_len < exp.seq_lens[0] or probe_warmup < 0 or probe_steps < 1 or (max_probes or 1) < 1:
+        raise ValueError(f"resolution, probe_steps and probes must be at least 1, probe_warmup at least 0, and "
+                         f"max_len at least the first length {exp.seq_lens[0]}")
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
     slug = res.gpu_slug(sweep.detect_device_name(exp.device))
     path = res.results_path(results_root, exp.name, slug)
@@ -181,5 +185,6 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
         for variant in exp.variants:
             out.append(search(exp, model, variant, results_root, max_len=max_len, resolution=resolution,
                               run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
-                              probe_warmup=probe_warmup, probe_steps=probe_steps, use_peaks=use_peaks))
+                              probe_warmup=probe_warmup, probe_steps=probe_steps, use_peaks=use_peaks,
+                              max_probes=max_probes))
     return out
