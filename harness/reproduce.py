@@ -69,7 +69,7 @@ def _cut(step: plan_file.Step, plan_dir: Path):
 def _latest_finished(rows: list[dict]) -> dict[str, dict]:
     """point id -> its newest finished row (rows are appended in the order they were written)."""
     return {r["point_id"]: r for r in rows
-            if r.get("kind") == "step" and r.get("status") in res.FINISHED and r.get("point_id")}
+            if res.is_finished(r) and r.get("point_id")}
 
 
 def group_todo(points: list, latest: dict[str, dict], code: str | None, now: float, estimate_s: float,

@@ -40,6 +40,13 @@ from harness.errors import InputError
 
 SCHEMA_VERSION = 1
 FINISHED = ("ok", "oom")  # an error is retried on resume; an OOM would only OOM again
+
+
+def is_finished(row: dict) -> bool:
+    """A step row a resume keeps (``FINISHED``), but for the OOM of the host's memory
+    (``memory_bound`` host): what else the host held then counted, so the point runs again."""
+    return (row.get("kind") == "step" and row.get("status") in FINISHED
+            and not (row.get("status") == "oom" and row.get("memory_bound") == "host"))
 # What one microbenchmark row measured: a rerun of the same replaces it.
 BENCH_KEY = ("kind", "model", "seq_len", "doc_len", "tokens", "batch_size", "backend", "mode", "lora",
              "from_position_ids", "window", "sinks", "with_metadata", "device_type",
@@ -167,9 +174,9 @@ def replace_rows(path: str | Path, drop, new_rows: list[dict]) -> None:
 
 
 def finished_point_ids(path: str | Path, code_id: str | None = None) -> set[str]:
-    """The points a step row finished (ok or oom); with ``code_id``, only rows that code measured
-    (``env.code_id``, ``harness.measure.env.code_id``)."""
-    return {r["point_id"] for r in read_rows(path) if r.get("kind") == "step" and r.get("status") in FINISHED
+    """The points a step row finished (``is_finished``: ok, or out of the GPU's memory); with
+    ``code_id``, only rows that code measured (``env.code_id``, ``harness.measure.env.code_id``)."""
+    return {r["point_id"] for r in read_rows(path) if is_finished(r)
             and r.get("point_id") and (code_id is None or (r.get("env") or {}).get("code_id") == code_id)}
 
 

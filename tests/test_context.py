@@ -458,7 +458,7 @@ def test_a_probe_the_host_ran_out_of_memory_for_bounds_the_search_and_says_so():
             ok("user-long", "ours", 262144, 55.3, 70.0), ok("user-long", "ours", 458752, 75.0, 112.3),
             _row("user-long", "ours", 524288, "oom"), *_short("stock", "stock-compiled", "peer")]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]})
-    assert "| m | unsloth | unsloth | 262144 | 294912 (oom, host: 124.8 of 125.9 GiB in use) | – |" in text
+    assert "| m | unsloth | unsloth | 262144 | 294912 (oom, host: sampled peak 124.8 of 125.9 GiB in use) | – |" in text
     assert "| 57.50 | – | 110.4 |" in text and "| 75.00 | – | 112.3 |" in text
     # bounded on both sides: 458752 / 262144 = 1.75 at least, 524287 / 294911 at most: met
     assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 1.75× (458752 `user-long` vs 262144 `unsloth`) | yes |" \

@@ -85,14 +85,16 @@ def _host_cell(row: dict | None) -> str:
 
 def _above_cell(rows: list[dict], above: int | None, why: str) -> str:
     """The shortest length above the longest that did not train, and why: ``oom, host`` where the
-    kernel's OOM killer ended the probe (``memory_bound``), with how full the host got."""
+    kernel's OOM killer ended the probe (``memory_bound``), with the host's memory in use at its
+    sampled peak (every process's, read every ``harness.measure.host.INTERVAL_S``: the last moment
+    before the kill may be missed)."""
     if above is None:
         return DASH_NOT_REACHED
     at = [r for r in rows if int(r["seq_len"]) == above and r.get("status") != "ok"]
     row = max(at, key=lambda r: str(r.get("recorded_at") or ""), default={})
     if row.get("memory_bound") == "host":
         used, total = row.get("host_used_peak_gib"), (row.get("env") or {}).get("host_memory_gib")
-        why = "oom, host" + (f": {used:.1f} of {total:.1f} GiB in use" if used and total else "")
+        why = "oom, host" + (f": sampled peak {used:.1f} of {total:.1f} GiB in use" if used and total else "")
     return f"{above} ({why})"
 
 

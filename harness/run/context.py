@@ -169,7 +169,7 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
     from harness.measure.env import code_id
     from harness.run import sweep
 
-    if resolution < 1 or max_len < exp.seq_lens[0] or probe_warmup < 0 or probe_steps < 1 or (max_probes or 1) < 1:
+    if resolution < 1 or max_len < exp.seq_lens[0] or probe_warmup < 0 or probe_steps < 1 or (max_probes is not None and max_probes < 1):
         raise ValueError(f"resolution, probe_steps and probes must be at least 1, probe_warmup at least 0, and "
                          f"max_len at least the first length {exp.seq_lens[0]}")
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s

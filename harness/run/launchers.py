@@ -141,7 +141,8 @@ class Launcher:
         if timed_out:
             status, message = "error", f"timed out after {point.timeout_s:.0f} s"
         elif returncode == -signal.SIGKILL and oom_killed:
-            status, message, bound = "oom", "host out of memory: the kernel's OOM killer ended the point", "host"
+            status, message, bound = ("oom", "out of host memory: the kernel's OOM killer ended the point (the "
+                                      "machine's memory or its cgroup's limit)", "host")
         elif any(m in tail for m in OOM_MARKERS):
             status, message = "oom", "out of memory (process died; see log)"
         elif returncode < 0:

@@ -211,7 +211,7 @@ def append_point_row(path: Path, row: dict) -> None:
 
     def superseded(r: dict) -> bool:
         return bool(pid) and r.get("point_id") == pid and (
-            r.get("kind") != "step" or r.get("status") not in res.FINISHED
+            not res.is_finished(r)
             or ((r.get("env") or {}).get("code_id") == code and not (failed and r.get("status") == "ok")))
 
     res.replace_rows(path, superseded, [row])
