@@ -468,4 +468,6 @@ def test_a_probe_the_host_ran_out_of_memory_for_bounds_the_search_and_says_so():
         _row("unsloth", "unsloth", 294912, "error") | {"message": "killed by SIGKILL (host out of memory?)"}]
     text = report.lead(unsure, unsure, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]})
     assert "| m | unsloth | unsloth | 262144 | 294912 (error) | – |" in text  # nor projected past the death
-    assert "the peers' could go longer" in text and "| not yet known |" in text
+    assert ("the peers' could go longer: no probe above ran out of memory (a probe above died, which bounds "
+            "nothing: `unsloth` at 294912: killed by SIGKILL (host out of memory?))") in text
+    assert "| not yet known |" in text

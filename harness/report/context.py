@@ -98,6 +98,12 @@ def _above_cell(rows: list[dict], above: int | None, why: str) -> str:
     return f"{above} ({why})"
 
 
+def _message_at(rows: list[dict], n: int) -> str:
+    """The message of the newest probe at length ``n`` that did not train."""
+    at = [r for r in rows if int(r["seq_len"]) == n and r.get("status") != "ok"]
+    return str(max(at, key=lambda r: str(r.get("recorded_at") or ""), default={}).get("message") or "no message")
+
+
 def projected(rows: list[dict], row: dict | None) -> int | None:
     """Where a variant's longest is not bounded (no probe above it ran out of memory): the length
     at which the line through the peaks of its two longest lengths that trained, measured by the
@@ -270,6 +276,10 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
                 open_ended = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
                 if ratio and open_ended:
                     shown += f"; {' and '.join(open_ended)} could go longer: no probe above ran out of memory"
+                died = sorted(f"`{v}` at {x[1]}: {_message_at(groups[(slug, model, v)], x[1])}"
+                              for v, x in mine.items() if x[2] == "error")
+                if ratio and died:  # a death is no bound, but the reader should know the search met one
+                    shown += f" (a probe above died, which bounds nothing: {'; '.join(died)})"
                 timed = sorted(f"`{v}` at {x[1]}" for v, x in mine.items() if x[2] == "timeout")
                 if ratio and timed:
                     shown += f" (timed out, the point's time limit: {', '.join(timed)})"
