@@ -90,18 +90,17 @@ def _above_cell(rows: list[dict], above: int | None, why: str) -> str:
     before the kill may be missed)."""
     if above is None:
         return DASH_NOT_REACHED
-    at = [r for r in rows if int(r["seq_len"]) == above and r.get("status") != "ok"]
-    row = max(at, key=lambda r: str(r.get("recorded_at") or ""), default={})
+    row = _failed_at(rows, above)
     if row.get("memory_bound") == "host":
         used, total = row.get("host_used_peak_gib"), (row.get("env") or {}).get("host_memory_gib")
         why = "oom, host" + (f": sampled peak {used:.1f} of {total:.1f} GiB in use" if used and total else "")
     return f"{above} ({why})"
 
 
-def _message_at(rows: list[dict], n: int) -> str:
-    """The message of the newest probe at length ``n`` that did not train."""
+def _failed_at(rows: list[dict], n: int) -> dict:
+    """The newest probe at length ``n`` that did not train ({} where none)."""
     at = [r for r in rows if int(r["seq_len"]) == n and r.get("status") != "ok"]
-    return str(max(at, key=lambda r: str(r.get("recorded_at") or ""), default={}).get("message") or "no message")
+    return max(at, key=lambda r: str(r.get("recorded_at") or ""), default={})
 
 
 def projected(rows: list[dict], row: dict | None) -> int | None:
@@ -276,7 +275,7 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
                 open_ended = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
                 if ratio and open_ended:
                     shown += f"; {' and '.join(open_ended)} could go longer: no probe above ran out of memory"
-                died = sorted(f"`{v}` at {x[1]}: {_message_at(groups[(slug, model, v)], x[1])}"
+                died = sorted(f"`{v}` at {x[1]}: {_failed_at(groups[(slug, model, v)], x[1]).get('message') or 'no message'}"
                               for v, x in mine.items() if x[2] == "error")
                 if ratio and died:  # a death is no bound, but the reader should know the search met one
                     shown += f" (a probe above died, which bounds nothing: {'; '.join(died)})"
