@@ -75,13 +75,17 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
     from harness.report import build_report
 
     code = bench_trainer.main(["--results", str(tmp_path), "--experiment", "t", "--model", "qwen3-0.6b-tiny",
-                               "--runs", "stock", "ours", "--max-length", "64", "--doc-len", "32",
+                               "--runs", "stock", "compiled", "ours", "liger", "--max-length", "64", "--doc-len", "32",
                                "--lora-rank", "4", "--steps", "3", "--warmup", "1", "--attn-implementation", "sdpa"])
     assert code == 0
     rows = {r["mode"]: r for r in res.read_rows(tmp_path / "t" / "cpu.jsonl")}
-    assert set(rows) == {"stock", "ours"} and len(rows["ours"]["losses"]) == 3
-    # the same documents per step: ours follows stock's loss curve (fp32 on CPU)
+    assert set(rows) == {"stock", "compiled", "ours", "liger"} and len(rows["ours"]["losses"]) == 3
+    # the same documents per step: ours and the compiled peer follow stock's loss curve (fp32 on CPU)
     assert rows["ours"]["max_rel_loss_diff_vs_stock"] < 1e-4
+    assert rows["compiled"]["max_rel_loss_diff_vs_stock"] < 1e-4 and rows["compiled"]["optim"] is None
+    # Liger-Kernel's Triton kernels need CUDA: a skipped row that says so, not an error
+    assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["error"]
     assert rows["ours"]["optim"]["optim.loss"]["fused_loss"] is True
     text = build_report(tmp_path, "t", tmp_path / "reports").read_text()
     assert "#### transformers.Trainer" in text and "| Trainer after optim.enable(model) |" in text
+    assert "| stock Trainer, decoder layers compiled |" in text and "| Trainer(use_liger_kernel=True) | skipped:" in text

@@ -101,10 +101,35 @@ def test_the_trainer_tables_compare_within_one_card():
     with fmt.recording() as tables:
         text = trainer_tables([row("h100", "stock", 600.0), row("h100", "graphed", 300.0),
                                row("h200", "graphed", 200.0), row("h100", "graphed", 250.0, "2026-11-24T07:00:00+00:00")])
-    assert "**m** on the H100: 2048 tokens per step, LoRA r=16 (the modes' newest rows come from different runs)" in text
+    assert ("**m** on the H100: 2048 tokens per step, LoRA r=16; fastest peer: stock Trainer + peft "
+            "(of stock Trainer + peft only) (the modes' newest rows come from different runs)") in text
     h100, h200 = tables
     assert [r["× stock"] for r in h100.rows()] == [1.0, 600.0 / 250.0]  # the newest graphed row, over its own card's stock
     assert [r["× stock"] for r in h200.rows()] == ["–"]  # no stock on the H200: no ratio over the H100's
+    assert [r["× fastest peer"] for r in h200.rows()] == ["–"]
+
+
+def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missing():
+    from harness.report.user import trainer_tables
+
+    def row(mode, ms, **kw):
+        return {"kind": "trainer", "gpu_slug": "h100", "model": "m", "tokens": 2048, "lora_rank": 64, "mode": mode,
+                "status": "ok", "ms": ms, "recorded_at": "2026-11-28T07:00:00+00:00", "steps": 30, "warmup": 10, **kw}
+
+    with fmt.recording() as tables:
+        text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("ours", 200.0), row("graphed", 160.0),
+                               row("liger", None, status="skipped", error="Liger-Kernel is not installed")])
+    (t,) = tables
+    assert [r["× fastest peer"] for r in t.rows()] == [400.0 / 600.0, 1.0, "–", 2.0, 2.5]  # over compiled, not stock
+    assert [r["× stock"] for r in t.rows()][-2:] == [3.0, 600.0 / 160.0]
+    assert "fastest peer: stock Trainer, decoder layers compiled (of stock Trainer + peft, stock Trainer, " \
+           "decoder layers compiled only)" in text
+    assert "| Trainer(use_liger_kernel=True) | skipped: Liger-Kernel is not installed |" in text
+    # a skipped peer is never the fastest: with every peer shown, the note names no subset
+    with fmt.recording() as tables:
+        text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0)])
+    assert "fastest peer: Trainer(use_liger_kernel=True)" in text and "only)" not in text
+    assert [r["× fastest peer"] for r in tables[0].rows()] == [0.5, 0.75, 1.0, 1.5]
 
 
 def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_none():

@@ -1,7 +1,10 @@
-"""``transformers.Trainer`` side by side, in one process: stock Trainer + peft, the same
+"""``transformers.Trainer`` side by side, in one process: stock Trainer + peft, the peers a Trainer
+user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``), the same
 Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
 ``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
-CUDA graph), on the same generated documents with the same seed.
+CUDA graph), on the same generated documents with the same seed. Liger-Kernel runs last: some of
+its patches are module-wide and would stay under the runs after it. A peer that cannot run here
+(Liger-Kernel off CUDA or not installed) gets a ``skipped`` row that says why.
 
 Each run gives one ``trainer`` row: the median optimizer-step time after warm-up with p20/p80
 (CUDA events in a Trainer callback), the peak memory, the per-step losses, and the largest
@@ -22,10 +25,12 @@ import torch
 
 from harness.bench import add_store_arguments, store
 from harness.measure.timing import percentiles
+from harness.run.peers import PeerUnavailable
 from harness.workload import models
 from harness.workload.trainers import trainer_run
 
-RUNS = ["stock", "ours", "graphed"]
+RUNS = ["stock", "compiled", "ours", "graphed", "liger"]  # liger last: its patches outlive its run
+PEERS = ("stock", "compiled", "liger")  # what a Trainer user runs instead of optim
 
 
 def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict]:
@@ -39,38 +44,48 @@ def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict
 
 
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
-        warmup: int, device: str, attn_implementation: str, experts_implementation: str | None) -> list[dict]:
+        warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
+        on_row=None) -> list[dict]:
+    """Each run's row, in ``RUNS`` order; ``on_row(row)`` is called as each one is made (the CLI
+    stores it then, so a run killed later keeps the rows before it)."""
     spec = models.get(model)
     per_step = max(1, max_length // doc_len)  # documents per optimizer step: one packed row
     docs = documents(steps * per_step, spec.vocab_size, doc_len)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows, results = [], {}
-    for name in runs:
+    for name in sorted(runs, key=RUNS.index):
+        base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
+                "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
+                "attn_implementation": attn_implementation, "experts_implementation": experts_implementation}
         with tempfile.TemporaryDirectory() as out_dir:
             kw = dict(steps=steps, batch_size=per_step, docs=docs, max_length=max_length, device=device,
-                      dtype=dtype, lora_rank=lora_rank, out_dir=out_dir, warmup=warmup)
-            if name == "stock":
-                r = trainer_run(model, ours=False, attn_implementation=attn_implementation,
-                                experts_implementation=experts_implementation, **kw)
-            else:  # as a user: optim.enable with its defaults on the model as loaded (stock attention)
-                r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed",
-                                attn_implementation=attn_implementation,
-                                experts_implementation=experts_implementation, **kw)
+                      dtype=dtype, lora_rank=lora_rank, out_dir=out_dir, warmup=warmup,
+                      attn_implementation=attn_implementation, experts_implementation=experts_implementation)
+            try:
+                if name in PEERS:
+                    r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
+                else:  # as a user: optim.enable with its defaults on the model as loaded (stock attention)
+                    r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed", **kw)
+            except PeerUnavailable as e:
+                rows.append({**base, "status": "skipped", "error": str(e)})
+                print(f"{model} {name:8s} skipped: {e}", flush=True)
+                if on_row is not None:
+                    on_row(rows[-1])
+                continue
         results[name] = r
         p = percentiles(r["step_ms_all"][warmup:])
         ref = results.get("stock")
         diff = None
         if ref is not None and len(ref["losses"]) == len(r["losses"]):
             diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])), default=None)
-        rows.append({"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
-                     "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
-                     "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
-                     "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
+        rows.append({**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
                      "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
                      "max_rel_loss_diff_vs_stock": diff,
-                     "optim": r.get("enabled") if name != "stock" else None})
+                     "optim": r.get("enabled") if name not in PEERS else None})
         print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
               f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}", flush=True)
+        if on_row is not None:
+            on_row(rows[-1])
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -94,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":
         ap.error("the graphed run needs CUDA")
-    rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
-               steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
-               experts_implementation=args.experts_implementation)
     from harness.measure import env as envmod
 
-    path = store(args, rows, envmod.collect(), "harness.bench.trainer", argv)
-    print(f"\nstored {len(rows)} rows in {path}")
+    env, paths = envmod.collect(), set()
+    rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
+               steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
+               experts_implementation=args.experts_implementation,
+               on_row=lambda row: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
+    print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0
 
 

@@ -338,20 +338,26 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
     return out
 
 
+TRAINER_PEERS = {"stock": "stock Trainer + peft", "compiled": "stock Trainer, decoder layers compiled",
+                 "liger": "Trainer(use_liger_kernel=True)"}
+TRAINER_LABELS = {**TRAINER_PEERS, "ours": "Trainer after optim.enable(model)",
+                  "graphed": "optim.trainer.GraphedTrainer"}
+
+
 def trainer_tables(rows: list[dict]) -> str:
-    """``harness.bench.trainer``'s rows: stock Trainer, Trainer after ``optim.enable`` and
-    GraphedTrainer per model, with the loss curves' largest difference from stock ("" without)."""
+    """``harness.bench.trainer``'s rows: stock Trainer, its compiled and Liger-Kernel peers, Trainer
+    after ``optim.enable`` and GraphedTrainer per model, each against eager stock and against the
+    fastest peer of the same run, with the loss curves' largest difference from stock."""
     found = [r for r in rows if r.get("kind") == "trainer"]
     if not found:
         return ""
-    order = {"stock": 0, "ours": 1, "graphed": 2}
-    labels = {"stock": "stock Trainer + peft", "ours": "Trainer after optim.enable(model)",
-              "graphed": "optim.trainer.GraphedTrainer"}
+    order = {m: i for i, m in enumerate(TRAINER_LABELS)}
     parts = ["#### transformers.Trainer",
              ("Optimizer-step time of `transformers.Trainer` on the same documents and seed "
               "(`python -m harness.bench.trainer`): median [p20–p80] after warm-up, CUDA events in a "
-              "Trainer callback; loss diff = the largest relative difference of a step's loss from "
-              "the stock run's.")]
+              "Trainer callback; × fastest peer = the fastest of the peer rows shown (stock, stock "
+              "with its decoder layers compiled, Liger-Kernel through `use_liger_kernel`) over the "
+              "row; loss diff = the largest relative difference of a step's loss from the stock run's.")]
     by_model: dict[tuple, list[dict]] = {}
     for r in found:  # one table per card and workload, each mode's newest row: never H200 over H100 stock
         by_model.setdefault((r.get("gpu_slug"), r.get("model"), r.get("tokens"), r.get("lora_rank")), []).append(r)
@@ -361,19 +367,32 @@ def trainer_tables(rows: list[dict]) -> str:
         for r in sorted(rows_here, key=lambda r: str(r.get("recorded_at") or "")):
             newest[r.get("mode")] = r
         group = list(newest.values())
-        stock = next((fmt.number(r.get("ms")) for r in group if r.get("mode") == "stock"), None)
+
+        def ok_ms(r):
+            return fmt.number(r.get("ms")) if r.get("status", "ok") == "ok" else None
+        stock = next((ok_ms(r) for r in group if r.get("mode") == "stock"), None)
+        peer_ms = {r.get("mode"): ok_ms(r) for r in group if r.get("mode") in TRAINER_PEERS and ok_ms(r)}
+        fastest = min(peer_ms, key=peer_ms.get) if peer_ms else None
         body = []
-        for r in sorted(group, key=lambda r: order.get(r.get("mode"), 9)):
-            ms = fmt.number(r.get("ms"))
+        for r in sorted(group, key=lambda r: order.get(r.get("mode"), 99)):
+            ms, label = ok_ms(r), TRAINER_LABELS.get(r.get("mode"), r.get("mode"))
+            if ms is None:
+                why = r.get("error") or r.get("status") or "no time"
+                body.append([label, f"{r.get('status', 'no time')}: {why}", DASH, DASH, DASH, DASH, DASH])
+                continue
             diff = fmt.number(r.get("max_rel_loss_diff_vs_stock"))
-            body.append([labels.get(r.get("mode"), r.get("mode")),
-                         f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
-                         fmt.times(stock / ms) if stock and ms else DASH, _gib(r.get("peak_gib")),
+            body.append([label, f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
+                         fmt.times(stock / ms) if stock else DASH,
+                         fmt.times(peer_ms[fastest] / ms) if fastest else DASH, _gib(r.get("peak_gib")),
                          DASH if diff is None else f"{diff:.1e}", f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
         card = f" on the {group[0].get('device_name') or gpu}" if many else ""
-        parts.append(f"**{model}**{card}: {tokens} tokens per step, LoRA r={rank}"
+        peers_note = (f"; fastest peer: {TRAINER_LABELS[fastest]}" if fastest else "; no peer row")
+        if fastest and set(peer_ms) != set(TRAINER_PEERS):
+            peers_note += f" (of {', '.join(TRAINER_LABELS[m] for m in TRAINER_PEERS if m in peer_ms)} only)"
+        parts.append(f"**{model}**{card}: {tokens} tokens per step, LoRA r={rank}{peers_note}"
                      + ("" if from_one_run(group) is not False else " (the modes' newest rows come from different runs)"))
-        parts.append(fmt.table(["run", "ms/step", "× stock", "peak GiB", "loss diff", "steps"], body))
+        parts.append(fmt.table(["run", "ms/step", "× stock", "× fastest peer", "peak GiB", "loss diff", "steps"],
+                               body))
     return "\n\n".join(parts)
 
 

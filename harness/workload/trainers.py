@@ -127,20 +127,35 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
-                data_parallel: bool = False, **settings) -> dict:
+                data_parallel: bool = False, peer: str | None = None, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
-    flattened row): the same documents per step, so the same loss."""
+    flattened row): the same documents per step, so the same loss.
+
+    ``peer`` (stock only) is what a Trainer user runs instead of optim: ``"compiled"``, every
+    decoder layer ``torch.compile``'d after peft (``harness.run.peers.compile_layers``), or
+    ``"liger"``, ``TrainingArguments(use_liger_kernel=True)``. Liger's patches for a family are
+    partly module-wide (its RoPE function, its RMSNorm class), so a process that ran it runs later
+    models of that family with them. Either raises ``harness.run.peers.PeerUnavailable`` where it
+    cannot run here."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
     from optim import packing
 
+    from harness.run import peers
+
+    if peer not in (None, "compiled", "liger") or (peer and ours):
+        raise ValueError(f"peer must be 'compiled' or 'liger' on the stock Trainer, got {peer!r} (ours={ours})")
+    if peer == "liger":
+        peers.liger_patch(torch.device(device))  # PeerUnavailable off CUDA or without Liger-Kernel
     spec = models.get(model_name)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
                          attn_implementation=attn_implementation, experts_implementation=experts_implementation)
+    if peer == "compiled":
+        peers.compile_layers(model)
     if ours:
         optim.enable(model, **settings)
         collator = packing.PackingCollator(max_length=max_length, rows=rows)
@@ -152,7 +167,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                              gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0,
                              # a captured step cannot read the RNG state; the eager twin runs the same
                              gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
-                             gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear")
+                             gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear",
+                             use_liger_kernel=peer == "liger")
     _one_device(args, data_parallel)
     timer = StepTimer()
     cls = Trainer
