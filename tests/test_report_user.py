@@ -89,6 +89,10 @@ def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
     assert _goals(rows, spec, [newer, *bench, other_card, other_rank])[goal] == (190.0, True)
     text = user_md(rows, spec, trainer_rows=[newer, *bench, other_card, other_rank])
     assert "| 190.0 ms (`harness.bench.trainer`, 2026-11-27 at `0123456`) | met |" in text
+    # a tree with changes at that commit measured other code than the commit's: the note says so
+    dirty = {**newer, "env": {"git_sha": "0123456789", "git_dirty": True, "code_sha": "f00"}}
+    text = user_md(rows, spec, trainer_rows=[dirty, *bench])
+    assert "| 190.0 ms (`harness.bench.trainer`, 2026-11-27 at `0123456` (dirty)) | met |" in text
 
 
 def test_the_trainer_tables_compare_within_one_card():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from harness.measured import REGISTRY, bench_kinds
 from harness.report import fmt
+from harness.report.runs import other_code
 
 
 @dataclass
@@ -44,8 +45,11 @@ def _device(g: BenchGroup) -> str:
 
 def _provenance(g: BenchGroup, experiment: str) -> str:
     e = g.env
-    shas = {str(s)[:12] for s in [e.get("git_sha")] + [r.get("git_sha") or (r.get("env") or {}).get("git_sha")
-                                                       for r in g.rows] if s}
+    dirty = other_code(g.rows)
+    shas = {str(s)[:12] + (" (dirty)" if dirty(r) else "")
+            for r in g.rows if (s := r.get("git_sha") or (r.get("env") or {}).get("git_sha"))}
+    if not shas and e.get("git_sha"):
+        shas = {str(e["git_sha"])[:12]}
     setup = ", ".join(f"{k} {e[k]}" for k in ("torch", "transformers", "peft", "cuda", "driver") if e.get(k))
     commands = sorted({fmt.command(r["command"]) for r in g.rows if r.get("command")})
     made = (f" written by {fmt.distinct(f'`{c}`' for c in commands)}" if commands

@@ -21,7 +21,7 @@ from __future__ import annotations
 from harness.measure.flops import hfu_of
 from harness.report.fmt import DASH
 from harness.report import fmt
-from harness.report.runs import from_one_run, median_repeat, run_note, split_runs, steps_by_gpu
+from harness.report.runs import from_one_run, median_repeat, other_code, run_note, split_runs, steps_by_gpu
 from harness.roles import role_of
 
 ROLES = ("stock", "compiled", "liger", "unsloth", "user")
@@ -242,10 +242,12 @@ def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu, lora_rank=No
 
 
 def _bench_note(r: dict) -> str:
-    """Where a bench row comes from: the command, and when and at which commit it ran."""
+    """Where a bench row comes from: the command, and when and at which commit it ran ("dirty"
+    where its tree held changes no clean row of that commit measured: other code than the commit's)."""
     sha = str((r.get("env") or {}).get("git_sha") or "")[:7]
     when = str(r.get("recorded_at") or "")[:10]
-    return f"`harness.bench.trainer`, {when}" + (f" at `{sha}`" if sha else "")
+    return (f"`harness.bench.trainer`, {when}" + (f" at `{sha}`" if sha else "")
+            + (" (dirty)" if sha and other_code([r])(r) else ""))
 
 
 def as_variant(p: dict, variant: str) -> dict | None:
