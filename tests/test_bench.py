@@ -86,6 +86,7 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
     # Liger-Kernel's Triton kernels need CUDA: a skipped row that says so, not an error
     assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["error"]
     assert rows["ours"]["optim"]["optim.loss"]["fused_loss"] is True
+    assert {r["logging_steps"] for r in rows.values()} == {500}  # Trainer's default: no log, no sync, per step
     text = build_report(tmp_path, "t", tmp_path / "reports").read_text()
     assert "#### transformers.Trainer" in text and "| Trainer after optim.enable(model) |" in text
     assert "| stock Trainer, decoder layers compiled |" in text and "| Trainer(use_liger_kernel=True) | skipped:" in text

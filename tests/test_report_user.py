@@ -105,7 +105,8 @@ def test_the_trainer_tables_compare_within_one_card():
     with fmt.recording() as tables:
         text = trainer_tables([row("h100", "stock", 600.0), row("h100", "graphed", 300.0),
                                row("h200", "graphed", 200.0), row("h100", "graphed", 250.0, "2026-11-24T07:00:00+00:00")])
-    assert ("**m** on the H100: 2048 tokens per step, LoRA r=16; fastest peer: stock Trainer + peft "
+    assert ("**m** on the H100: 2048 tokens per step, LoRA r=16, Trainer logging every step (a host sync each "
+            "step); fastest peer: stock Trainer + peft "
             "(of stock Trainer + peft only) (the modes' newest rows come from different runs)") in text
     h100, h200 = tables
     assert [r["× stock"] for r in h100.rows()] == [1.0, 600.0 / 250.0]  # the newest graphed row, over its own card's stock
@@ -134,6 +135,12 @@ def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missi
         text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0)])
     assert "fastest peer: Trainer(use_liger_kernel=True)" in text and "only)" not in text
     assert [r["× fastest peer"] for r in tables[0].rows()] == [0.5, 0.75, 1.0, 1.5]
+    # Trainer's default logging is another measurement than a log (and a sync) every step: its own table
+    with fmt.recording() as tables:
+        text = trainer_tables([row("stock", 600.0), row("ours", 200.0),
+                               row("stock", 590.0, logging_steps=500), row("ours", 150.0, logging_steps=500)])
+    assert [[r["× stock"] for r in t.rows()] for t in tables] == [[1.0, 3.0], [1.0, 590.0 / 150.0]]
+    assert "LoRA r=64, Trainer logging every 500 steps; fastest peer" in text
 
 
 def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_none():

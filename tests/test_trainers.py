@@ -72,3 +72,17 @@ def test_trainer_launched_by_torchrun_trains_the_enabled_model_in_ddp_as_stock(t
     assert got["ours"]["wrapped"] == "DistributedDataParallel"
     assert {"optim.packing", "optim.loss"} <= set(got["ours"]["enabled"])
     _close_curves(got["ours"]["losses"], got["stock"]["losses"], 1e-4)
+
+
+def test_trainer_step_losses_are_the_logged_ones_without_a_log_every_step(tmp_path):
+    # the bench reads each optimizer step's loss without Trainer logging (and syncing) every step:
+    # the sum of the step's micro-step losses, which is what Trainer logs when it logs each step
+    docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in documents(32, 512, 5, 30)]
+    kw = dict(steps=4, batch_size=2, docs=docs, max_length=128, accumulation=2)
+    every = trainer_run(MODEL, ours=True, out_dir=str(tmp_path / "e"), logging_steps=1, **kw)
+    quiet = trainer_run(MODEL, ours=True, out_dir=str(tmp_path / "q"), **kw)
+    assert every["logging_steps"] == 1 and quiet["logging_steps"] == 500
+    assert len(every["logged_losses"]) == 4 and quiet["logged_losses"] == []
+    _close_curves(every["losses"], every["logged_losses"], 1e-3)  # Trainer rounds what it logs
+    assert len(set(every["losses"])) == 4  # four steps, four losses: not one step's repeated
+    _close_curves(quiet["losses"], every["losses"], 1e-6)

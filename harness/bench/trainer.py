@@ -45,7 +45,7 @@ def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict
 
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
         warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
-        on_row=None) -> list[dict]:
+        logging_steps: int | None = None, on_row=None) -> list[dict]:
     """Each run's row, in ``RUNS`` order; ``on_row(row)`` is called as each one is made (the CLI
     stores it then, so a run killed later keeps the rows before it)."""
     spec = models.get(model)
@@ -53,14 +53,20 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
     docs = documents(steps * per_step, spec.vocab_size, doc_len)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows, results = [], {}
+    if logging_steps is None:  # Trainer's own default, recorded as the number it is
+        from transformers import TrainingArguments
+
+        logging_steps = TrainingArguments.__dataclass_fields__["logging_steps"].default
     for name in sorted(runs, key=RUNS.index):
         base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
                 "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
-                "attn_implementation": attn_implementation, "experts_implementation": experts_implementation}
+                "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
+                "logging_steps": logging_steps}
         with tempfile.TemporaryDirectory() as out_dir:
             kw = dict(steps=steps, batch_size=per_step, docs=docs, max_length=max_length, device=device,
                       dtype=dtype, lora_rank=lora_rank, out_dir=out_dir, warmup=warmup,
-                      attn_implementation=attn_implementation, experts_implementation=experts_implementation)
+                      attn_implementation=attn_implementation, experts_implementation=experts_implementation,
+                      logging_steps=logging_steps)
             try:
                 if name in PEERS:
                     r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
@@ -105,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-implementation", default="flex_attention",
                     help="the stock attention the model is loaded with (all three runs)")
     ap.add_argument("--experts-implementation", default="grouped_mm")
+    ap.add_argument("--logging-steps", type=int, default=None,
+                    help="Trainer's logging_steps (default: Trainer's own, 500); each log reads the loss and "
+                         "gradient norm with a host sync, so 1 measures a sync every step")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     env, paths = envmod.collect(), set()
     rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
                steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
-               experts_implementation=args.experts_implementation,
+               experts_implementation=args.experts_implementation, logging_steps=args.logging_steps,
                on_row=lambda row: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
     print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0

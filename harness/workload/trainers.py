@@ -67,15 +67,56 @@ class StepTimer:
         return [(b - a) * 1e3 for a, b in self.marks]
 
 
+class StepLosses:
+    """Each optimizer step's loss as Trainer logs it (the sum of its micro-steps' ``training_step``
+    returns), kept on the device and read once training ends. Logging every step to read them
+    would cost a host sync per step (Trainer reads the loss and the gradient norm with ``.item()``
+    at each log), which a user with Trainer's default ``logging_steps`` does not pay."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        rec = self
+        self.micro: list = []
+        self.bounds: list[int] = []
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                rec.bounds.append(len(rec.micro))
+
+        self.callback = _Callback()
+
+    def attach(self, trainer) -> None:
+        """Wrap this trainer's ``training_step`` (bound on the instance) and add the callback."""
+        step = trainer.training_step
+
+        def training_step(*args, **kwargs):
+            loss = step(*args, **kwargs)
+            self.micro.append(loss.detach().clone())  # never a view Trainer adds into
+            return loss
+
+        trainer.training_step = training_step
+        trainer.add_callback(self.callback)
+
+    def losses(self) -> list[float]:
+        out, start = [], 0
+        for end in self.bounds:
+            part = self.micro[start:end]
+            out.append(float(sum(part)) if part else float("nan"))
+            start = end
+        return out
+
+
 def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
 
 
-def _summary(trainer, timer: StepTimer, warmup: int) -> dict:
+def _summary(trainer, timer: StepTimer, warmup: int, losses: StepLosses | None = None) -> dict:
     ms = timer.ms()[warmup:]
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    return {"losses": _losses(trainer), "step_ms": statistics.median(ms) if ms else None,
-            "step_ms_all": timer.ms(), "peak_gib": peak}
+    logged = _losses(trainer)
+    return {"losses": losses.losses() if losses is not None else logged, "logged_losses": logged,
+            "step_ms": statistics.median(ms) if ms else None, "step_ms_all": timer.ms(), "peak_gib": peak}
 
 
 def _one_device(args, data_parallel: bool):
@@ -127,7 +168,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
-                data_parallel: bool = False, peer: str | None = None, **settings) -> dict:
+                data_parallel: bool = False, peer: str | None = None, logging_steps: int | None = None,
+                **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss.
@@ -137,7 +179,11 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     ``"liger"``, ``TrainingArguments(use_liger_kernel=True)``. Liger's patches for a family are
     partly module-wide (its RoPE function, its RMSNorm class), so a process that ran it runs later
     models of that family with them. Either raises ``harness.run.peers.PeerUnavailable`` where it
-    cannot run here."""
+    cannot run here.
+
+    ``losses`` are each optimizer step's, read without a host sync per step (``StepLosses``);
+    ``logging_steps`` None keeps Trainer's default (a log, and its syncs, every 500 steps), as a
+    user who sets none runs; ``logged_losses`` are those Trainer logged."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
@@ -161,9 +207,10 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
         collator = packing.PackingCollator(max_length=max_length, rows=rows)
     else:
         collator = DataCollatorWithFlattening(return_position_ids=True)
+    logging = {} if logging_steps is None else {"logging_steps": logging_steps}
     args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
                              learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
-                             logging_steps=1, bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
+                             bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0, **logging,
                              gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0,
                              # a captured step cannot read the RNG state; the eager twin runs the same
                              gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
@@ -175,8 +222,10 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     if graphed:
         from optim.trainer import GraphedTrainer as cls
     trainer = cls(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=[timer.callback])
+    losses = StepLosses()
+    losses.attach(trainer)
     packing.reset_counters()
     trainer.train()
-    return {**_summary(trainer, timer, warmup), "counters": packing.counters(), "kernels": packing.kernels(),
+    return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps, "counters": packing.counters(), "kernels": packing.kernels(),
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "wrapped": type(trainer.model_wrapped).__name__}  # the name: the result keeps no model alive
