@@ -250,3 +250,20 @@ def test_the_unsloth_role_is_its_stack_runs_in_a_fresh_interpreter_and_on_one_gp
     with pytest.raises(ExperimentError, match=r"variants\.u\.stack.*one GPU"):
         experiment.load(write_toml(BASE.replace('bandwidth = false', 'bandwidth = false\nparallel = "fsdp2"\ngpus = [2]')
                                    + '[variants.u]\nstack = "unsloth"\n'))
+
+
+def test_a_liger_peer_for_a_family_liger_has_no_patches_for_is_unavailable_not_stock(monkeypatch):
+    # Trainer(use_liger_kernel=True) logs and runs the stock model for such a family: no peer
+    import sys
+    import types
+
+    from harness.run.peers import PeerUnavailable, liger_supports
+
+    table = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    table.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": object()}
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, table.__name__, table)
+    liger_supports("llama")
+    with pytest.raises(PeerUnavailable, match="no patches for model type 'mystery'"):
+        liger_supports("mystery")

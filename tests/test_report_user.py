@@ -88,11 +88,19 @@ def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
     rows = [*ROWS[:-2], {**ROWS[-2], "lora_rank": 16}, ROWS[-1]]
     assert _goals(rows, spec, [newer, *bench, other_card, other_rank])[goal] == (190.0, True)
     text = user_md(rows, spec, trainer_rows=[newer, *bench, other_card, other_rank])
-    assert "| 190.0 ms (`harness.bench.trainer`, 2026-11-27 at `0123456`) | met |" in text
-    # a tree with changes at that commit measured other code than the commit's: the note says so
+    assert ("| 190.0 ms (`harness.bench.trainer`, 2026-11-27 at `0123456`; Trainer logging every step) | met |"
+            in text)
+    # a tree with changes at that commit measured other code than the commit's: the note says so,
+    # unless a clean row of that commit measured the same sources
     dirty = {**newer, "env": {"git_sha": "0123456789", "git_dirty": True, "code_sha": "f00"}}
     text = user_md(rows, spec, trainer_rows=[dirty, *bench])
-    assert "| 190.0 ms (`harness.bench.trainer`, 2026-11-27 at `0123456` (dirty)) | met |" in text
+    assert "2026-11-27 at `0123456` (dirty); Trainer logging every step) | met |" in text
+    clean = {**bench[0], "env": {"git_sha": "0123456789", "git_dirty": False, "code_sha": "f00"}}
+    text = user_md(rows, spec, trainer_rows=[dirty, clean, *bench])
+    assert "2026-11-27 at `0123456`; Trainer logging every step) | met |" in text
+    # Trainer's default logging, what a user runs, judges before a newer row that logged every step
+    usual = {**bench[1], "ms": 210.0, "logging_steps": 500, "recorded_at": "2026-11-26T05:00:00+00:00"}
+    assert _goals(rows, spec, [newer, usual, *bench])[goal] == (210.0, False)
 
 
 def test_the_trainer_tables_compare_within_one_card():

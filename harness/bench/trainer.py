@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--attn-implementation", default="flex_attention",
-                    help="the stock attention the model is loaded with (all three runs)")
+                    help="the stock attention the model is loaded with (every run)")
     ap.add_argument("--experts-implementation", default="grouped_mm")
     ap.add_argument("--logging-steps", type=int, default=None,
                     help="Trainer's logging_steps (default: Trainer's own, 500); each log reads the loss and "
-                         "gradient norm with a host sync, so 1 measures a sync every step")
+                         "gradient norm with host syncs, so 1 adds them to every step")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":

@@ -238,16 +238,21 @@ def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu, lora_rank=No
     ok = [r for r in trainer_rows if r.get("mode") == "graphed" and r.get("model") == model
           and r.get("tokens") == seq_len and r.get("status") == "ok" and r.get("gpu_slug") == gpu
           and fmt.number(r.get("ms")) is not None and (lora_rank is None or r.get("lora_rank") in (None, lora_rank))]
-    return max(ok, key=lambda r: str(r.get("recorded_at") or "")) if ok else None
+    # Trainer's default logging is what a user runs: a row that logged (and synced) every step
+    # judges only where no such row exists, and says so
+    usual = [r for r in ok if (r.get("logging_steps") or 1) != 1]
+    return max(usual or ok, key=lambda r: str(r.get("recorded_at") or "")) if ok else None
 
 
-def _bench_note(r: dict) -> str:
+def _bench_note(r: dict, rows: list[dict]) -> str:
     """Where a bench row comes from: the command, and when and at which commit it ran ("dirty"
-    where its tree held changes no clean row of that commit measured: other code than the commit's)."""
+    where its tree held changes no clean row of ``rows`` at that commit measured with the same
+    sources: other code than the commit's), and a log every step where it ran so."""
     sha = str((r.get("env") or {}).get("git_sha") or "")[:7]
     when = str(r.get("recorded_at") or "")[:10]
     return (f"`harness.bench.trainer`, {when}" + (f" at `{sha}`" if sha else "")
-            + (" (dirty)" if sha and other_code([r])(r) else ""))
+            + (" (dirty)" if sha and other_code(rows)(r) else "")
+            + ("; Trainer logging every step" if (r.get("logging_steps") or 1) == 1 else ""))
 
 
 def as_variant(p: dict, variant: str) -> dict | None:
@@ -296,7 +301,7 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                                      (user_row or {}).get("lora_rank"))
                 v = fmt.number(g.get("ms")) if g else None
                 checks.append((f"GraphedTrainer ≤ {t['max_graphed_trainer_ms']:g} ms per step",
-                               fmt.Cell(f"{fmt.ms(v)} ms ({_bench_note(g)})", v) if v else "not measured",
+                               fmt.Cell(f"{fmt.ms(v)} ms ({_bench_note(g, trainer_rows or [])})", v) if v else "not measured",
                                v <= t["max_graphed_trainer_ms"] if v else None))
             if "min_speedup_over_fastest" in t:
                 v = p and p["over_fastest"]
@@ -381,8 +386,9 @@ def trainer_tables(rows: list[dict]) -> str:
         for r in sorted(group, key=lambda r: order.get(r.get("mode"), 99)):
             ms, label = ok_ms(r), TRAINER_LABELS.get(r.get("mode"), r.get("mode"))
             if ms is None:
-                why = r.get("error") or r.get("status") or "no time"
-                body.append([label, f"{r.get('status', 'no time')}: {why}", DASH, DASH, DASH, DASH, DASH])
+                status = r.get("status", "ok")
+                cell = f"{status}: {r['error']}" if r.get("error") else "no time recorded"
+                body.append([label, cell if status != "ok" else "no time recorded", DASH, DASH, DASH, DASH, DASH])
                 continue
             diff = fmt.number(r.get("max_rel_loss_diff_vs_stock"))
             body.append([label, f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",

@@ -40,13 +40,19 @@ def liger_patch(device: torch.device) -> Callable:
                               "pip install '.[peers]'") from None
 
     def patch(model) -> None:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            raise PeerUnavailable(f"Liger-Kernel has no patches for model type {model.config.model_type!r}")
+        liger_supports(model.config.model_type)
         _apply_liger_kernel_to_instance(model=model)
 
     return patch
+
+
+def liger_supports(model_type: str) -> None:
+    """PeerUnavailable where Liger-Kernel has no patches for ``model_type``: its own entry point
+    (``Trainer(use_liger_kernel=True)``) then logs and runs the stock model, which is no peer."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise PeerUnavailable(f"Liger-Kernel has no patches for model type {model_type!r}")
 
 
 def compile_layers(model) -> int:

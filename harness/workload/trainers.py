@@ -70,8 +70,10 @@ class StepTimer:
 class StepLosses:
     """Each optimizer step's loss as Trainer logs it (the sum of its micro-steps' ``training_step``
     returns), kept on the device and read once training ends. Logging every step to read them
-    would cost a host sync per step (Trainer reads the loss and the gradient norm with ``.item()``
-    at each log), which a user with Trainer's default ``logging_steps`` does not pay."""
+    would add the log's own host syncs to every step (Trainer reads the loss and the gradient norm
+    with ``.item()`` at each log), which a user with Trainer's default ``logging_steps`` does not
+    pay. (Trainer's default ``logging_nan_inf_filter`` still tests each micro-step's loss on the
+    host, a sync a user pays too.)"""
 
     def __init__(self):
         from transformers import TrainerCallback
@@ -99,12 +101,22 @@ class StepLosses:
         trainer.add_callback(self.callback)
 
     def losses(self) -> list[float]:
-        out, start = [], 0
+        """Per optimizer step; under torch.distributed the mean over ranks, as Trainer logs it (a
+        collective: every rank calls it)."""
+        sums, start = [], 0
         for end in self.bounds:
             part = self.micro[start:end]
-            out.append(float(sum(part)) if part else float("nan"))
+            sums.append(torch.stack(part).sum() if part else torch.tensor(float("nan")))
             start = end
-        return out
+        if not sums:
+            return []
+        device = self.micro[0].device if self.micro else "cpu"
+        per_step = torch.stack([x.to(device, torch.float32) for x in sums])
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(per_step, op=dist.ReduceOp.SUM)
+            per_step /= dist.get_world_size()
+        return per_step.tolist()
 
 
 def _losses(trainer) -> list[float]:
@@ -181,7 +193,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     models of that family with them. Either raises ``harness.run.peers.PeerUnavailable`` where it
     cannot run here.
 
-    ``losses`` are each optimizer step's, read without a host sync per step (``StepLosses``);
+    ``losses`` are each optimizer step's, read without logging every step (``StepLosses``);
     ``logging_steps`` None keeps Trainer's default (a log, and its syncs, every 500 steps), as a
     user who sets none runs; ``logged_losses`` are those Trainer logged."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -193,9 +205,10 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
 
     if peer not in (None, "compiled", "liger") or (peer and ours):
         raise ValueError(f"peer must be 'compiled' or 'liger' on the stock Trainer, got {peer!r} (ours={ours})")
+    spec = models.get(model_name)
     if peer == "liger":
         peers.liger_patch(torch.device(device))  # PeerUnavailable off CUDA or without Liger-Kernel
-    spec = models.get(model_name)
+        peers.liger_supports(spec.config().model_type)  # or for a family it has no patches for
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
