@@ -54,7 +54,7 @@ BENCH_KEY = ("kind", "model", "seq_len", "doc_len", "tokens", "batch_size", "bac
              "stack", "settings", "lora_rank",  # memory: another stack, set of switches or rank is another measurement
              "loss_mode", "dtype", "attn",  # offload: the full loss's rows beside the chunked one's, not over them
              "attn_implementation", "experts_implementation",  # trainer: which stock attention and experts ran
-             "logging_steps")  # trainer: a log every step syncs the host every step
+             "logging_steps", "trainer_args")  # trainer: a log every step syncs the host every step
 
 
 def now() -> str:

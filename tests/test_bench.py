@@ -76,7 +76,8 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
 
     code = bench_trainer.main(["--results", str(tmp_path), "--experiment", "t", "--model", "qwen3-0.6b-tiny",
                                "--runs", "stock", "compiled", "ours", "liger", "--max-length", "64", "--doc-len", "32",
-                               "--lora-rank", "4", "--steps", "3", "--warmup", "1", "--attn-implementation", "sdpa"])
+                               "--lora-rank", "4", "--steps", "3", "--warmup", "1", "--attn-implementation", "sdpa",
+                               "--trainer-arg", "logging_nan_inf_filter=false"])
     assert code == 0
     rows = {r["mode"]: r for r in res.read_rows(tmp_path / "t" / "cpu.jsonl")}
     assert set(rows) == {"stock", "compiled", "ours", "liger"} and len(rows["ours"]["losses"]) == 3
@@ -87,6 +88,8 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
     assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["error"]
     assert rows["ours"]["optim"]["optim.loss"]["fused_loss"] is True
     assert {r["logging_steps"] for r in rows.values()} == {500}  # Trainer's default: no log, no sync, per step
+    assert {json.dumps(r["trainer_args"]) for r in rows.values()} == {'{"logging_nan_inf_filter": false}'}
     text = build_report(tmp_path, "t", tmp_path / "reports").read_text()
     assert "#### transformers.Trainer" in text and "| Trainer after optim.enable(model) |" in text
     assert "| stock Trainer, decoder layers compiled |" in text and "| Trainer(use_liger_kernel=True) | skipped:" in text
+    assert "Trainer logging every 500 steps, TrainingArguments logging_nan_inf_filter=False" in text

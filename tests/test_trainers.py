@@ -88,3 +88,9 @@ def test_trainer_step_losses_are_the_logged_ones_without_a_log_every_step(tmp_pa
     _close_curves(every["losses"], every["logged_losses"], 1e-3)  # Trainer rounds what it logs
     assert len(set(every["losses"])) == 4  # four steps, four losses: not one step's repeated
     _close_curves(quiet["losses"], every["losses"], 1e-6)
+    # more TrainingArguments reach Trainer; those trainer_run sets itself are refused
+    off = trainer_run(MODEL, ours=True, out_dir=str(tmp_path / "f"), trainer_args={"logging_nan_inf_filter": False}, **kw)
+    assert off["trainer_args"] == {"logging_nan_inf_filter": False}
+    _close_curves(off["losses"], every["losses"], 1e-6)
+    with pytest.raises(ValueError, match="logging_steps"):
+        trainer_run(MODEL, ours=True, out_dir=str(tmp_path / "x"), trainer_args={"logging_steps": 5}, **kw)

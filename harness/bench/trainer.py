@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import tempfile
 
 import torch
@@ -45,7 +46,7 @@ def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict
 
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
         warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
-        logging_steps: int | None = None, on_row=None) -> list[dict]:
+        logging_steps: int | None = None, trainer_args: dict | None = None, on_row=None) -> list[dict]:
     """Each run's row, in ``RUNS`` order; ``on_row(row)`` is called as each one is made (the CLI
     stores it then, so a run killed later keeps the rows before it)."""
     spec = models.get(model)
@@ -61,12 +62,13 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
         base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
                 "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
                 "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
-                "logging_steps": logging_steps}
+                "logging_steps": logging_steps,
+                "trainer_args": dict(sorted(trainer_args.items())) if trainer_args else None}
         with tempfile.TemporaryDirectory() as out_dir:
             kw = dict(steps=steps, batch_size=per_step, docs=docs, max_length=max_length, device=device,
                       dtype=dtype, lora_rank=lora_rank, out_dir=out_dir, warmup=warmup,
                       attn_implementation=attn_implementation, experts_implementation=experts_implementation,
-                      logging_steps=logging_steps)
+                      logging_steps=logging_steps, trainer_args=trainer_args)
             try:
                 if name in PEERS:
                     r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
@@ -114,7 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logging-steps", type=int, default=None,
                     help="Trainer's logging_steps (default: Trainer's own, 500); each log reads the loss and "
                          "gradient norm with host syncs, so 1 adds them to every step")
+    ap.add_argument("--trainer-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more TrainingArguments field for every run, VALUE read as JSON where it parses "
+                         "(logging_nan_inf_filter=false); recorded on the rows")
     args = ap.parse_args(argv)
+    trainer_args = {}
+    for item in args.trainer_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--trainer-arg takes KEY=VALUE, got {item!r}")
+        try:
+            trainer_args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            trainer_args[key] = value
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":
         ap.error("the graphed run needs CUDA")
@@ -124,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
                steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
                experts_implementation=args.experts_implementation, logging_steps=args.logging_steps,
+               trainer_args=trainer_args,
                on_row=lambda row: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
     print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0

@@ -368,10 +368,12 @@ def trainer_tables(rows: list[dict]) -> str:
     by_model: dict[tuple, list[dict]] = {}
     for r in found:  # one table per card, workload and logging, each mode's newest row: never H200 over H100 stock
         # rows from before the bench recorded logging_steps logged every step
-        key = (r.get("gpu_slug"), r.get("model"), r.get("tokens"), r.get("lora_rank"), r.get("logging_steps") or 1)
+        extra = ", ".join(f"{k}={v}" for k, v in sorted((r.get("trainer_args") or {}).items()))
+        key = (r.get("gpu_slug"), r.get("model"), r.get("tokens"), r.get("lora_rank"), r.get("logging_steps") or 1,
+               extra)
         by_model.setdefault(key, []).append(r)
     many = len({k[0] for k in by_model}) > 1
-    for (gpu, model, tokens, rank, logging), rows_here in sorted(by_model.items(), key=lambda kv: str(kv[0])):
+    for (gpu, model, tokens, rank, logging, extra), rows_here in sorted(by_model.items(), key=lambda kv: str(kv[0])):
         newest: dict = {}
         for r in sorted(rows_here, key=lambda r: str(r.get("recorded_at") or "")):
             newest[r.get("mode")] = r
@@ -400,7 +402,7 @@ def trainer_tables(rows: list[dict]) -> str:
         if fastest and set(peer_ms) != set(TRAINER_PEERS):
             peers_note += f" (of {', '.join(TRAINER_LABELS[m] for m in TRAINER_PEERS if m in peer_ms)} only)"
         logs = ("Trainer logging every step (a host sync each step)" if logging == 1
-                else f"Trainer logging every {logging} steps")
+                else f"Trainer logging every {logging} steps") + (f", TrainingArguments {extra}" if extra else "")
         parts.append(f"**{model}**{card}: {tokens} tokens per step, LoRA r={rank}, {logs}{peers_note}"
                      + ("" if from_one_run(group) is not False else " (the modes' newest rows come from different runs)"))
         parts.append(fmt.table(["run", "ms/step", "× stock", "× fastest peer", "peak GiB", "loss diff", "steps"],

@@ -181,7 +181,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 data_parallel: bool = False, peer: str | None = None, logging_steps: int | None = None,
-                **settings) -> dict:
+                trainer_args: dict | None = None, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss.
@@ -195,7 +195,9 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
 
     ``losses`` are each optimizer step's, read without logging every step (``StepLosses``);
     ``logging_steps`` None keeps Trainer's default (a log, and its syncs, every 500 steps), as a
-    user who sets none runs; ``logged_losses`` are those Trainer logged."""
+    user who sets none runs; ``logged_losses`` are those Trainer logged. ``trainer_args`` are more
+    ``TrainingArguments`` (``{"logging_nan_inf_filter": False}``: no host read of each micro-step's
+    loss), over the run's own."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
@@ -220,15 +222,21 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
         collator = packing.PackingCollator(max_length=max_length, rows=rows)
     else:
         collator = DataCollatorWithFlattening(return_position_ids=True)
-    logging = {} if logging_steps is None else {"logging_steps": logging_steps}
-    args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
-                             learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
-                             bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0, **logging,
-                             gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0,
-                             # a captured step cannot read the RNG state; the eager twin runs the same
-                             gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
-                             gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear",
-                             use_liger_kernel=peer == "liger")
+    extra = dict(trainer_args or {})
+    clash = sorted(set(extra) & {"logging_steps", "use_liger_kernel", "output_dir", "max_steps"})
+    if clash:
+        raise ValueError(f"trainer_args {clash} are set by trainer_run's own arguments")
+    kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+              learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
+              bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
+              gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0,
+              # a captured step cannot read the RNG state; the eager twin runs the same
+              gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
+              gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear",
+              use_liger_kernel=peer == "liger")
+    if logging_steps is not None:
+        kw["logging_steps"] = logging_steps
+    args = TrainingArguments(**{**kw, **extra})
     _one_device(args, data_parallel)
     timer = StepTimer()
     cls = Trainer
@@ -239,6 +247,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     losses.attach(trainer)
     packing.reset_counters()
     trainer.train()
-    return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps, "counters": packing.counters(), "kernels": packing.kernels(),
+    return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps,
+            "trainer_args": {k: getattr(args, k) for k in extra}, "counters": packing.counters(), "kernels": packing.kernels(),
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "wrapped": type(trainer.model_wrapped).__name__}  # the name: the result keeps no model alive
