@@ -1,9 +1,10 @@
-"""``transformers.Trainer`` side by side, in one process: stock Trainer + peft, the peers a Trainer
+"""``transformers.Trainer`` side by side, each run in a fresh process: stock Trainer + peft, the peers a Trainer
 user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``), the same
 Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
 ``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
-CUDA graph), on the same generated documents with the same seed. Liger-Kernel runs last: some of
-its patches are module-wide and would stay under the runs after it. A peer that cannot run here
+CUDA graph), on the same generated documents with the same seed. A fresh process per run keeps
+what one stack leaves behind (Liger-Kernel's module-wide patches, compiled code, the allocator's
+cache) from the next, and makes an OOM or a crash that run's row. A peer that cannot run here
 (Liger-Kernel off CUDA or not installed) gets a ``skipped`` row that says why.
 
 Each run gives one ``trainer`` row: the median optimizer-step time after warm-up with p20/p80
@@ -18,9 +19,14 @@ so their loss curves agree within bf16 tolerance).
 from __future__ import annotations
 
 import argparse
-import gc
+import collections
 import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -30,7 +36,7 @@ from harness.run.peers import PeerUnavailable
 from harness.workload import models
 from harness.workload.trainers import trainer_run
 
-RUNS = ["stock", "compiled", "ours", "graphed", "liger"]  # liger last: its patches outlive its run
+RUNS = ["stock", "compiled", "ours", "graphed", "liger"]
 PEERS = ("stock", "compiled", "liger")  # what a Trainer user runs instead of optim
 
 
@@ -44,59 +50,121 @@ def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict
     return out
 
 
+def _one(cfg: dict) -> dict:
+    """One run (``cfg["name"]``) in this process: its losses, step times, peak and what optim
+    applied, or ``{"status": "skipped", "error": ...}`` where the peer cannot run here."""
+    name, model, device = cfg["name"], cfg["model"], cfg["device"]
+    spec = models.get(model)
+    per_step = max(1, cfg["max_length"] // cfg["doc_len"])  # documents per optimizer step: one packed row
+    docs = documents(cfg["steps"] * per_step, spec.vocab_size, cfg["doc_len"])
+    with tempfile.TemporaryDirectory() as out_dir:
+        kw = dict(steps=cfg["steps"], batch_size=per_step, docs=docs, max_length=cfg["max_length"], device=device,
+                  dtype=torch.bfloat16 if device == "cuda" else torch.float32, lora_rank=cfg["lora_rank"],
+                  out_dir=out_dir, warmup=cfg["warmup"], attn_implementation=cfg["attn_implementation"],
+                  experts_implementation=cfg["experts_implementation"], logging_steps=cfg["logging_steps"],
+                  trainer_args=cfg["trainer_args"])
+        try:
+            if name in PEERS:
+                r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
+            else:  # as a user: optim.enable with its defaults on the model as loaded (stock attention)
+                r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed", **kw)
+        except PeerUnavailable as e:
+            return {"status": "skipped", "error": str(e)}
+    return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
+            "enabled": r.get("enabled")}
+
+
+def _child(cfg_path: str, out_path: str) -> int:
+    """``--one-run``: one run, its result written as JSON (an out-of-memory error is a result)."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    try:
+        out = _one(cfg)
+    except torch.OutOfMemoryError as e:
+        out = {"status": "oom", "error": str(e).splitlines()[0] if str(e) else "out of memory"}
+    Path(out_path).write_text(json.dumps(out, default=str))
+    return 0
+
+
+def _isolated(cfg: dict) -> dict:
+    """One run in a fresh process, as the sweep runs each point: no compiled code, Liger-Kernel
+    patch or allocator state of an earlier run under it, and a crash or an OOM is that run's row.
+    Its output passes through; a process that wrote no result is an ``error`` (or ``oom``) row
+    with the tail of its output."""
+    from harness.measure.env import REPO_ROOT
+    from harness.run.launchers import OOM_MARKERS
+
+    with tempfile.TemporaryDirectory(prefix="packbench-trainer-") as tmp:
+        cfg_path, out_path = Path(tmp, "run.json"), Path(tmp, "result.json")
+        cfg_path.write_text(json.dumps(cfg))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.Popen([sys.executable, "-u", "-m", "harness.bench.trainer", "--one-run", str(cfg_path),
+                                 str(out_path)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        tail: collections.deque = collections.deque(maxlen=40)
+        try:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                tail.append(line)
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            raise
+        try:
+            return json.loads(out_path.read_text())
+        except (OSError, ValueError):
+            pass
+    text = "".join(tail)
+    if any(m in text for m in OOM_MARKERS):
+        status, why = "oom", "out of memory (the run's process died; see log_tail)"
+    elif code < 0:
+        status, why = "error", f"the run's process was killed by {signal.Signals(-code).name}"
+    else:
+        status, why = "error", f"the run's process exited with code {code} without a result"
+    return {"status": status, "error": why, "log_tail": text[-1500:]}
+
+
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
         warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
         logging_steps: int | None = None, trainer_args: dict | None = None, on_row=None) -> list[dict]:
-    """Each run's row, in ``RUNS`` order; ``on_row(row)`` is called as each one is made (the CLI
-    stores it then, so a run killed later keeps the rows before it)."""
-    spec = models.get(model)
-    per_step = max(1, max_length // doc_len)  # documents per optimizer step: one packed row
-    docs = documents(steps * per_step, spec.vocab_size, doc_len)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    """Each run's row, in ``RUNS`` order, each run in a fresh process; ``on_row(row)`` is called as
+    each one is made (the CLI stores it then, so a bench killed later keeps the rows before it)."""
     rows, results = [], {}
     if logging_steps is None:  # Trainer's own default, recorded as the number it is
         from transformers import TrainingArguments
 
         logging_steps = TrainingArguments.__dataclass_fields__["logging_steps"].default
+    trainer_args = dict(sorted(trainer_args.items())) if trainer_args else None
     for name in sorted(runs, key=RUNS.index):
         base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
                 "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
                 "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
-                "logging_steps": logging_steps,
-                "trainer_args": dict(sorted(trainer_args.items())) if trainer_args else None}
-        with tempfile.TemporaryDirectory() as out_dir:
-            kw = dict(steps=steps, batch_size=per_step, docs=docs, max_length=max_length, device=device,
-                      dtype=dtype, lora_rank=lora_rank, out_dir=out_dir, warmup=warmup,
-                      attn_implementation=attn_implementation, experts_implementation=experts_implementation,
-                      logging_steps=logging_steps, trainer_args=trainer_args)
-            try:
-                if name in PEERS:
-                    r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
-                else:  # as a user: optim.enable with its defaults on the model as loaded (stock attention)
-                    r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed", **kw)
-            except PeerUnavailable as e:
-                rows.append({**base, "status": "skipped", "error": str(e)})
-                print(f"{model} {name:8s} skipped: {e}", flush=True)
-                if on_row is not None:
-                    on_row(rows[-1])
-                continue
-        results[name] = r
-        p = percentiles(r["step_ms_all"][warmup:])
-        ref = results.get("stock")
-        diff = None
-        if ref is not None and len(ref["losses"]) == len(r["losses"]):
-            diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])), default=None)
-        rows.append({**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
-                     "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
-                     "max_rel_loss_diff_vs_stock": diff,
-                     "optim": r.get("enabled") if name not in PEERS else None})
-        print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
-              f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}", flush=True)
+                "logging_steps": logging_steps, "trainer_args": trainer_args}
+        cfg = {"name": name, "model": model, "max_length": max_length, "doc_len": doc_len, "lora_rank": lora_rank,
+               "steps": steps, "warmup": warmup, "device": device, "attn_implementation": attn_implementation,
+               "experts_implementation": experts_implementation, "logging_steps": logging_steps,
+               "trainer_args": trainer_args}
+        r = _isolated(cfg)
+        if r.get("status") != "ok":
+            rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail") if k in r}})
+            print(f"{model} {name:8s} {r.get('status')}: {r.get('error')}", flush=True)
+        else:
+            results[name] = r
+            p = percentiles(r["step_ms_all"][warmup:])
+            ref = results.get("stock")
+            diff = None
+            if ref is not None and len(ref["losses"]) == len(r["losses"]):
+                diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])),
+                           default=None)
+            rows.append({**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
+                         "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
+                         "max_rel_loss_diff_vs_stock": diff,
+                         "optim": r.get("enabled") if name not in PEERS else None})
+            print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
+                  f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}",
+                  flush=True)
         if on_row is not None:
             on_row(rows[-1])
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -119,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="one more TrainingArguments field for every run, VALUE read as JSON where it parses "
                          "(logging_nan_inf_filter=false); recorded on the rows")
+    ap.add_argument("--one-run", nargs=2, metavar=("RUN_JSON", "RESULT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one_run:  # a child of run(): one run, its result as JSON
+        return _child(*args.one_run)
     trainer_args = {}
     for item in args.trainer_arg:
         key, sep, value = item.partition("=")
@@ -129,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer_args[key] = json.loads(value)
         except json.JSONDecodeError:
             trainer_args[key] = value
+    try:
+        models.get(args.model)
+    except KeyError:
+        ap.error(f"unknown model {args.model!r} (known: {', '.join(models.names())})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":
         ap.error("the graphed run needs CUDA")
