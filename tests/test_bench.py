@@ -75,11 +75,17 @@ def test_a_trainer_bench_run_that_dies_is_its_own_error_row_and_the_others_still
 
     stored = []
     kw = dict(max_length=64, doc_len=32, lora_rank=4, steps=2, warmup=1, device="cpu", attn_implementation="sdpa",
-              experts_implementation=None, on_row=stored.append)
+              experts_implementation=None, on_row=lambda row, env: stored.append((row, env)))
     # a TrainingArguments field that does not exist: each run's process raises, and says so
     rows = bench_trainer.run("qwen3-0.6b-tiny", ["stock", "ours"], trainer_args={"no_such_field": 1}, **kw)
-    assert [(r["mode"], r["status"]) for r in rows] == [("stock", "error"), ("ours", "error")] and stored == rows
+    assert [(r["mode"], r["status"]) for r in rows] == [("stock", "error"), ("ours", "error")]
+    assert [row for row, _ in stored] == rows
     assert "exited with code 1 without a result" in rows[0]["error"] and "no_such_field" in rows[0]["log_tail"]
+    # a dead run's row still says which code and device it ran on, read without a CUDA context
+    from harness.measure import env as envmod
+
+    assert {env["device_name"] for _, env in stored} == {"cpu"}
+    assert {env["code_id"] for _, env in stored} == {envmod.code_id()}
     # a model the bench does not know: one clear error before anything runs
     with pytest.raises(SystemExit):
         bench_trainer.main(["--results", str(tmp_path), "--model", "no-such-model", "--runs", "stock"])

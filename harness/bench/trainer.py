@@ -76,11 +76,14 @@ def _one(cfg: dict) -> dict:
 
 def _child(cfg_path: str, out_path: str) -> int:
     """``--one-run``: one run, its result written as JSON (an out-of-memory error is a result)."""
+    from harness.measure import env as envmod
+
     cfg = json.loads(Path(cfg_path).read_text())
     try:
         out = _one(cfg)
     except torch.OutOfMemoryError as e:
         out = {"status": "oom", "error": str(e).splitlines()[0] if str(e) else "out of memory"}
+    out["env"] = envmod.collect()  # the process that measured: the parent makes no CUDA context
     Path(out_path).write_text(json.dumps(out, default=str))
     return 0
 
@@ -127,9 +130,12 @@ def _isolated(cfg: dict) -> dict:
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
         warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
         logging_steps: int | None = None, trainer_args: dict | None = None, on_row=None) -> list[dict]:
-    """Each run's row, in ``RUNS`` order, each run in a fresh process; ``on_row(row)`` is called as
-    each one is made (the CLI stores it then, so a bench killed later keeps the rows before it)."""
-    rows, results = [], {}
+    """Each run's row, in ``RUNS`` order, each run in a fresh process; ``on_row(row, env)`` is called
+    as each one is made, with the environment its process recorded (the CLI stores it then, so a
+    bench killed later keeps the rows before it). A process that recorded none (it died) gets the
+    last run's, else what this process reads without a CUDA context (``env.light`` and the GPU's
+    name from NVML)."""
+    rows, results, env = [], {}, None
     if logging_steps is None:  # Trainer's own default, recorded as the number it is
         from transformers import TrainingArguments
 
@@ -163,9 +169,17 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
             print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
                   f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}",
                   flush=True)
+        env = r.get("env") or env or _env_without_cuda(device)
         if on_row is not None:
-            on_row(rows[-1])
+            on_row(rows[-1], env)
     return rows
+
+
+def _env_without_cuda(device: str) -> dict:
+    from harness.measure import env as envmod
+    from harness.run.sweep import detect_device_name
+
+    return {**envmod.light(), "device_name": detect_device_name(device)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,17 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         models.get(args.model)
     except KeyError:
         ap.error(f"unknown model {args.model!r} (known: {', '.join(models.names())})")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from harness.run.sweep import detect_device_name
+
+    device = "cpu" if detect_device_name("auto") == "cpu" else "cuda"  # no CUDA context here: each run has the GPU
     if "graphed" in args.runs and device != "cuda":
         ap.error("the graphed run needs CUDA")
-    from harness.measure import env as envmod
-
-    env, paths = envmod.collect(), set()
+    paths = set()
     rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
                steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
                experts_implementation=args.experts_implementation, logging_steps=args.logging_steps,
                trainer_args=trainer_args,
-               on_row=lambda row: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
+               on_row=lambda row, env: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
     print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0
 
