@@ -233,7 +233,8 @@ def bench_key(row: dict) -> str:
 
 def write_bench_rows(root: str | Path, experiment: str, rows: list[dict], *, env: dict, command: str) -> Path:
     """Store a microbenchmark's rows beside the sweep rows of ``experiment`` on this GPU type,
-    replacing earlier rows with the same ``bench_key``."""
+    replacing earlier rows with the same ``bench_key``; a row that did not run ``ok`` (an OOM, a
+    crash) replaces only earlier failures, never a measurement, which stays beside it."""
     device_name = env.get("device_name") or "cpu"
     slug = gpu_slug(device_name)
     stamp = {"experiment": experiment, "gpu_slug": slug, "device_name": device_name, "env": env,
@@ -242,7 +243,15 @@ def write_bench_rows(root: str | Path, experiment: str, rows: list[dict], *, env
     for r in new:
         if r.get("kind") not in (kinds := measured.bench_kinds()):
             raise ValueError(f"not a microbenchmark row kind: {r.get('kind')!r} (valid: {sorted(kinds)})")
-    keys = {bench_key(r) for r in new}
+    ok_keys = {bench_key(r) for r in new if r.get("status", "ok") == "ok"}
+    failed_keys = {bench_key(r) for r in new} - ok_keys
     path = results_path(root, experiment, slug)
-    replace_rows(path, lambda r: r.get("kind") in kinds and bench_key(r) in keys, new)
+
+    def replaced(r: dict) -> bool:
+        if r.get("kind") not in kinds:
+            return False
+        key = bench_key(r)
+        return key in ok_keys or (key in failed_keys and r.get("status", "ok") != "ok")
+
+    replace_rows(path, replaced, new)
     return path

@@ -32,6 +32,16 @@ def test_bench_rows_land_beside_the_sweep_rows_and_a_rerun_replaces_its_own(tmp_
     assert by_backend["sdpa"]["m_ms"] == 1.0 and by_backend["flex"]["m_ms"] == 3.0
     assert by_backend["flex"]["command"].endswith("--y") and by_backend["flex"]["env"] == env
     assert {r["gpu_slug"] for r in rows if r["kind"] == "packing_m"} == {"nvidia-h100-80gb-hbm3"}
+    # a rerun that failed (an OOM, a crash) keeps the measurement beside it; the next failure replaces it,
+    # and the next measurement replaces both
+    flex = [r for r in rows if r.get("backend") == "flex"]
+    for failed in ({**m[1], "status": "oom", "m_ms": None}, {**m[1], "status": "error", "m_ms": None}):
+        res.write_bench_rows(tmp_path, "packing", [failed], env=env, command="z")
+        got = [r for r in res.read_rows(path) if r.get("backend") == "flex"]
+        assert [(r.get("status", "ok"), r["m_ms"]) for r in got] == [("ok", 3.0), (failed["status"], None)]
+    assert flex[0]["m_ms"] == 3.0
+    res.write_bench_rows(tmp_path, "packing", [{**m[1], "m_ms": 4.0}], env=env, command="w")
+    assert [r["m_ms"] for r in res.read_rows(path) if r.get("backend") == "flex"] == [4.0]
 
 
 def test_a_row_of_unknown_kind_is_refused_and_nothing_is_written(tmp_path):
@@ -86,6 +96,9 @@ def test_a_trainer_bench_run_that_dies_is_its_own_error_row_and_the_others_still
 
     assert {env["device_name"] for _, env in stored} == {"cpu"}
     assert {env["code_id"] for _, env in stored} == {envmod.code_id()}
+    # a run past its time is killed, and its row says so
+    (late,) = bench_trainer.run("qwen3-0.6b-tiny", ["stock"], timeout_s=1.0, **kw)
+    assert late["status"] == "error" and late["error"] == "timed out after 1 s", late
     # a model the bench does not know: one clear error before anything runs
     with pytest.raises(SystemExit):
         bench_trainer.main(["--results", str(tmp_path), "--model", "no-such-model", "--runs", "stock"])

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -88,48 +90,86 @@ def _child(cfg_path: str, out_path: str) -> int:
     return 0
 
 
-def _isolated(cfg: dict) -> dict:
+def _isolated(cfg: dict, timeout_s: float | None = None) -> dict:
     """One run in a fresh process, as the sweep runs each point: no compiled code, Liger-Kernel
-    patch or allocator state of an earlier run under it, and a crash or an OOM is that run's row.
-    Its output passes through; a process that wrote no result is an ``error`` (or ``oom``) row
-    with the tail of its output."""
+    patch or allocator state of an earlier run under it, and a crash, an OOM (the GPU's or the
+    host's) or a run past ``timeout_s`` is that run's row. Its output passes through; a process that
+    wrote no result gets the sweep's reading of its death (``launchers.death``) and its output's
+    tail. Interrupted (Ctrl-C, SIGTERM), the run's process goes down with this one."""
+    from harness.measure import host
     from harness.measure.env import REPO_ROOT
-    from harness.run.launchers import OOM_MARKERS
+    from harness.run.launchers import death
 
     with tempfile.TemporaryDirectory(prefix="packbench-trainer-") as tmp:
         cfg_path, out_path = Path(tmp, "run.json"), Path(tmp, "result.json")
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        proc = subprocess.Popen([sys.executable, "-u", "-m", "harness.bench.trainer", "--one-run", str(cfg_path),
-                                 str(out_path)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: collections.deque = collections.deque(maxlen=40)
+        timed_out = False
+        with host.Watch() as watch, _sigterm_raises():
+            proc = subprocess.Popen([sys.executable, "-u", "-m", "harness.bench.trainer", "--one-run",
+                                     str(cfg_path), str(out_path)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+            fired = threading.Event()
+
+            def expire() -> None:
+                fired.set()
+                proc.kill()
+
+            timer = threading.Timer(timeout_s, expire) if timeout_s else None
+            try:
+                if timer:
+                    timer.start()
+                for line in proc.stdout:
+                    print(line, end="", flush=True)
+                    tail.append(line)
+                code = proc.wait()
+                timed_out = fired.is_set()
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            finally:
+                if timer:
+                    timer.cancel()
         try:
-            for line in proc.stdout:
-                print(line, end="", flush=True)
-                tail.append(line)
-            code = proc.wait()
-        except BaseException:
-            proc.kill()
-            raise
-        try:
-            return json.loads(out_path.read_text())
+            out = json.loads(out_path.read_text())
         except (OSError, ValueError):
-            pass
-    text = "".join(tail)
-    if any(m in text for m in OOM_MARKERS):
-        status, why = "oom", "out of memory (the run's process died; see log_tail)"
-    elif code < 0:
-        status, why = "error", f"the run's process was killed by {signal.Signals(-code).name}"
-    else:
-        status, why = "error", f"the run's process exited with code {code} without a result"
-    return {"status": status, "error": why, "log_tail": text[-1500:]}
+            out = None
+    if out is None:
+        text = "".join(tail)
+        status, why, bound = death(code, timed_out, text, watch.oom_killed, timeout_s, "run")
+        out = {"status": status, "error": why, "log_tail": text[-1500:]}
+        if bound:
+            out["memory_bound"] = bound
+    if watch.peak_gib is not None:
+        out["host_used_peak_gib"] = round(watch.peak_gib, 2)
+    return out
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (a scheduler, ``timeout``) raises SystemExit here, so the run's process is killed
+    with this one instead of left holding the GPU; only where this is the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
         warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
-        logging_steps: int | None = None, trainer_args: dict | None = None, on_row=None) -> list[dict]:
+        logging_steps: int | None = None, trainer_args: dict | None = None, on_row=None,
+        timeout_s: float | None = None) -> list[dict]:
     """Each run's row, in ``RUNS`` order, each run in a fresh process; ``on_row(row, env)`` is called
     as each one is made, with the environment its process recorded (the CLI stores it then, so a
     bench killed later keeps the rows before it). A process that recorded none (it died) gets the
@@ -150,9 +190,10 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
                "steps": steps, "warmup": warmup, "device": device, "attn_implementation": attn_implementation,
                "experts_implementation": experts_implementation, "logging_steps": logging_steps,
                "trainer_args": trainer_args}
-        r = _isolated(cfg)
+        r = _isolated(cfg, timeout_s)
         if r.get("status") != "ok":
-            rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail") if k in r}})
+            rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail", "memory_bound",
+                                                      "host_used_peak_gib") if k in r}})
             print(f"{model} {name:8s} {r.get('status')}: {r.get('error')}", flush=True)
         else:
             results[name] = r
@@ -164,6 +205,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
                            default=None)
             rows.append({**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
                          "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
+                         "host_used_peak_gib": r.get("host_used_peak_gib"),
                          "max_rel_loss_diff_vs_stock": diff,
                          "optim": r.get("enabled") if name not in PEERS else None})
             print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
@@ -179,7 +221,13 @@ def _env_without_cuda(device: str) -> dict:
     from harness.measure import env as envmod
     from harness.run.sweep import detect_device_name
 
-    return {**envmod.light(), "device_name": detect_device_name(device)}
+    from harness.errors import InputError
+
+    try:
+        name = detect_device_name(device)
+    except InputError:  # CUDA without NVML to name it
+        name = device
+    return {**envmod.light(), "device_name": name}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="one more TrainingArguments field for every run, VALUE read as JSON where it parses "
                          "(logging_nan_inf_filter=false); recorded on the rows")
+    ap.add_argument("--timeout-s", type=float, default=3600.0,
+                    help="a run's process still running after this many seconds is killed, and its row says so")
     ap.add_argument("--one-run", nargs=2, metavar=("RUN_JSON", "RESULT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_run:  # a child of run(): one run, its result as JSON
@@ -218,16 +268,15 @@ def main(argv: list[str] | None = None) -> int:
         models.get(args.model)
     except KeyError:
         ap.error(f"unknown model {args.model!r} (known: {', '.join(models.names())})")
-    from harness.run.sweep import detect_device_name
-
-    device = "cpu" if detect_device_name("auto") == "cpu" else "cuda"  # no CUDA context here: each run has the GPU
+    # what the runs' processes will see (is_available makes no CUDA context: each run has the GPU)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":
         ap.error("the graphed run needs CUDA")
     paths = set()
     rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
                steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
                experts_implementation=args.experts_implementation, logging_steps=args.logging_steps,
-               trainer_args=trainer_args,
+               trainer_args=trainer_args, timeout_s=args.timeout_s,
                on_row=lambda row, env: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
     print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0

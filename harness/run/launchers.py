@@ -132,26 +132,10 @@ class Launcher:
     @staticmethod
     def _failure_row(point: SweepPoint, returncode: int, timed_out: bool, log_path: Path,
                      oom_killed: bool | None = None) -> dict:
-        """The row of a point whose process wrote none. ``oom_killed``: whether the kernel's OOM
-        killer ended a process while it ran (None: not known); a point killed by SIGKILL then ran
-        the host out of memory, an ``oom`` row whose ``memory_bound`` is ``host``. The sweep
+        """The row of a point whose process wrote none (``death`` says what it died of). The sweep
         process's own ``env`` (``harness.measure.env.light``) says which code measured it."""
         tail = log_path.read_text()[-2000:] if log_path.exists() else ""
-        bound = None
-        if timed_out:
-            status, message = "error", f"timed out after {point.timeout_s:.0f} s"
-        elif returncode == -signal.SIGKILL and oom_killed:
-            status, message, bound = ("oom", "out of host memory: the kernel's OOM killer ended the point (the "
-                                      "machine's memory or its cgroup's limit)", "host")
-        elif any(m in tail for m in OOM_MARKERS):
-            status, message = "oom", "out of memory (process died; see log)"
-        elif returncode < 0:
-            sig = signal.Signals(-returncode).name
-            guess = {None: " (host out of memory?)", False: " (not by the kernel's OOM killer)"}.get(oom_killed, "")
-            status, message = "error", f"killed by {sig}" + (guess if sig == "SIGKILL" else "")
-        else:  # torchrun's code where the OOM killer ended one of its ranks
-            status, message = "error", f"exited with code {returncode} without a result" + (
-                "; the kernel's OOM killer ended a process meanwhile (the host's memory?)" if oom_killed else "")
+        status, message, bound = death(returncode, timed_out, tail, oom_killed, point.timeout_s, "point")
         row = point.new_row().outcome(status, message)
         row.measured["log_tail"] = tail[-1500:]
         if bound:
@@ -159,6 +143,30 @@ class Launcher:
         out = row.to_dict()
         out["env"] = envmod.light()
         return out
+
+
+def death(returncode: int, timed_out: bool, tail: str, oom_killed: bool | None, timeout_s: float | None,
+          what: str = "point") -> tuple[str, str, str | None]:
+    """What a process that wrote no result died of: ``(status, message, memory_bound)``.
+    ``oom_killed``: whether the kernel's OOM killer ended a process while it ran (None: not known);
+    killed by SIGKILL then, it ran the host out of memory, an ``oom`` whose bound is ``host``."""
+    if timed_out:
+        return "error", f"timed out after {timeout_s:.0f} s", None
+    if returncode == -signal.SIGKILL and oom_killed:
+        return ("oom", f"out of host memory: the kernel's OOM killer ended the {what} (the machine's memory or "
+                "its cgroup's limit)", "host")
+    if any(m in tail for m in OOM_MARKERS):
+        return "oom", "out of memory (process died; see log)", None
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode).name
+        except ValueError:  # a real-time signal has no name
+            sig = f"signal {-returncode}"
+        guess = {None: " (host out of memory?)", False: " (not by the kernel's OOM killer)"}.get(oom_killed, "")
+        return "error", f"killed by {sig}" + (guess if sig == "SIGKILL" else ""), None
+    # torchrun's code where the OOM killer ended one of its ranks
+    return "error", f"exited with code {returncode} without a result" + (
+        "; the kernel's OOM killer ended a process meanwhile (the host's memory?)" if oom_killed else ""), None
 
 
 class Child:
