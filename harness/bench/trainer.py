@@ -98,7 +98,7 @@ def _isolated(cfg: dict, timeout_s: float | None = None) -> dict:
     tail. Interrupted (Ctrl-C, SIGTERM), the run's process goes down with this one."""
     from harness.measure import host
     from harness.measure.env import REPO_ROOT
-    from harness.run.launchers import death
+    from harness.run.launchers import Child, death
 
     with tempfile.TemporaryDirectory(prefix="packbench-trainer-") as tmp:
         cfg_path, out_path = Path(tmp, "run.json"), Path(tmp, "result.json")
@@ -110,12 +110,14 @@ def _isolated(cfg: dict, timeout_s: float | None = None) -> dict:
         with host.Watch() as watch, _sigterm_raises():
             proc = subprocess.Popen([sys.executable, "-u", "-m", "harness.bench.trainer", "--one-run",
                                      str(cfg_path), str(out_path)], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+            # its own process group, killed whole: compile workers it started would hold the pipe open
+            child = Child(proc.pid, proc.stdout, lambda t: proc.wait(timeout=t))
             fired = threading.Event()
 
             def expire() -> None:
                 fired.set()
-                proc.kill()
+                child.kill()
 
             timer = threading.Timer(timeout_s, expire) if timeout_s else None
             try:
@@ -127,7 +129,7 @@ def _isolated(cfg: dict, timeout_s: float | None = None) -> dict:
                 code = proc.wait()
                 timed_out = fired.is_set()
             except BaseException:
-                proc.kill()
+                child.kill()
                 proc.wait()
                 raise
             finally:
