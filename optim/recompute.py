@@ -26,11 +26,14 @@ How a step decides, with checkpointing on as the user set it (``gradient_checkpo
 The math is the same either way (a recompute repeats the layer's forward), so losses and
 gradients are those of plain checkpointing (with dropout, as long as the checkpoint preserves the
 RNG state, transformers' default). Layers the model does not checkpoint, evaluation and
-``torch.no_grad`` are untouched. Every recompute stays: through ``optim.offload`` (memory first),
-inside a CUDA-graph capture (it allocates from a pool of its own), on a model split over devices
-(the layers off the measured device), and on a model with several stacks of checkpointed layers
-(a vision tower beside the decoder). The decision reads only host-side allocator counters: no
-device sync.
+``torch.no_grad`` are untouched. A CUDA-graph capture records one step that every replay repeats:
+it takes the decision of the eager forward just before it on the same tokens (``GraphedStep`` and
+``GraphedTrainer`` run one, as torch asks, and empty the allocator's cache before capturing, so the
+graph's own pool can take the memory that forward fitted in); a capture with no such forward keeps
+every recompute. Every recompute stays: through ``optim.offload`` (memory first), on a model split
+over devices (the layers off the measured device), and on a model with several stacks of
+checkpointed layers (a vision tower beside the decoder). The decision reads only host-side
+allocator counters: no device sync.
 
 Switch ``recompute``: ``auto`` (the default: skip recompute where it fits, on CUDA), ``all`` (every
 checkpointed layer recomputes: plain checkpointing).
@@ -120,6 +123,7 @@ class RecomputeState:
     measured_forward: int = -1
     forwards: int = 0
     decided_for: int = -1
+    decided_tokens: int | None = None  # the tokens the last planned (eager) forward decided for
     skip: frozenset = frozenset()
     skipped: dict[str, int] = field(default_factory=lambda: {"last": 0, "min": -1, "max": 0})
     recomputed: int = 0  # recomputes run since enable (a skipped layer runs none)
@@ -134,17 +138,20 @@ class RecomputeState:
         self.decided_for = self.forwards
         if self.mem is None:
             self.mem = self.memory(device)
-        if self.growth is None:  # measure this step (again, where the last measured forward had no backward)
-            self.skip = frozenset()
-            self._start_measuring(tokens)
+        if _capturing(device):
+            # the graph's pool is not the cached blocks the counters describe, and the captured
+            # step is every replay's: the eager forward just before, on the same tokens, decided
+            # for it (its skip stands); with none (nothing measured yet, other tokens), recompute all
+            if self.growth is None or self.measuring or tokens != self.decided_tokens:
+                self.skip = frozenset()
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            # a CUDA-graph capture allocates from its own pool, not the cached blocks the decision
-            # counts: the captured step recomputes every layer, as configured
-            self.skip = frozenset()
+        if self.growth is None:  # measure this step (again, where the last measured forward had no backward)
+            self.skip, self.decided_tokens = frozenset(), None
+            self._start_measuring(tokens)
             return
         usable, total = self.mem.usable_and_total()
         self.skip = plan(self.acts, self.growth, tokens, self.first_tokens, usable, total)
+        self.decided_tokens = tokens
         n = len(self.skip)
         self.skipped["last"], self.skipped["max"] = n, max(self.skipped["max"], n)
         self.skipped["min"] = n if self.skipped["min"] < 0 else min(self.skipped["min"], n)
@@ -222,6 +229,10 @@ class BudgetedCheckpoint:
                 st.acts[index] = held
             return out
         return run
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _active(st: RecomputeState, x: torch.Tensor, inner) -> bool:

@@ -25,6 +25,11 @@ def test_graphed_trainer_matches_the_eager_trainer(tmp_path):
     assert len(graphed["losses"]) == len(eager["losses"]) == STEPS
     assert worst < 2e-2
     assert graphed["counters"].get("from_position_ids_on_device", 0) >= 1, graphed["counters"]
+    # the captured step keeps the eager pass's decision: it recomputes no layer the eager steps skip
+    # (the Python of the step runs once, at the capture: a kept recompute would count once more)
+    rs_e, rs_g = eager["recompute_stats"], graphed["recompute_stats"]
+    assert rs_e["layers_skipped"]["last"] > 0, rs_e
+    assert rs_g["recomputes"] == rs_e["recomputes"] and rs_g["layers_skipped"] == rs_e["layers_skipped"], (rs_e, rs_g)
 
 
 def test_a_batch_of_another_shape_is_refused(tmp_path):

@@ -225,3 +225,35 @@ def test_a_measured_backward_that_raised_is_measured_again_at_the_next_step():
     hook.remove()
     counts = [c for _, _, c in _steps(m, n=2)]
     assert "step_growth_gib" in R.describe(m) and counts[-1] == [1, 1, 1], (counts, R.describe(m))
+
+
+def test_a_capture_takes_the_eager_forwards_decision_on_the_same_tokens_and_otherwise_recomputes(monkeypatch):
+    capturing = [False]
+    monkeypatch.setattr(R, "_capturing", lambda device: capturing[0])
+
+    def step(m, shape, capture=False):
+        capturing[0] = capture
+        try:
+            return _steps(m, n=1, shapes=[shape])[0]
+        finally:
+            capturing[0] = False
+
+    # a capture before any eager step measured: nothing to go on, every layer recomputes, and the
+    # capture is not the measured step (its allocations are the graph pool's)
+    m = _model()
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    assert step(m, (2, 32), capture=True)[2] == [2, 2, 2]
+    st = vars(R.owner(m))[R._ATTR]
+    assert st.growth is None and st.attempts == 0
+
+    ref = _model()
+    plain = [_steps(ref, n=1, shapes=[shape])[0] for shape in [(2, 32), (2, 32), (2, 32), (2, 48)]]
+    m = _model()
+    R.enable(m, recompute="auto", _memory=FakeMemory)
+    ours = [step(m, (2, 32)), step(m, (2, 32)),
+            step(m, (2, 32), capture=True),  # the eager forward just before decided for 64 tokens
+            step(m, (2, 48), capture=True)]  # other tokens: that decision is not this batch's
+    assert [c for _, _, c in ours] == [[2, 2, 2], [1, 1, 1], [1, 1, 1], [2, 2, 2]]
+    for step_i, ((l0, g0, _), (l1, g1, _)) in enumerate(zip(plain, ours)):
+        assert torch.equal(l0, l1), step_i
+        assert all(torch.equal(g0[k], g1[k]) for k in g0), step_i

@@ -73,7 +73,7 @@ def _one(cfg: dict) -> dict:
         except PeerUnavailable as e:
             return {"status": "skipped", "error": str(e)}
     return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
-            "enabled": r.get("enabled")}
+            "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats")}
 
 
 def _child(cfg_path: str, out_path: str) -> int:
@@ -209,7 +209,8 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
                          "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
                          "host_used_peak_gib": r.get("host_used_peak_gib"),
                          "max_rel_loss_diff_vs_stock": diff,
-                         "optim": r.get("enabled") if name not in PEERS else None})
+                         "optim": r.get("enabled") if name not in PEERS else None,
+                         "recompute_stats": r.get("recompute_stats") if name not in PEERS else None})
             print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
                   f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}",
                   flush=True)

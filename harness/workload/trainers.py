@@ -201,7 +201,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
-    from optim import packing
+    from optim import packing, recompute
 
     from harness.run import peers
 
@@ -250,4 +250,5 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps,
             "trainer_args": {k: getattr(args, k) for k in extra}, "counters": packing.counters(), "kernels": packing.kernels(),
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
+            "recompute_stats": recompute.describe(model) or None,
             "wrapped": type(trainer.model_wrapped).__name__}  # the name: the result keeps no model alive
