@@ -129,3 +129,23 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
     assert "#### transformers.Trainer" in text and "| Trainer after optim.enable(model) |" in text
     assert "| stock Trainer, decoder layers compiled |" in text and "| Trainer(use_liger_kernel=True) | skipped:" in text
     assert "Trainer logging every 500 steps, TrainingArguments logging_nan_inf_filter=False" in text
+
+
+def test_a_profiled_trainer_bench_writes_trainer_phases_and_stores_no_rows(tmp_path, capsys):
+    from harness.bench import trainer as bench_trainer
+
+    prof = tmp_path / "prof"
+    args = ["--results", str(tmp_path), "--experiment", "t", "--model", "qwen3-0.6b-tiny", "--runs", "ours",
+            "--max-length", "64", "--doc-len", "32", "--lora-rank", "4", "--steps", "4", "--warmup", "1",
+            "--attn-implementation", "sdpa"]
+    with pytest.raises(SystemExit):  # more profiled steps than follow the warm-up: refused before any run
+        bench_trainer.main([*args, "--profile", str(prof), "--profile-steps", "4"])
+    assert not prof.exists()
+    assert bench_trainer.main([*args, "--profile", str(prof), "--profile-steps", "2"]) == 0
+    # the profiler's times are not the bench's: nothing is stored
+    assert not list(tmp_path.rglob("*.jsonl"))
+    s = json.loads((prof / "trainer-qwen3-0.6b-tiny-64-ours.summary.json").read_text())
+    assert list(s["phases"]) == ["forward_backward", "optimizer", "step_end"] and s["steps"] == 2
+    assert s["phases"]["forward_backward"]["cpu_span_ms"] > 0 and s["phases"]["optimizer"]["cpu_span_ms"] > 0
+    assert (prof / "trainer-qwen3-0.6b-tiny-64-ours.cpu.txt").read_text().strip()
+    assert "rows not stored" in capsys.readouterr().out

@@ -101,6 +101,12 @@ def test_the_graphed_trainer_target_reads_the_trainer_bench_rows():
     # Trainer's default logging, what a user runs, judges before a newer row that logged every step
     usual = {**bench[1], "ms": 210.0, "logging_steps": 500, "recorded_at": "2026-11-26T05:00:00+00:00"}
     assert _goals(rows, spec, [newer, usual, *bench])[goal] == (210.0, False)
+    # and so do Trainer's other defaults: a newer row that set TrainingArguments judges only alone,
+    # and its note names them
+    tuned = {**usual, "ms": 160.0, "trainer_args": {"bf16": False}, "recorded_at": "2026-11-28T05:00:00+00:00"}
+    assert _goals(rows, spec, [tuned, usual, *bench])[goal] == (210.0, False)
+    assert _goals(rows, spec, [tuned])[goal] == (160.0, True)
+    assert "; bf16=False) | met |" in user_md(rows, spec, trainer_rows=[tuned])
 
 
 def test_the_trainer_tables_compare_within_one_card():

@@ -64,7 +64,7 @@ def _one(cfg: dict) -> dict:
                   dtype=torch.bfloat16 if device == "cuda" else torch.float32, lora_rank=cfg["lora_rank"],
                   out_dir=out_dir, warmup=cfg["warmup"], attn_implementation=cfg["attn_implementation"],
                   experts_implementation=cfg["experts_implementation"], logging_steps=cfg["logging_steps"],
-                  trainer_args=cfg["trainer_args"])
+                  trainer_args=cfg["trainer_args"], profile=_profile(cfg))
         try:
             if name in PEERS:
                 r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
@@ -74,6 +74,16 @@ def _one(cfg: dict) -> dict:
             return {"status": "skipped", "error": str(e)}
     return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
             "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats")}
+
+
+def _profile(cfg: dict) -> dict | None:
+    p = cfg.get("profile")
+    if not p:
+        return None
+    stem = f"trainer-{cfg['model']}-{cfg['max_length']}-{cfg['name']}"
+    summary = {"model": cfg["model"], "seq_len": cfg["max_length"], "variant": f"Trainer {cfg['name']}"}
+    return {"out_dir": p["out"], "stem": stem, "start": cfg["warmup"], "steps": p["steps"],
+            "trace": p.get("trace", False), "summary": summary}
 
 
 def _child(cfg_path: str, out_path: str) -> int:
@@ -171,12 +181,14 @@ def _sigterm_raises():
 def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank: int, steps: int,
         warmup: int, device: str, attn_implementation: str, experts_implementation: str | None,
         logging_steps: int | None = None, trainer_args: dict | None = None, on_row=None,
-        timeout_s: float | None = None) -> list[dict]:
+        timeout_s: float | None = None, profile: dict | None = None) -> list[dict]:
     """Each run's row, in ``RUNS`` order, each run in a fresh process; ``on_row(row, env)`` is called
     as each one is made, with the environment its process recorded (the CLI stores it then, so a
     bench killed later keeps the rows before it). A process that recorded none (it died) gets the
     last run's, else what this process reads without a CUDA context (``env.light`` and the GPU's
-    name from NVML)."""
+    name from NVML). ``profile`` (``{"out": folder, "steps": n, "trace": bool}``) profiles each
+    run's ``n`` optimizer steps after the warm-up (``harness.run.profile.trainer_profiler``); their
+    times are the profiler's, so such rows are not for storing."""
     rows, results, env = [], {}, None
     if logging_steps is None:  # Trainer's own default, recorded as the number it is
         from transformers import TrainingArguments
@@ -191,7 +203,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
         cfg = {"name": name, "model": model, "max_length": max_length, "doc_len": doc_len, "lora_rank": lora_rank,
                "steps": steps, "warmup": warmup, "device": device, "attn_implementation": attn_implementation,
                "experts_implementation": experts_implementation, "logging_steps": logging_steps,
-               "trainer_args": trainer_args}
+               "trainer_args": trainer_args, "profile": profile}
         r = _isolated(cfg, timeout_s)
         if r.get("status") != "ok":
             rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail", "memory_bound",
@@ -254,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(logging_nan_inf_filter=false); recorded on the rows")
     ap.add_argument("--timeout-s", type=float, default=3600.0,
                     help="a run's process still running after this many seconds is killed, and its row says so")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="profile each run's optimizer steps after the warm-up (Trainer's phases, the top "
+                         "kernels and CPU ops, as `harness profile` writes them) into DIR instead of storing "
+                         "rows: the profiler slows the steps it records")
+    ap.add_argument("--profile-steps", type=int, default=3, help="optimizer steps profiled (default: 3)")
+    ap.add_argument("--trace", action="store_true", help="with --profile, also write each run's chrome trace")
     ap.add_argument("--one-run", nargs=2, metavar=("RUN_JSON", "RESULT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_run:  # a child of run(): one run, its result as JSON
@@ -275,13 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "graphed" in args.runs and device != "cuda":
         ap.error("the graphed run needs CUDA")
+    if args.profile is not None and (args.profile_steps < 1 or args.warmup + args.profile_steps > args.steps):
+        ap.error(f"--profile-steps must be 1..{args.steps - args.warmup} (the steps after --warmup {args.warmup})")
+    profile = None if args.profile is None else {"out": str(args.profile.resolve()), "steps": args.profile_steps,
+                                                 "trace": args.trace}
     paths = set()
+    on_row = None if profile else (lambda row, env: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
     rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,
                steps=args.steps, warmup=args.warmup, device=device, attn_implementation=args.attn_implementation,
                experts_implementation=args.experts_implementation, logging_steps=args.logging_steps,
-               trainer_args=trainer_args, timeout_s=args.timeout_s,
-               on_row=lambda row, env: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
-    print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
+               trainer_args=trainer_args, timeout_s=args.timeout_s, on_row=on_row, profile=profile)
+    if profile:
+        print(f"\nprofiles in {args.profile}; {len(rows)} rows not stored (their steps ran under the profiler)")
+    else:
+        print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0
 
 

@@ -238,9 +238,9 @@ def _graphed_trainer(trainer_rows: list[dict], model, seq_len, gpu, lora_rank=No
     ok = [r for r in trainer_rows if r.get("mode") == "graphed" and r.get("model") == model
           and r.get("tokens") == seq_len and r.get("status") == "ok" and r.get("gpu_slug") == gpu
           and fmt.number(r.get("ms")) is not None and (lora_rank is None or r.get("lora_rank") in (None, lora_rank))]
-    # Trainer's default logging is what a user runs: a row that logged (and synced) every step
-    # judges only where no such row exists, and says so
-    usual = [r for r in ok if (r.get("logging_steps") or 1) != 1]
+    # Trainer's defaults are what a user runs: a row that logged (and synced) every step, or set
+    # other TrainingArguments, judges only where no such row exists, and says so
+    usual = [r for r in ok if (r.get("logging_steps") or 1) != 1 and not r.get("trainer_args")]
     return max(usual or ok, key=lambda r: str(r.get("recorded_at") or "")) if ok else None
 
 
@@ -252,7 +252,8 @@ def _bench_note(r: dict, rows: list[dict]) -> str:
     when = str(r.get("recorded_at") or "")[:10]
     return (f"`harness.bench.trainer`, {when}" + (f" at `{sha}`" if sha else "")
             + (" (dirty)" if sha and other_code(rows)(r) else "")
-            + ("; Trainer logging every step" if (r.get("logging_steps") or 1) == 1 else ""))
+            + ("; Trainer logging every step" if (r.get("logging_steps") or 1) == 1 else "")
+            + "".join(f"; {k}={v}" for k, v in sorted((r.get("trainer_args") or {}).items())))
 
 
 def as_variant(p: dict, variant: str) -> dict | None:

@@ -47,7 +47,7 @@ def _dur(e) -> float:
     return float(e.get("dur", 0.0))
 
 
-def analyze(events: list[dict]) -> dict:
+def analyze(events: list[dict], phases: tuple[str, ...] = PHASES) -> dict:
     """Per phase (labelled with ``record_function("phase:<name>")``): the GPU work it launched,
     how much of that work's span the GPU was busy, the kernel launches and the host syncs.
 
@@ -60,7 +60,7 @@ def analyze(events: list[dict]) -> dict:
     corr = lambda e: (e.get("args") or {}).get("correlation")  # noqa: E731
     launch_ts = {corr(r): float(r["ts"]) for r in runtime if corr(r) is not None}
     out: dict = {"phases": {}}
-    for name in PHASES:
+    for name in phases:
         label = f"phase:{name}"
         cpu = [(float(e["ts"]), float(e["ts"]) + _dur(e)) for e in xs
                if e.get("name") == label and e.get("cat") == "user_annotation"]
@@ -116,27 +116,95 @@ def profile_point(point: SweepPoint, out_dir: Path, *, warmup: int = 2, steps: i
             run.step(point, i, phase=lambda name: record_function(f"phase:{name}"))
         if run.device.type == "cuda":
             torch.cuda.synchronize()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{point.model}-{point.seq_len}-{point.variant}"
-    sort = "self_device_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
-    avg = prof.key_averages()
-    (out_dir / f"{stem}.kernels.txt").write_text(avg.table(sort_by=sort, row_limit=40, max_name_column_width=90))
-    (out_dir / f"{stem}.cpu.txt").write_text(avg.table(sort_by="self_cpu_time_total", row_limit=40,
-                                                       max_name_column_width=90))
-    events = trace_events(prof)
     summary = {"point_id": point.point_id, "model": point.model, "seq_len": point.seq_len,
                "variant": point.variant, "steps": steps, "device": str(run.device),
                # the host side is what a profile explains; a replayed graph has none, so a
                # cuda_graph variant is profiled as the eager steps it captures
                "profiled": "eager steps of a cuda_graph variant" if point.cuda_graph else "eager steps",
                "device_name": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu",
-               **attention_kernels(run.model, run.optim_applied),
-               **analyze(events)}
+               **attention_kernels(run.model, run.optim_applied)}
+    return write_profile(prof, out_dir, f"{point.model}-{point.seq_len}-{point.variant}", summary, run.device,
+                         trace=trace)
+
+
+def write_profile(prof, out_dir: Path, stem: str, summary: dict, device, *, trace: bool = False,
+                  phases: tuple[str, ...] = PHASES) -> dict:
+    """The profiler's tables, the summary (``summary`` plus ``analyze``'s phases and kernels) and,
+    with ``trace``, the chrome trace, written under ``out_dir`` as ``<stem>.*``; returns the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    avg = prof.key_averages()
+    (out_dir / f"{stem}.kernels.txt").write_text(avg.table(sort_by=sort, row_limit=40, max_name_column_width=90))
+    (out_dir / f"{stem}.cpu.txt").write_text(avg.table(sort_by="self_cpu_time_total", row_limit=40,
+                                                       max_name_column_width=90))
+    events = trace_events(prof)
+    summary = {**summary, **analyze(events, phases)}
     (out_dir / f"{stem}.summary.json").write_text(json.dumps(summary, indent=1))
     if trace:
         with gzip.open(out_dir / f"{stem}.trace.json.gz", "wt") as f:
             json.dump({"traceEvents": events}, f)
     return summary
+
+
+TRAINER_PHASES = ("forward_backward", "optimizer", "step_end")
+
+
+def trainer_profiler(out_dir: Path, stem: str, *, start: int, steps: int, summary: dict, trace: bool = False):
+    """A ``TrainerCallback`` that profiles Trainer's optimizer steps ``start`` .. ``start + steps - 1``
+    (0-based) as ``profile_point`` profiles a sweep point's, in Trainer's phases: its micro-steps'
+    forward and backward (with gradient clipping), the optimizer step, and what runs after it
+    (scheduler, zero_grad, callbacks). The files are written when the last profiled step ends."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import TrainerCallback
+
+    cuda = torch.cuda.is_available()
+    state = {"prof": None, "phase": None, "done": False}
+
+    def enter(name: str | None) -> None:
+        if state["phase"] is not None:
+            state["phase"].__exit__(None, None, None)
+        state["phase"] = None
+        if name is not None:
+            state["phase"] = record_function(f"phase:{name}")
+            state["phase"].__enter__()
+
+    class _Profile(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            if state["done"] or st.global_step < start:
+                return
+            if state["prof"] is None:
+                if cuda:
+                    torch.cuda.synchronize()
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                state["prof"] = profile(activities=acts)
+                state["prof"].__enter__()
+            enter("forward_backward")
+
+        def on_pre_optimizer_step(self, args, st, control, **kw):
+            if state["prof"] is not None and not state["done"]:
+                enter("optimizer")
+
+        def on_optimizer_step(self, args, st, control, **kw):
+            if state["prof"] is not None and not state["done"]:
+                enter("step_end")
+
+        def on_step_end(self, args, st, control, **kw):
+            if state["prof"] is None or state["done"]:
+                return
+            enter(None)
+            if st.global_step >= start + steps:
+                if cuda:
+                    torch.cuda.synchronize()
+                state["prof"].__exit__(None, None, None)
+                state["done"] = True
+                device = torch.device("cuda" if cuda else "cpu")
+                info = {**summary, "steps": steps, "profiled": "Trainer optimizer steps",
+                        "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+                s = write_profile(state["prof"], out_dir, stem, info, device, trace=trace, phases=TRAINER_PHASES)
+                print(format_summary(s), flush=True)
+
+    return _Profile()
 
 
 @contextlib.contextmanager
@@ -167,12 +235,13 @@ def format_summary(s: dict) -> str:
              f"{s.get('profiled', 'eager steps')})"]
     if not gpu:
         lines.append("CPU run: host times only (a GPU run adds kernel times, GPU busy %, launches and syncs)")
-    lines.append(f"{'phase':10s} {'gpu ms':>9s} {'cpu ms':>9s} {'busy %':>7s} {'launches':>9s} {'syncs':>6s}"
-                 if gpu else f"{'phase':10s} {'cpu ms':>9s}")
+    w = max([10] + [len(n) for n in s["phases"]])
+    lines.append(f"{'phase':{w}s} {'gpu ms':>9s} {'cpu ms':>9s} {'busy %':>7s} {'launches':>9s} {'syncs':>6s}"
+                 if gpu else f"{'phase':{w}s} {'cpu ms':>9s}")
     for name, p in s["phases"].items():
         busy = f"{p['gpu_busy_pct']:.1f}" if p["gpu_busy_pct"] is not None else "-"
-        lines.append(f"{name:10s} {p['gpu_span_ms']:9.1f} {p['cpu_span_ms']:9.1f} {busy:>7s} "
-                     f"{p['launches']:9d} {p['host_syncs']:6d}" if gpu else f"{name:10s} {p['cpu_span_ms']:9.1f}")
+        lines.append(f"{name:{w}s} {p['gpu_span_ms']:9.1f} {p['cpu_span_ms']:9.1f} {busy:>7s} "
+                     f"{p['launches']:9d} {p['host_syncs']:6d}" if gpu else f"{name:{w}s} {p['cpu_span_ms']:9.1f}")
     if s.get("attention_kernels"):
         kinds = ", ".join(k if n is None else f"{k} x{n}" for k, n in s["attention_kernels"].items())
         lines.append(f"attention kernels: {kinds}"

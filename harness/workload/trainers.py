@@ -181,7 +181,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 data_parallel: bool = False, peer: str | None = None, logging_steps: int | None = None,
-                trainer_args: dict | None = None, **settings) -> dict:
+                trainer_args: dict | None = None, profile: dict | None = None, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss.
@@ -197,7 +197,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     ``logging_steps`` None keeps Trainer's default (a log, and its syncs, every 500 steps), as a
     user who sets none runs; ``logged_losses`` are those Trainer logged. ``trainer_args`` are more
     ``TrainingArguments`` (``{"logging_nan_inf_filter": False}``: no host read of each micro-step's
-    loss), over the run's own."""
+    loss), over the run's own. ``profile`` is ``harness.run.profile.trainer_profiler``'s arguments
+    (``out_dir``, ``stem``, ``start``, ``steps``, ``summary``, ``trace``): those steps are profiled."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
@@ -242,7 +243,16 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     cls = Trainer
     if graphed:
         from optim.trainer import GraphedTrainer as cls
-    trainer = cls(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=[timer.callback])
+    callbacks = [timer.callback]
+    if profile:
+        from pathlib import Path
+
+        from harness.run.profile import trainer_profiler
+
+        callbacks.append(trainer_profiler(Path(profile["out_dir"]), profile["stem"], start=profile["start"],
+                                          steps=profile["steps"], summary=profile["summary"],
+                                          trace=profile.get("trace", False)))
+    trainer = cls(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=callbacks)
     losses = StepLosses()
     losses.attach(trainer)
     packing.reset_counters()
