@@ -149,3 +149,26 @@ def test_a_profiled_trainer_bench_writes_trainer_phases_and_stores_no_rows(tmp_p
     assert s["phases"]["forward_backward"]["cpu_span_ms"] > 0 and s["phases"]["optimizer"]["cpu_span_ms"] > 0
     assert (prof / "trainer-qwen3-0.6b-tiny-64-ours.cpu.txt").read_text().strip()
     assert "rows not stored" in capsys.readouterr().out
+
+
+def test_each_trainer_peer_also_runs_without_checkpointing_and_trains_the_same_model(tmp_path):
+    from harness.bench import trainer as bench_trainer
+    from harness.report.user import trainer_tables
+
+    rows = bench_trainer.run("qwen3-0.6b-tiny", ["stock", "ours", "stock-nockpt"], max_length=64, doc_len=32,
+                             lora_rank=4, steps=3, warmup=1, device="cpu", attn_implementation="sdpa",
+                             experts_implementation=None)
+    by = {r["mode"]: r for r in rows}
+    assert {m: r["status"] for m, r in by.items()} == {"stock": "ok", "ours": "ok", "stock-nockpt": "ok"}
+    # checkpointing is what the row says it ran with: on for stock (and ours), off for the -nockpt peer
+    assert (by["stock"]["gradient_checkpointing"], by["stock-nockpt"]["gradient_checkpointing"]) == (True, False)
+    assert by["ours"]["gradient_checkpointing"] is True
+    assert by["stock-nockpt"]["max_rel_loss_diff_vs_stock"] < 1e-4  # the same model, the same loss curve
+    # the peer without checkpointing is a peer: the fastest peer is the faster of the two stock rows
+    for r in rows:
+        r.update(gpu_slug="cpu", recorded_at="2026-11-28T00:00:00+00:00")
+    faster = min(("stock", "stock-nockpt"), key=lambda m: by[m]["ms"])
+    label = {"stock": "stock Trainer + peft |", "stock-nockpt": "stock Trainer + peft, no checkpointing |"}[faster]
+    text = trainer_tables(rows)
+    assert "| stock Trainer + peft, no checkpointing |" in text
+    assert f"fastest peer: {label[:-2]}" in text

@@ -146,9 +146,16 @@ def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missi
     assert "| Trainer(use_liger_kernel=True) | skipped: Liger-Kernel is not installed |" in text
     # a skipped peer is never the fastest: with every peer shown, the note names no subset
     with fmt.recording() as tables:
-        text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0)])
+        text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0),
+                               row("stock-nockpt", 500.0), row("compiled-nockpt", 350.0), row("liger-nockpt", 320.0)])
     assert "fastest peer: Trainer(use_liger_kernel=True)" in text and "only)" not in text
-    assert [r["× fastest peer"] for r in tables[0].rows()] == [0.5, 0.75, 1.0, 1.5]
+    assert [r["× fastest peer"] for r in tables[0].rows()] == [0.5, 0.75, 1.0, 0.6, 300 / 350, 300 / 320, 1.5]
+    # a peer without checkpointing that is faster is the denominator
+    with fmt.recording() as tables:
+        text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0),
+                               row("stock-nockpt", 500.0), row("compiled-nockpt", 250.0), row("liger-nockpt", 320.0)])
+    assert "fastest peer: stock Trainer, decoder layers compiled, no checkpointing" in text
+    assert tables[0].rows()[-1]["× fastest peer"] == 1.25
     # Trainer's default logging is another measurement than a log (and a sync) every step: its own table
     with fmt.recording() as tables:
         text = trainer_tables([row("stock", 600.0), row("ours", 200.0),

@@ -1,5 +1,6 @@
 """``transformers.Trainer`` side by side, each run in a fresh process: stock Trainer + peft, the peers a Trainer
-user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``), the same
+user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``), each of the
+three also without checkpointing (``-nockpt``: a user whose model fits turns it off), the same
 Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
 ``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
 CUDA graph), on the same generated documents with the same seed. A fresh process per run keeps
@@ -38,8 +39,11 @@ from harness.run.peers import PeerUnavailable
 from harness.workload import models
 from harness.workload.trainers import trainer_run
 
-RUNS = ["stock", "compiled", "ours", "graphed", "liger"]
-PEERS = ("stock", "compiled", "liger")  # what a Trainer user runs instead of optim
+# what a Trainer user runs instead of optim: each peer with checkpointing, and without it (as a user
+# whose model fits runs it; optim.enable skips the recomputes that fit, so a peer gets the same chance)
+PEERS = ("stock", "compiled", "liger", "stock-nockpt", "compiled-nockpt", "liger-nockpt")
+RUNS = ["stock", "compiled", "ours", "graphed", "liger", "stock-nockpt", "compiled-nockpt", "liger-nockpt"]
+NOCKPT = "-nockpt"
 
 
 def documents(n: int, vocab_size: int, doc_len: int, seed: int = 0) -> list[dict]:
@@ -67,13 +71,16 @@ def _one(cfg: dict) -> dict:
                   trainer_args=cfg["trainer_args"], profile=_profile(cfg))
         try:
             if name in PEERS:
-                r = trainer_run(model, ours=False, peer=None if name == "stock" else name, **kw)
+                peer = name.removesuffix(NOCKPT)
+                r = trainer_run(model, ours=False, peer=None if peer == "stock" else peer,
+                                gradient_checkpointing=not name.endswith(NOCKPT), **kw)
             else:  # as a user: optim.enable with its defaults on the model as loaded (stock attention)
                 r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed", **kw)
         except PeerUnavailable as e:
             return {"status": "skipped", "error": str(e)}
     return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
-            "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats")}
+            "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats"),
+            "gradient_checkpointing": r.get("gradient_checkpointing")}
 
 
 def _profile(cfg: dict) -> dict | None:
@@ -220,7 +227,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
             rows.append({**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
                          "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
                          "host_used_peak_gib": r.get("host_used_peak_gib"),
-                         "max_rel_loss_diff_vs_stock": diff,
+                         "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),
                          "optim": r.get("enabled") if name not in PEERS else None,
                          "recompute_stats": r.get("recompute_stats") if name not in PEERS else None})
             print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "

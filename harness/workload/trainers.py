@@ -181,7 +181,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 data_parallel: bool = False, peer: str | None = None, logging_steps: int | None = None,
-                trainer_args: dict | None = None, profile: dict | None = None, **settings) -> dict:
+                trainer_args: dict | None = None, profile: dict | None = None, gradient_checkpointing: bool = True,
+                **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss.
@@ -191,7 +192,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     ``"liger"``, ``TrainingArguments(use_liger_kernel=True)``. Liger's patches for a family are
     partly module-wide (its RoPE function, its RMSNorm class), so a process that ran it runs later
     models of that family with them. Either raises ``harness.run.peers.PeerUnavailable`` where it
-    cannot run here.
+    cannot run here. ``gradient_checkpointing`` False runs without it (a peer whose model fits).
 
     ``losses`` are each optimizer step's, read without logging every step (``StepLosses``);
     ``logging_steps`` None keeps Trainer's default (a log, and its syncs, every 500 steps), as a
@@ -230,7 +231,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
               learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
               bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
-              gradient_checkpointing=True, remove_unused_columns=False, dataloader_num_workers=0,
+              gradient_checkpointing=gradient_checkpointing, remove_unused_columns=False, dataloader_num_workers=0,
               # a captured step cannot read the RNG state; the eager twin runs the same
               gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
               gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear",
@@ -258,6 +259,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     packing.reset_counters()
     trainer.train()
     return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps,
+            "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
             "trainer_args": {k: getattr(args, k) for k in extra}, "counters": packing.counters(), "kernels": packing.kernels(),
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "recompute_stats": recompute.describe(model) or None,
