@@ -144,6 +144,8 @@ class RecomputeState:
             # for it (its skip stands); with none (nothing measured yet, other tokens), recompute all
             if self.growth is None or self.measuring or tokens != self.decided_tokens:
                 self.skip = frozenset()
+            if self.measuring:  # a measured forward whose backward never ran: the capture's is not it
+                self.measuring, self.attempts = False, max(0, self.attempts - 1)
             return
         if self.growth is None:  # measure this step (again, where the last measured forward had no backward)
             self.skip, self.decided_tokens = frozenset(), None

@@ -167,11 +167,12 @@ class GraphedTrainer(Trainer):
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         raise_pending(wait=True)  # the warm-up batches' position checks, before the graph freezes one
-        # the eager pass's cached blocks go back to the device: the graph's pool cannot use them, and
-        # optim.recompute's decision for the captured step (that pass's) counted them as free
-        torch.cuda.empty_cache()
         for p in params:
             p.grad = None  # the graph allocates the gradients it replays into
+        # the eager pass's cached blocks (its gradients included) go back to the device: the graph's
+        # pool cannot use them, and optim.recompute's decision for the captured step (that pass's)
+        # counted them as free
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):

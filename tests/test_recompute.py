@@ -245,6 +245,14 @@ def test_a_capture_takes_the_eager_forwards_decision_on_the_same_tokens_and_othe
     assert step(m, (2, 32), capture=True)[2] == [2, 2, 2]
     st = vars(R.owner(m))[R._ATTR]
     assert st.growth is None and st.attempts == 0
+    # a measured forward whose backward never ran, then a capture: the capture's backward does not
+    # finish that measurement (its allocations are the graph pool's); the next eager step measures
+    m(input_ids=torch.randint(0, 512, (2, 32)), use_cache=False)
+    assert st.measuring and st.attempts == 1
+    assert step(m, (2, 32), capture=True)[2] == [2, 2, 2]
+    assert st.growth is None and not st.measuring and st.attempts == 0
+    assert step(m, (2, 32))[2] == [2, 2, 2] and st.growth is not None  # measured, eagerly
+    assert step(m, (2, 32))[2] == [1, 1, 1]
 
     ref = _model()
     plain = [_steps(ref, n=1, shapes=[shape])[0] for shape in [(2, 32), (2, 32), (2, 32), (2, 48)]]
