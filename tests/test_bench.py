@@ -172,3 +172,16 @@ def test_each_trainer_peer_also_runs_without_checkpointing_and_trains_the_same_m
     text = trainer_tables(rows)
     assert "| stock Trainer + peft, no checkpointing |" in text
     assert f"fastest peer: {label[:-2]}" in text
+
+
+def test_a_trainer_profile_that_training_outlives_is_written_with_the_steps_it_holds(tmp_path):
+    from harness.workload.trainers import documents, trainer_run
+
+    docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in documents(6, 512, 24, 32)]
+    profile = {"out_dir": str(tmp_path), "stem": "p", "start": 1, "steps": 5, "summary": {
+        "model": "qwen3-0.6b-tiny", "seq_len": 64, "variant": "Trainer ours"}}
+    trainer_run("qwen3-0.6b-tiny", ours=True, steps=3, batch_size=2, docs=docs, max_length=64, rows=1,
+                out_dir=str(tmp_path / "run"), profile=profile)
+    s = json.loads((tmp_path / "p.summary.json").read_text())
+    assert s["steps"] == 2 and "training ended after 2 of the 5 asked for" in s["profiled"]
+    assert s["phases"]["forward_backward"]["cpu_span_ms"] > 0

@@ -83,11 +83,16 @@ def _one(cfg: dict) -> dict:
             "gradient_checkpointing": r.get("gradient_checkpointing")}
 
 
+def profile_stem(model: str, max_length: int, name: str) -> str:
+    """The file name stem of a run's profile under --profile's folder."""
+    return f"trainer-{model}-{max_length}-{name}"
+
+
 def _profile(cfg: dict) -> dict | None:
     p = cfg.get("profile")
     if not p:
         return None
-    stem = f"trainer-{cfg['model']}-{cfg['max_length']}-{cfg['name']}"
+    stem = profile_stem(cfg["model"], cfg["max_length"], cfg["name"])
     summary = {"model": cfg["model"], "seq_len": cfg["max_length"], "variant": f"Trainer {cfg['name']}"}
     return {"out_dir": p["out"], "stem": stem, "start": cfg["warmup"], "steps": p["steps"],
             "trace": p.get("trace", False), "summary": summary}
@@ -311,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                experts_implementation=args.experts_implementation, logging_steps=args.logging_steps,
                trainer_args=trainer_args, timeout_s=args.timeout_s, on_row=on_row, profile=profile)
     if profile:
-        print(f"\nprofiles in {args.profile}; {len(rows)} rows not stored (their steps ran under the profiler)")
+        missing = [r["mode"] for r in rows
+                   if not (args.profile / f"{profile_stem(args.model, args.max_length, r['mode'])}.summary.json").exists()]
+        print(f"\nprofiles in {args.profile}; {len(rows)} rows not stored (their steps ran under the profiler)"
+              + (f"; no profile from {', '.join(missing)}" if missing else ""))
     else:
         print(f"\nstored {len(rows)} rows in {', '.join(map(str, sorted(paths)))}")
     return 0

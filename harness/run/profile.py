@@ -153,7 +153,9 @@ def trainer_profiler(out_dir: Path, stem: str, *, start: int, steps: int, summar
     """A ``TrainerCallback`` that profiles Trainer's optimizer steps ``start`` .. ``start + steps - 1``
     (0-based) as ``profile_point`` profiles a sweep point's, in Trainer's phases: its micro-steps'
     forward and backward (with gradient clipping), the optimizer step, and what runs after it
-    (scheduler, zero_grad, callbacks). The files are written when the last profiled step ends."""
+    (scheduler, zero_grad, callbacks); Trainer's logging and data loading fall between the phases,
+    in the tables only. The files are written when the last profiled step ends, or when training
+    ends before it (with the steps it holds)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import TrainerCallback
@@ -194,15 +196,27 @@ def trainer_profiler(out_dir: Path, stem: str, *, start: int, steps: int, summar
                 return
             enter(None)
             if st.global_step >= start + steps:
-                if cuda:
-                    torch.cuda.synchronize()
-                state["prof"].__exit__(None, None, None)
-                state["done"] = True
-                device = torch.device("cuda" if cuda else "cpu")
-                info = {**summary, "steps": steps, "profiled": "Trainer optimizer steps",
-                        "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
-                s = write_profile(state["prof"], out_dir, stem, info, device, trace=trace, phases=TRAINER_PHASES)
-                print(format_summary(s), flush=True)
+                finish(steps)
+
+        def on_train_end(self, args, st, control, **kw):
+            # training stopped before the last profiled step ended (its data ran out, a callback
+            # stopped it): what was profiled is written, and says how many steps it holds
+            if state["prof"] is not None and not state["done"]:
+                enter(None)
+                finish(max(0, st.global_step - start))
+
+    def finish(done_steps: int) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        state["prof"].__exit__(None, None, None)
+        state["done"] = True
+        device = torch.device("cuda" if cuda else "cpu")
+        info = {**summary, "steps": done_steps, "profiled": "Trainer optimizer steps",
+                "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+        if done_steps < steps:
+            info["profiled"] += f" (training ended after {done_steps} of the {steps} asked for)"
+        s = write_profile(state["prof"], out_dir, stem, info, device, trace=trace, phases=TRAINER_PHASES)
+        print(format_summary(s), flush=True)
 
     return _Profile()
 

@@ -225,7 +225,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     else:
         collator = DataCollatorWithFlattening(return_position_ids=True)
     extra = dict(trainer_args or {})
-    clash = sorted(set(extra) & {"logging_steps", "use_liger_kernel", "output_dir", "max_steps"})
+    clash = sorted(set(extra) & {"logging_steps", "use_liger_kernel", "output_dir", "max_steps",
+                                 "gradient_checkpointing"})
     if clash:
         raise ValueError(f"trainer_args {clash} are set by trainer_run's own arguments")
     kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
