@@ -18,8 +18,10 @@ the saved tensors. Unsloth's LoRA kernels take the same approach.
 
 A layer runs peft's own forward when the fused path would not give the same model: adapters
 disabled or merged, several adapters active or a mixed batch (``adapter_names``), a LoRA variant
-(DoRA and others), dropout, a LoRA bias, ``fan_in_fan_out``, a trained base weight, autocast, or
-an input of another dtype than the base weight's. It does so too where calling the base layer or
+(DoRA and others), dropout, a LoRA bias, ``fan_in_fan_out``, a trained base weight, autocast to
+another dtype than the input's (autocast to its own dtype, Trainer's ``bf16=True`` over a bf16
+model, casts the adapters as the fused path does), or an input of another dtype than the base
+weight's. It does so too where calling the base layer or
 the adapters would run hooks that reading their weights skips, or where a weight is not a plain
 local matrix: accelerate's offloading, DeepSpeed ZeRO-3, FSDP wrapping the adapters, a user's
 hooks. ``lora="peft"`` leaves every layer as peft
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
+from optim._autocast import changes as autocast_changes
 from optim._hf import owner
 from optim.switches import switches_of
 
@@ -143,7 +146,7 @@ def fused_adapter(layer, x: torch.Tensor, kwargs: dict) -> str | None:
     if (name in layer.lora_variant or not isinstance(layer.lora_dropout[name], nn.Identity)
             or layer.lora_B[name].bias is not None or layer.lora_A[name].bias is not None
             or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)
-            or x.dtype != base.weight.dtype or torch.is_autocast_enabled(x.device.type)):
+            or x.dtype != base.weight.dtype or autocast_changes(x.device.type, x.dtype)):
         return None
     return name
 

@@ -32,7 +32,10 @@ Use::
 ``model(**batch)``, ``transformers.Trainer`` and TRL get it with no code change. In training mode
 with labels it returns ``logits=None`` (as Liger-Kernel does); in eval mode, or without labels, the
 stock forward runs and returns logits. Models whose loss needs the logits (soft-capped logits,
-router auxiliary loss) keep the stock forward, with one log line saying why.
+router auxiliary loss) keep the stock forward, with one log line saying why. So does a call under
+autocast to another dtype than lm_head's (Trainer's ``bf16=True`` over fp32 weights); under
+autocast to lm_head's own dtype (``bf16=True`` over a bf16 model) the fused loss runs, on the
+hidden states cast as autocast would cast them, with autocast off inside (its fp32 math stays fp32).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from optim._autocast import changes as autocast_changes
 from optim._fallback import passes_through, recompile_limit
 from optim._hf import cache_kwarg, causal_lm, logits_beyond_lm_head, output_cache_field, refuse_data_parallel
 from optim.switches import Switch, switches_of
@@ -283,10 +287,14 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
         kwargs[cache_kwarg(type(self.model).forward)] = cache
     out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = out.last_hidden_state
-    loss = linear_cross_entropy(hidden, self.lm_head.weight,
-                                shifted if shifted is not None else shift_labels(labels),
-                                num_items_in_batch=num_items, kernel=self.__dict__[_KERNEL])
+    hidden, device_type = out.last_hidden_state, self.lm_head.weight.device.type
+    with contextlib.ExitStack() as scope:
+        if torch.is_autocast_enabled(device_type):  # to lm_head's dtype (_stock_reason): cast as it would
+            hidden = hidden.to(torch.get_autocast_dtype(device_type))
+            scope.enter_context(torch.autocast(device_type, enabled=False))  # the loss's fp32 math stays fp32
+        loss = linear_cross_entropy(hidden, self.lm_head.weight,
+                                    shifted if shifted is not None else shift_labels(labels),
+                                    num_items_in_batch=num_items, kernel=self.__dict__[_KERNEL])
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     field = output_cache_field(CausalLMOutputWithPast)
@@ -300,8 +308,10 @@ def _stock_reason(lm, kwargs) -> str | None:
         return "the caller's fused lm_head (TRL)"
     if kwargs.get("output_router_logits") or getattr(lm.config, "output_router_logits", False):
         return "router logits requested"
-    if torch.is_autocast_enabled(lm.lm_head.weight.device.type):  # Trainer's bf16=True over fp32 weights
-        return "autocast (lm_head's dtype is autocast's to choose)"
+    w = lm.lm_head.weight
+    if autocast_changes(w.device.type, w.dtype):  # Trainer's bf16=True over fp32 weights
+        return f"autocast to {str(torch.get_autocast_dtype(w.device.type)).removeprefix('torch.')} over a " \
+               f"{str(w.dtype).removeprefix('torch.')} lm_head (its logits' dtype is autocast's to choose)"
     return None
 
 

@@ -22,7 +22,8 @@ The math is the unchunked MLP's: the same projections, biases included (peft's L
 ``optim.lora`` computes it, in the model's dtype), SiLU and its gradient as torch computes them.
 An MLP it cannot compute so runs its own forward: another activation, a projection that is
 neither a frozen ``nn.Linear`` nor a plain LoRA layer over one (see ``optim.lora`` for which
-are), a trained base weight, or autocast. Batches of at most N tokens run the MLP's own forward too. The function runs outside ``torch.compile`` (``optim.regional`` compiles
+are), a trained base weight, or autocast to another dtype than the input's. Batches of at most N
+tokens run the MLP's own forward too. The function runs outside ``torch.compile`` (``optim.regional`` compiles
 the rest of the layer around it): its loop over chunks and its backward's recompute are eager.
 
 In ``optim.offload``'s recompute of a layer (``optim._recomputing``) the layer's outputs only root
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from optim._autocast import changes as autocast_changes
 from optim._hf import owner
 from optim._recomputing import unread_module
 from optim.lora import PeftLinear, fused_adapter, fusable, lora_backward, lora_forward
@@ -61,7 +63,7 @@ def _projection(module, x: torch.Tensor):
     if type(module) is nn.Linear:
         if module.weight.requires_grad or (module.bias is not None and module.bias.requires_grad):
             return None
-        if x.dtype != module.weight.dtype or torch.is_autocast_enabled(x.device.type):
+        if x.dtype != module.weight.dtype or autocast_changes(x.device.type, x.dtype):
             return None  # autocast's dtypes are the MLP's own forward's to choose, as optim.lora leaves them
         return module.weight, module.bias, None, None, 0.0
     if PeftLinear is not None and isinstance(module, PeftLinear) and fusable(module):

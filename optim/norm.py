@@ -18,8 +18,8 @@ Which norm: a module named ``norm`` beside a ``layers`` ModuleList (Llama, Qwen,
 decoder stacks). Which math: at ``enable``, the norm's own forward is run on a few random tokens
 and compared with the two forms the function computes, ``weight * x̂.to(dtype)`` (Llama, Qwen) and
 ``(weight * x̂).to(dtype)`` (gpt-oss); a norm that matches neither to the bit (Gemma's ``1 +
-weight``, a norm with a bias) keeps its own forward. Without grad, under autocast, for an input
-of another dtype than the weight's (a norm kept in fp32) and for inputs of at most N tokens, the
+weight``, a norm with a bias) keeps its own forward. Without grad, under autocast to another
+dtype than the input's, for an input of another dtype than the weight's (a norm kept in fp32) and for inputs of at most N tokens, the
 norm runs its own forward. The function runs outside ``torch.compile``: a compiled whole model
 breaks its graph there.
 """
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from optim._autocast import changes as autocast_changes
 from optim._hf import owner
 from optim.switches import switches_of
 
@@ -124,7 +125,7 @@ def _chunked_forward(self, x, *args, **kwargs):
     chunk, form = vars(self).get("_optim_norm_chunk"), vars(self).get("_optim_norm_form")
     tokens = x.numel() // max(1, x.shape[-1])
     if args or kwargs or not (torch.is_grad_enabled() and x.requires_grad) or tokens <= chunk \
-            or x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type):
+            or x.dtype != self.weight.dtype or autocast_changes(x.device.type, x.dtype):
         return super(type(self), self).forward(x, *args, **kwargs)
     vars(self)["_optim_norm_calls"] = vars(self).get("_optim_norm_calls", 0) + 1
     return _ChunkedRMSNorm.apply(x, self.weight, _eps(self), chunk, form)

@@ -21,13 +21,17 @@ def _build(spec, dtype):
     return randomize_lora_b(models.build(spec, device="cpu", dtype=dtype, lora_rank=4), seed=3)
 
 
-def _train(model, batches, lr=1e-2):
-    """A user's loop with AdamW: per step the loss and every LoRA gradient (fp32 copies)."""
+def _train(model, batches, lr=1e-2, autocast=None):
+    """A user's loop with AdamW: per step the loss and every LoRA gradient (fp32 copies); with
+    ``autocast`` (a dtype) each forward runs under it, as Trainer's ``bf16=True`` runs it."""
+    import contextlib
+
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     out = []
     for b in batches:
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False).loss
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False).loss
         loss.backward()
         out.append((loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
         opt.step()
@@ -71,6 +75,36 @@ def test_fused_in_bf16_is_as_close_to_fp32_as_peft_is_at_every_step():
         assert fused_loss <= 2 * peft_loss + 1e-3, (step, fused_loss, peft_loss)
         assert fused_grad <= 2 * peft_grad + 1e-3, (step, fused_grad, peft_grad)
         assert peft_grad < 0.05  # the floor itself is bf16's, not a broken reference
+
+
+def test_under_autocast_to_the_models_dtype_the_fused_path_runs_as_close_to_fp32_as_peft(monkeypatch):
+    """Trainer's ``bf16=True`` over a bf16 model: autocast casts only the fp32 adapters, to bf16, as
+    the fused path does itself, so that path runs; its loss and gradients stay as close to an fp32
+    run as peft's own under autocast, at every step."""
+    spec = models.get("qwen3-0.6b-tiny")
+    batches = [_batch(spec, s) for s in range(3)]
+    exact = _build(spec, torch.bfloat16)
+    for p in exact.parameters():
+        p.data = p.data.float()
+    ref = _train(exact, batches, lr=1e-3)
+    peft_run = _train(_build(spec, torch.bfloat16), batches, lr=1e-3, autocast=torch.bfloat16)
+    calls = []
+    apply = lora._LoraLinear.apply
+    monkeypatch.setattr(lora._LoraLinear, "apply", staticmethod(lambda *a: calls.append(1) or apply(*a)))
+    model = lora.enable(_build(spec, torch.bfloat16))
+    fused_run = _train(model, batches, lr=1e-3, autocast=torch.bfloat16)
+    # every projection at every step, and again in its checkpointed layer's recompute
+    assert len(calls) == 3 * 7 * spec.config().num_hidden_layers * (2 if model.is_gradient_checkpointing else 1)
+    for step in range(3):
+        ref_loss, ref_grads = ref[step]
+        errs = []
+        for loss, grads in (peft_run[step], fused_run[step]):
+            assert set(grads) == set(ref_grads)
+            errs.append((abs(loss - ref_loss), max(((grads[n] - g).abs().max() / g.abs().max()).item()
+                                                   for n, g in ref_grads.items())))
+        (peft_loss, peft_grad), (fused_loss, fused_grad) = errs
+        assert fused_loss <= 2 * peft_loss + 1e-3 and fused_grad <= 2 * peft_grad + 1e-3, (step, errs)
+        assert peft_grad < 0.05
 
 
 class _Attn(nn.Module):

@@ -236,3 +236,38 @@ def test_under_autocast_the_stock_loss_runs_and_says_why():
     torch.testing.assert_close(loss, stock_loss, rtol=0, atol=0)
     assert grads.keys() == stock_grads.keys() and all(torch.equal(grads[n], stock_grads[n]) for n in grads)
     assert any("autocast" in why for why in L.describe(model)["loss_calls"]), L.describe(model)
+
+
+def test_under_autocast_to_lm_heads_dtype_the_fused_loss_runs_at_every_step():
+    """Trainer's ``bf16=True`` over a bf16 model: autocast would compute lm_head in its own dtype,
+    so the fused loss runs (autocast off inside), and its loss and gradients stay within bf16
+    tolerance of the stock loss under the same autocast, step after step."""
+    def build():
+        torch.manual_seed(0)
+        m = models.build(models.get("qwen3-0.6b-tiny"), device="cpu", dtype=torch.bfloat16, lora_rank=4).train()
+        return randomize_lora_b(m)
+
+    batches = [torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def run(model):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        out = []
+        for ids in batches:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            out.append((loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}))
+            opt.step()
+        return out
+
+    stock = run(build())
+    model = L.enable(build(), fused_loss=True)
+    fused = run(model)
+    assert L.describe(model)["loss_calls"] == {"fused": 3}, L.describe(model)
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(fused, stock)):
+        torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-3, msg=f"step {step}")
+        assert grads.keys() == ref_grads.keys()
+        for n, g in ref_grads.items():
+            assert ((grads[n] - g).abs().max() / g.abs().max()).item() < 0.05, (step, n)
