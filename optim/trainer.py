@@ -24,6 +24,13 @@ metadata is not handed to the model; the capture reads the boundaries from the s
 ``position_ids`` on the device (``optim.packing``, flex or sdpa backend; varlen needs the lengths
 on the host and is refused).
 
+The host does not wait for each replay: Trainer's ``logging_nan_inf_filter`` (on by default) tests
+each micro-step's loss on the host, a sync per micro-step; here the same filter runs on the
+device (a non-finite loss is replaced by the running mean Trainer would add), and Trainer's test
+of the already-finite loss is skipped for that micro-step. Batches are copied to the device
+without a sync (accelerate's ``non_blocking``, from the pinned memory Trainer's loader uses by
+default), so the host prepares the next step while the GPU replays this one.
+
 Supported: one CUDA device; bf16 or fp32 (not fp16's loss scaler); every batch the same tensor
 shapes (pad rows to a fixed length); no dropout; checkpointing without RNG-state preservation;
 ``compute_loss`` without host syncs. Anything else raises ``CaptureError`` with the reason,
@@ -58,7 +65,11 @@ class GraphedTrainer(Trainer):
         self._graph: torch.cuda.CUDAGraph | None = None
         self._eager_steps = 0
         self._static: dict[str, torch.Tensor] = {}
+        self._filter_skipped = False  # logging_nan_inf_filter turned off for one micro-step's host test
         self._check_args()
+        config = getattr(self.accelerator, "dataloader_config", None)
+        if config is not None and self.args.dataloader_pin_memory:
+            config.non_blocking = True  # pinned batches copied in stream order: no sync per tensor
 
     def _check_args(self) -> None:
         a = self.args
@@ -91,7 +102,35 @@ class GraphedTrainer(Trainer):
         self._fill(inputs, num_items_in_batch)
         self._graph.replay()
         self._accumulate(model)
-        return self._loss.detach().clone()
+        return self._filtered(self._loss.detach().clone())
+
+    def _filtered(self, loss: torch.Tensor) -> torch.Tensor:
+        """Trainer's ``logging_nan_inf_filter`` on the device: a non-finite loss becomes what
+        Trainer would add in its place (the running loss over the steps since the last log), and
+        Trainer's host test, which would wait for the replay, is off until ``floating_point_ops``,
+        which Trainer calls next. Where Trainer keeps no ``_tr_loss`` (another version), its own
+        test runs."""
+        running = getattr(self, "_tr_loss", None)
+        if not self.args.logging_nan_inf_filter or not isinstance(running, torch.Tensor):
+            return loss
+        since = 1 + self.state.global_step - getattr(self, "_globalstep_last_logged", self.state.global_step)
+        loss = torch.where(torch.isfinite(loss), loss, running / since)
+        self.args.logging_nan_inf_filter, self._filter_skipped = False, True
+        return loss
+
+    def _restore_filter(self) -> None:
+        if self._filter_skipped:
+            self.args.logging_nan_inf_filter, self._filter_skipped = True, False
+
+    def floating_point_ops(self, inputs):
+        self._restore_filter()  # Trainer calls this right after its filter's test
+        return super().floating_point_ops(inputs)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._restore_filter()
 
     @staticmethod
     def _device_inputs(inputs: dict) -> dict:
@@ -197,11 +236,14 @@ class GraphedTrainer(Trainer):
             # changed, set_adapter, a new model) would hand gradients to the wrong parameters
             raise CaptureError("the trainable parameters changed after the step was captured (requires_grad, "
                                "set_adapter, model_init); build a new GraphedTrainer for the new set")
+        fresh, summed = [], []
         for p, g, acc in zip(params, self._graph_grads, self._accum):
-            if g is None:
-                continue
-            if p.grad is None:  # a new accumulation cycle (Trainer's zero_grad set it to None)
-                acc.copy_(g)
+            if g is not None:
+                # None: a new accumulation cycle (Trainer's zero_grad set it to None)
+                (fresh if p.grad is None else summed).append((p, g, acc))
+        if fresh:  # one launch per dtype group, not one per parameter
+            torch._foreach_copy_([acc for _, _, acc in fresh], [g for _, g, _ in fresh])
+            for p, _, acc in fresh:
                 p.grad = acc
-            else:
-                p.grad.add_(g)
+        if summed:
+            torch._foreach_add_([p.grad for p, _, _ in summed], [g for _, g, _ in summed])

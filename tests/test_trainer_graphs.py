@@ -75,6 +75,9 @@ def test_gradients_are_not_handed_to_another_set_of_parameters():
     trainer._accum = [torch.empty_like(p) for p in trainer._graph_params]
     trainer._accumulate(model)
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+    trainer._accumulate(model)  # the next micro-step of the cycle adds into the gradient
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
+    assert all(p.grad is acc for p, acc in zip(model.parameters(), trainer._accum))
     model[0].requires_grad_(False)
     with pytest.raises(CaptureError, match="trainable parameters changed after the step was captured"):
         trainer._accumulate(model)
@@ -104,3 +107,44 @@ def test_a_graphed_step_refuses_no_warm_up_and_a_learning_rate_changed_after_cap
     assert len(replays) == 1
     tensor_lr = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor(1e-3))
     assert _float_lrs(tensor_lr) == [None]
+
+
+def test_the_nan_inf_filter_runs_on_the_device_and_trainer_skips_its_host_test_once():
+    """Trainer's logging_nan_inf_filter without the host waiting for the replay: a non-finite loss
+    becomes what Trainer's own filter adds in its place, and its host test of that micro-step is
+    off only until Trainer's next call, ``floating_point_ops``."""
+    from types import SimpleNamespace
+
+    from optim.trainer import GraphedTrainer
+
+    trainer = GraphedTrainer.__new__(GraphedTrainer)  # its CUDA checks aside: only the filter is run
+    trainer.args = SimpleNamespace(logging_nan_inf_filter=True)
+    trainer.state = SimpleNamespace(global_step=7)
+    trainer.model = torch.nn.Linear(2, 2)
+    trainer._globalstep_last_logged, trainer._tr_loss, trainer._filter_skipped = 4, torch.tensor(6.0), False
+    assert trainer._filtered(torch.tensor(2.5)).item() == 2.5 and trainer.args.logging_nan_inf_filter is False
+    trainer.floating_point_ops({"input_ids": torch.zeros(1, 3)})
+    assert trainer.args.logging_nan_inf_filter is True
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert trainer._filtered(torch.tensor(bad)).item() == 6.0 / (1 + 7 - 4)  # Trainer's own substitute
+        trainer._restore_filter()
+    trainer.args.logging_nan_inf_filter = False  # the user's choice: no filter, nothing replaced
+    nan = torch.tensor(float("nan"))
+    assert trainer._filtered(nan) is nan and trainer.args.logging_nan_inf_filter is False
+    del trainer._tr_loss  # a Trainer that keeps no running loss on the device: its own test runs
+    trainer.args.logging_nan_inf_filter = True
+    assert trainer._filtered(nan) is nan and trainer.args.logging_nan_inf_filter is True
+
+
+def test_trainer_calls_floating_point_ops_right_after_its_nan_inf_test():
+    """What GraphedTrainer's filter relies on in the installed transformers: the host test of the
+    micro-step's loss is followed by ``floating_point_ops`` with no callback, save or step between."""
+    import inspect
+
+    import transformers.trainer as T
+
+    src = inspect.getsource(T.Trainer)
+    start = src.index("self.args.logging_nan_inf_filter")
+    between = src[start:src.index("self.floating_point_ops(inputs)", start)]
+    assert "self._tr_loss" in between
+    assert not any(k in between for k in ("callback_handler", "training_step", "_save", "optimizer")), between

@@ -182,7 +182,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 data_parallel: bool = False, peer: str | None = None, logging_steps: int | None = None,
                 trainer_args: dict | None = None, profile: dict | None = None, gradient_checkpointing: bool = True,
-                **settings) -> dict:
+                callbacks: list | None = None, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss.
@@ -199,7 +199,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     user who sets none runs; ``logged_losses`` are those Trainer logged. ``trainer_args`` are more
     ``TrainingArguments`` (``{"logging_nan_inf_filter": False}``: no host read of each micro-step's
     loss), over the run's own. ``profile`` is ``harness.run.profile.trainer_profiler``'s arguments
-    (``out_dir``, ``stem``, ``start``, ``steps``, ``summary``, ``trace``): those steps are profiled."""
+    (``out_dir``, ``stem``, ``start``, ``steps``, ``summary``, ``trace``): those steps are profiled.
+    ``callbacks`` are more ``TrainerCallback``s, after the run's own."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
@@ -245,7 +246,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     cls = Trainer
     if graphed:
         from optim.trainer import GraphedTrainer as cls
-    callbacks = [timer.callback]
+    callbacks = [timer.callback, *(callbacks or [])]
     if profile:
         from pathlib import Path
 
