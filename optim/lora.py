@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from optim._autocast import changes as autocast_changes
+from optim._autocast import off as autocast_off
 from optim._hf import owner
 from optim.switches import switches_of
 
@@ -117,9 +118,10 @@ class _LoraLinear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, xa, weight, lora_a, lora_b = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grad_x, grad_a, grad_b = lora_backward(
-            grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1]), xa, weight, lora_a, lora_b,
-            ctx.scaling, need[0], need[3], need[4])
+        with autocast_off(grad_y.device.type):
+            grad_x, grad_a, grad_b = lora_backward(
+                grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1]), xa, weight, lora_a, lora_b,
+                ctx.scaling, need[0], need[3], need[4])
         return None if grad_x is None else grad_x.reshape(x.shape), None, None, grad_a, grad_b, None
 
 

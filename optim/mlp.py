@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from optim._autocast import changes as autocast_changes
+from optim._autocast import off as autocast_off
 from optim._hf import owner
 from optim._recomputing import unread_module
 from optim.lora import PeftLinear, fused_adapter, fusable, lora_backward, lora_forward
@@ -113,6 +114,11 @@ class _ChunkedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with autocast_off(grad_out.device.type):
+            return _ChunkedMLP._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         x, *tensors = ctx.saved_tensors
         projs = _unflatten(tensors, ctx.scalings, ctx.biases)
         need = ctx.needs_input_grad[5:]

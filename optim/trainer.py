@@ -24,12 +24,14 @@ metadata is not handed to the model; the capture reads the boundaries from the s
 ``position_ids`` on the device (``optim.packing``, flex or sdpa backend; varlen needs the lengths
 on the host and is refused).
 
-The host does not wait for each replay: Trainer's ``logging_nan_inf_filter`` (on by default) tests
-each micro-step's loss on the host, a sync per micro-step; here the same filter runs on the
-device (a non-finite loss is replaced by the running mean Trainer would add), and Trainer's test
-of the already-finite loss is skipped for that micro-step. Batches are copied to the device
-without a sync (accelerate's ``non_blocking``, from the pinned memory Trainer's loader uses by
-default), so the host prepares the next step while the GPU replays this one.
+With Trainer's defaults the host does not wait for each replay: Trainer's
+``logging_nan_inf_filter`` (on by default) tests each micro-step's loss on the host, a sync per
+micro-step; here the same filter runs on the device (a non-finite loss is replaced by the running
+mean Trainer would add), and Trainer's test of the already-finite loss is skipped for that
+micro-step. Batches are copied to the device without a sync (accelerate's ``non_blocking``, set
+where the loader pins memory, as Trainer's does by default), so the host prepares the next step
+while the GPU replays this one. What still syncs is Trainer's own: each log (``logging_steps``),
+``include_num_input_tokens_seen``, a tensor learning rate.
 
 Supported: one CUDA device; bf16 or fp32 (not fp16's loss scaler); every batch the same tensor
 shapes (pad rows to a fixed length); no dropout; checkpointing without RNG-state preservation;
@@ -67,9 +69,14 @@ class GraphedTrainer(Trainer):
         self._static: dict[str, torch.Tensor] = {}
         self._filter_skipped = False  # logging_nan_inf_filter turned off for one micro-step's host test
         self._check_args()
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator (made at init, and again by a hyperparameter search), whose train
+        loader copies pinned batches with ``non_blocking``: in stream order, no sync per tensor."""
+        super().create_accelerator_and_postprocess()
         config = getattr(self.accelerator, "dataloader_config", None)
         if config is not None and self.args.dataloader_pin_memory:
-            config.non_blocking = True  # pinned batches copied in stream order: no sync per tensor
+            config.non_blocking = True
 
     def _check_args(self) -> None:
         a = self.args
@@ -86,6 +93,7 @@ class GraphedTrainer(Trainer):
     # -----------------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._restore_filter()  # where no floating_point_ops call came between (a subclass's own)
         if self._graph is None and self._eager_steps < self.graph_warmup_steps:
             self._eager_steps += 1
             return super().training_step(model, inputs, num_items_in_batch)
@@ -241,7 +249,7 @@ class GraphedTrainer(Trainer):
             if g is not None:
                 # None: a new accumulation cycle (Trainer's zero_grad set it to None)
                 (fresh if p.grad is None else summed).append((p, g, acc))
-        if fresh:  # one launch per dtype group, not one per parameter
+        if fresh:  # foreach: few launches for same-dtype gradients, where a loop makes one each
             torch._foreach_copy_([acc for _, _, acc in fresh], [g for _, g, _ in fresh])
             for p, _, acc in fresh:
                 p.grad = acc

@@ -20,7 +20,8 @@ class _Syncs:
     def __init__(self, first: int, last: int):
         from transformers import TrainerCallback
 
-        self.seen: list[str] = []
+        self.seen: list[str] | None = None  # None until the window has closed
+        self._catch = None
         rec = self
 
         class _Callback(TrainerCallback):
@@ -34,13 +35,19 @@ class _Syncs:
 
             def on_step_end(self, args, state, control, **kw):
                 if state.global_step == last:
-                    torch.cuda.set_sync_debug_mode(0)
-                    rec._catch.__exit__(None, None, None)
+                    rec.close()
                     # torch's own notice on entering the mode ("a prototype feature") is no sync
                     rec.seen = [f"{w.filename}:{w.lineno}" for w in rec._log
                                 if "called a synchronizing CUDA operation" in str(w.message)]
 
         self.callback = _Callback()
+
+    def close(self) -> None:
+        """Sync debug mode off and the warnings filter back (also where training ended inside the window)."""
+        torch.cuda.set_sync_debug_mode(0)
+        if self._catch is not None:
+            self._catch.__exit__(None, None, None)
+            self._catch = None
 
 
 def test_graphed_trainer_matches_the_eager_trainer(tmp_path):
@@ -49,7 +56,10 @@ def test_graphed_trainer_matches_the_eager_trainer(tmp_path):
               device="cuda", dtype=torch.bfloat16, lora_rank=16, warmup=5)
     eager = trainer_run("qwen3-0.6b", out_dir=str(tmp_path / "e"), **kw)
     syncs = _Syncs(10, 14)  # replayed steps: the capture is at the third optimizer step
-    graphed = trainer_run("qwen3-0.6b", out_dir=str(tmp_path / "g"), graphed=True, callbacks=[syncs.callback], **kw)
+    try:
+        graphed = trainer_run("qwen3-0.6b", out_dir=str(tmp_path / "g"), graphed=True, callbacks=[syncs.callback], **kw)
+    finally:
+        syncs.close()
     worst = max(abs(a - b) / abs(b) for a, b in zip(graphed["losses"], eager["losses"]))
     print(f"\nGraphedTrainer: step p50 eager {eager['step_ms']:.1f} ms, graphed {graphed['step_ms']:.1f} ms "
           f"({eager['step_ms'] / graphed['step_ms']:.2f}x); peak {eager['peak_gib']:.2f} vs {graphed['peak_gib']:.2f} GiB; "
@@ -63,7 +73,9 @@ def test_graphed_trainer_matches_the_eager_trainer(tmp_path):
     rs_e, rs_g = eager["recompute_stats"], graphed["recompute_stats"]
     assert rs_e["layers_skipped"]["last"] > 0, rs_e
     assert rs_g["recomputes"] == rs_e["recomputes"] and rs_g["layers_skipped"] == rs_e["layers_skipped"], (rs_e, rs_g)
-    # the host never waits for a replay: the NaN/Inf filter runs on the device, batches copy without a sync
+    # the host never waits for a replay: the NaN/Inf filter runs on the device, batches copy without
+    # a sync; what torch's sync debug mode reports (.item(), bool(tensor), blocking copies)
+    assert syncs.seen is not None, "the replayed steps' window never closed"
     assert syncs.seen == [], syncs.seen
 
 

@@ -107,6 +107,44 @@ def test_under_autocast_to_the_models_dtype_the_fused_path_runs_as_close_to_fp32
         assert peft_grad < 0.05
 
 
+def test_under_autocast_to_the_inputs_dtype_the_fused_layer_computes_what_it_does_without():
+    """The fused function under autocast to its input's own dtype is the same function: output and
+    every gradient equal, to the bit, with autocast on and off."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    fused = lora.enable(_peft(_Attn().to(torch.bfloat16)))
+    off = _outputs(fused, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on = _outputs(fused, x)
+    assert torch.equal(on[0], off[0]) and on[1].keys() == off[1].keys()
+    assert all(torch.equal(on[1][n], off[1][n]) for n in off[1]), [n for n in off[1] if not torch.equal(on[1][n], off[1][n])]
+
+
+def test_compiled_under_autocast_the_fused_layer_traces_whole_with_the_same_adapter_gradients():
+    """As optim.regional compiles a decoder layer under Trainer's autocast: dynamo traces the fused
+    function, its backward's autocast shelter included, without a graph break, and the adapters'
+    gradients are the eager ones."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    model = lora.enable(_peft(_Attn().to(torch.bfloat16)))
+    _, eager = _outputs(model, x)
+    inner = model.base_model.model
+    torch._dynamo.reset()
+    counters.clear()
+    inner.forward = torch.compile(inner.forward, backend="aot_eager")
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, compiled = _outputs(model, x)
+    finally:
+        del inner.forward
+        torch._dynamo.reset()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    adapters = [n for n in eager if "lora_" in n]
+    assert adapters and all(torch.equal(compiled[n], eager[n]) for n in adapters)
+
+
 class _Attn(nn.Module):
     """Three projections of one input, as q, k and v are."""
 

@@ -265,6 +265,24 @@ def test_an_mlp_without_adapters_chunks_in_inference_mode_and_then_trains():
     assert M.describe(model)["chunked_calls"] == 2
 
 
+def test_under_autocast_to_the_inputs_dtype_the_mlp_chunks_as_without_it():
+    """Trainer's bf16=True over a bf16 model: the chunked function runs under that autocast and
+    gives what it gives without autocast, to the bit; autocast to another dtype keeps the MLP's own
+    forward."""
+    torch.manual_seed(0)
+    model = _MLP().to(torch.bfloat16)
+    model.requires_grad_(False)
+    M.enable(model, mlp_chunk=256)
+    x = torch.randn(2, 300, 32).to(torch.bfloat16).requires_grad_(True)
+    off = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on = model(x)
+    assert torch.equal(on, off) and M.describe(model)["chunked_calls"] == 2
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x)
+    assert M.describe(model)["chunked_calls"] == 2
+
+
 def _tail_layer(seed):
     torch.manual_seed(seed)
     layer = _Tail()

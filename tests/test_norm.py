@@ -102,6 +102,22 @@ def test_an_input_of_another_dtype_than_the_weight_runs_the_norms_own_forward():
     assert torch.equal(y, N._chunked_class(type(m)).__mro__[1].forward(m, x))
 
 
+def test_under_autocast_to_the_inputs_dtype_the_chunked_norm_runs_and_matches_the_stock_one():
+    """Trainer's bf16=True over a bf16 model: the function runs under that autocast, and its output
+    is the stock norm's under it, to the bit."""
+    m = _norm_classes()["qwen3"](32).to(torch.bfloat16)
+    stock = type(m).forward
+    m.__class__ = N._chunked_class(type(m))
+    m._optim_norm_chunk, m._optim_norm_form = 8, N._form(m)
+    x = torch.randn(1, 40, 32).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, want = m(x), stock(m, x)
+    assert vars(m)["_optim_norm_calls"] == 1 and y.dtype == want.dtype and torch.equal(y, want)
+    with torch.autocast("cpu", dtype=torch.float16):  # another dtype than the input's: its own forward
+        m(x)
+    assert vars(m)["_optim_norm_calls"] == 1
+
+
 def test_short_inputs_no_grad_and_extra_arguments_run_the_norms_own_forward():
     m = _norm_classes()["llama"](32)
     m.__class__ = N._chunked_class(type(m))

@@ -73,7 +73,7 @@ class StepLosses:
     would add the log's own host syncs to every step (Trainer reads the loss and the gradient norm
     with ``.item()`` at each log), which a user with Trainer's default ``logging_steps`` does not
     pay. (Trainer's default ``logging_nan_inf_filter`` still tests each micro-step's loss on the
-    host, a sync a user pays too.)"""
+    host, a sync a user pays too; GraphedTrainer's replayed micro-steps test it on the device.)"""
 
     def __init__(self):
         from transformers import TrainerCallback
