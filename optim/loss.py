@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from optim._autocast import changes as autocast_changes
+from optim._autocast import off as autocast_off
 from optim._fallback import passes_through, recompile_limit
 from optim._hf import cache_kwarg, causal_lm, logits_beyond_lm_head, output_cache_field, refuse_data_parallel
 from optim.switches import Switch, switches_of
@@ -288,10 +289,9 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
     out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden, device_type = out.last_hidden_state, self.lm_head.weight.device.type
-    with contextlib.ExitStack() as scope:
-        if torch.is_autocast_enabled(device_type):  # to lm_head's dtype (_stock_reason): cast as it would
-            hidden = hidden.to(torch.get_autocast_dtype(device_type))
-            scope.enter_context(torch.autocast(device_type, enabled=False))  # the loss's fp32 math stays fp32
+    if torch.is_autocast_enabled(device_type):  # to lm_head's dtype (_stock_reason): cast as it would
+        hidden = hidden.to(torch.get_autocast_dtype(device_type))
+    with autocast_off(device_type):  # the loss's fp32 math stays fp32
         loss = linear_cross_entropy(hidden, self.lm_head.weight,
                                     shifted if shifted is not None else shift_labels(labels),
                                     num_items_in_batch=num_items, kernel=self.__dict__[_KERNEL])

@@ -46,6 +46,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from optim import _moe_ops as ops
 from optim._fallback import passes_through
 from optim._hf import owner
+from optim._syncs import is_sync_warning
 from optim.switches import Switch, switches_of
 
 try:  # peft is optional: without it there is simply no LoRA to split
@@ -386,7 +387,7 @@ def count_host_syncs(device: torch.device | str | None = None):
         finally:
             torch.cuda.set_sync_debug_mode(prev)
             res.counted = ops.SYNC_COUNTER.count - start
-            res.observed = sum("synchroniz" in str(w.message) for w in caught)
+            res.observed = sum(is_sync_warning(w) for w in caught)
 
 
 __all__ = [

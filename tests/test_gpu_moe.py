@@ -130,10 +130,7 @@ def test_observed_host_syncs_per_layer(model):
             out = experts(hidden, idx, wts)
             out.float().sum().backward()
         assert s.counted == want, (backend, s)
-        if backend == "loop":
-            # seen on the H100: gpt-oss's loop path syncs once more per layer (E + 1), a
-            # constant beside the E routing queries this test is about
-            assert want <= s.observed <= want + 1, (backend, s)
-        else:
-            assert s.observed == want, (backend, s)
+        # exact: the "one more" once seen on the loop path (the first backend counted here) was
+        # torch's notice on entering sync debug mode, once a process, counted as a sync
+        assert s.observed == want, (backend, s)
     moe.enable(model)

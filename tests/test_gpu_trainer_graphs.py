@@ -9,6 +9,8 @@ import pytest
 import torch
 from harness.workload.trainers import documents, trainer_run
 
+from optim._syncs import is_sync_warning
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 STEPS = 20
 
@@ -36,9 +38,8 @@ class _Syncs:
             def on_step_end(self, args, state, control, **kw):
                 if state.global_step == last:
                     rec.close()
-                    # torch's own notice on entering the mode ("a prototype feature") is no sync
                     rec.seen = [f"{w.filename}:{w.lineno}" for w in rec._log
-                                if "called a synchronizing CUDA operation" in str(w.message)]
+                                if is_sync_warning(w)]
 
         self.callback = _Callback()
 

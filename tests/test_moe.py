@@ -368,3 +368,18 @@ def test_a_router_with_a_lora_adapter_keeps_its_factors_trainable_and_freezes_it
     assert all(p.requires_grad for p in factors + weights)
     moe.disable(model)
     assert all(p.requires_grad for p in factors) and not any(p.requires_grad for p in weights)
+
+
+def test_a_sync_is_torchs_sync_warning_not_its_notice_on_entering_the_mode():
+    """``count_host_syncs`` (and the packing bench, and the GPU tests) count torch's sync debug
+    warnings; torch's one notice on entering the mode also says "synchronizing" and is none."""
+    import warnings
+
+    from optim._syncs import is_sync_warning
+
+    def caught(text):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, "x.py", 1)
+
+    assert is_sync_warning(caught("called a synchronizing CUDA operation"))
+    assert not is_sync_warning(caught("Synchronization debug mode is a prototype feature and does not yet detect all "
+                                      "synchronizing operations (Triggered internally at Module.cpp:1003.)"))

@@ -25,6 +25,7 @@ import warnings
 import torch
 
 import optim.packing as P
+from optim._syncs import is_sync_warning
 from harness.bench import add_store_arguments, store
 from harness.measure.timing import percentiles
 from harness.run.experiment import DataSpec
@@ -91,7 +92,7 @@ def count_step(name: str, seq_len: int, backend: str, cache: bool, *, data: Data
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
     for w in caught:
-        if "synchroniz" in str(w.message).lower():
+        if is_sync_warning(w):
             syncs_total += 1
             syncs_packing += "optim/packing" in (w.filename or "")
     c = P.counters()
