@@ -1,12 +1,14 @@
-"""``python -m harness``: the command line (``harness.cli``), and two internal entries the harness
-starts itself: ``_point`` (the child process of one sweep point) and ``_rounds`` (one side's sweeps
-for the revisions gate, ``harness.gate.side``, which runs the command line's sweep)."""
+"""``python -m harness``: the command line (``harness.cli``), and three internal entries the harness
+starts itself: ``_point`` (the child process of one sweep point), ``_trainer_run`` (the child
+process of one Trainer bench run, ``harness.bench.trainer``) and ``_rounds`` (one side's sweeps for
+the revisions gate, ``harness.gate.side``, which runs the command line's sweep)."""
 
 import sys
 
 
 def _unsloth_first(spec_path: str) -> None:
-    """A point of the Unsloth stack imports it before torch, transformers and peft: it patches them."""
+    """A point (or a Trainer bench run) of the Unsloth stack imports it before torch, transformers
+    and peft: it patches them."""
     import json
 
     try:
@@ -29,6 +31,11 @@ def _main(argv: list[str]) -> int:
         from harness.run import point
 
         return point.main(*argv[1:3])
+    if argv[:1] == ["_trainer_run"]:
+        _unsloth_first(argv[1])
+        from harness.bench import trainer
+
+        return trainer.child(*argv[1:3])
     if argv[:1] == ["_rounds"]:
         from harness.gate import side
 

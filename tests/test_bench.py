@@ -185,3 +185,34 @@ def test_a_trainer_profile_that_training_outlives_is_written_with_the_steps_it_h
     s = json.loads((tmp_path / "p.summary.json").read_text())
     assert s["steps"] == 2 and "training ended after 2 of the 5 asked for" in s["profiled"]
     assert s["phases"]["forward_backward"]["cpu_span_ms"] > 0
+
+
+def test_the_unsloth_trainer_run_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, monkeypatch):
+    # Unsloth patches transformers and peft at import: the run's process must import it first. A
+    # stand-in package records what was already imported when the run's process imported it.
+    from harness.bench import trainer as bench_trainer
+    from harness.report.user import trainer_tables
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the unsloth run trains; the device's Trainer bench measures it")
+    fake = tmp_path / "site" / "unsloth"
+    fake.mkdir(parents=True)
+    seen = tmp_path / "seen.txt"
+    (fake / "__init__.py").write_text(
+        "import sys\n"
+        f"open({str(seen)!r}, 'w').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
+        " + '|')\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    rows = bench_trainer.run("qwen3-0.6b-tiny", ["stock", "unsloth", "unsloth-nockpt"], max_length=64, doc_len=32,
+                             lora_rank=4, steps=2, warmup=1, device="cpu", attn_implementation="sdpa",
+                             experts_implementation=None)
+    assert seen.read_text() == "|", "unsloth was imported after " + seen.read_text()
+    by = {r["mode"]: r for r in rows}
+    assert by["stock"]["status"] == "ok"
+    for mode in ("unsloth", "unsloth-nockpt"):
+        assert by[mode]["status"] == "skipped" and "Unsloth needs a CUDA GPU" in by[mode]["error"], by[mode]
+    for r in rows:
+        r.update(gpu_slug="cpu", recorded_at="2026-11-28T00:00:00+00:00")
+    text = trainer_tables(rows)
+    assert "| Trainer on Unsloth's FastLanguageModel | skipped: Unsloth needs a CUDA GPU" in text
+    assert "fastest peer: stock Trainer + peft (of stock Trainer + peft only)" in text

@@ -94,3 +94,17 @@ def test_trainer_step_losses_are_the_logged_ones_without_a_log_every_step(tmp_pa
     _close_curves(off["losses"], every["losses"], 1e-6)
     with pytest.raises(ValueError, match="logging_steps"):
         trainer_run(MODEL, ours=True, out_dir=str(tmp_path / "x"), trainer_args={"logging_steps": 5}, **kw)
+
+
+def test_unsloths_collator_is_the_stock_flattened_row_plus_each_documents_length():
+    from transformers import DataCollatorWithFlattening
+
+    from harness.workload.trainers import UnslothFlattening
+
+    feats = [{"input_ids": list(range(2, 2 + n)), "labels": list(range(2, 2 + n))} for n in (5, 3, 7)]
+    got, want = UnslothFlattening()(feats), DataCollatorWithFlattening(return_position_ids=True)(feats)
+    assert set(got) == set(want) | {"packed_seq_lengths"}
+    for k in want:
+        assert torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])), k
+    lengths = got["packed_seq_lengths"]
+    assert lengths.dtype == torch.int32 and lengths.device.type == "cpu" and lengths.tolist() == [5, 3, 7]

@@ -1,12 +1,14 @@
 """``transformers.Trainer`` side by side, each run in a fresh process: stock Trainer + peft, the peers a Trainer
-user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``), each of the
-three also without checkpointing (``-nockpt``: a user whose model fits turns it off), the same
+user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``; Unsloth's
+``FastLanguageModel`` with its own LoRA and offloaded checkpointing), each of the four also without
+checkpointing (``-nockpt``: a user whose model fits turns it off), the same
 Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
 ``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
 CUDA graph), on the same generated documents with the same seed. A fresh process per run keeps
 what one stack leaves behind (Liger-Kernel's module-wide patches, compiled code, the allocator's
-cache) from the next, and makes an OOM or a crash that run's row. A peer that cannot run here
-(Liger-Kernel off CUDA or not installed) gets a ``skipped`` row that says why.
+cache) from the next, and makes an OOM or a crash that run's row; Unsloth's process imports it
+first, as its documentation asks. A peer that cannot run here (Liger-Kernel or Unsloth off CUDA or
+not installed) gets a ``skipped`` row that says why.
 
 Each run gives one ``trainer`` row: the median optimizer-step time after warm-up with p20/p80
 (CUDA events in a Trainer callback), the peak memory, the per-step losses, and the largest
@@ -41,8 +43,10 @@ from harness.workload.trainers import trainer_run
 
 # what a Trainer user runs instead of optim: each peer with checkpointing, and without it (as a user
 # whose model fits runs it; optim.enable skips the recomputes that fit, so a peer gets the same chance)
-PEERS = ("stock", "compiled", "liger", "stock-nockpt", "compiled-nockpt", "liger-nockpt")
-RUNS = ["stock", "compiled", "ours", "graphed", "liger", "stock-nockpt", "compiled-nockpt", "liger-nockpt"]
+PEERS = ("stock", "compiled", "liger", "unsloth", "stock-nockpt", "compiled-nockpt", "liger-nockpt",
+         "unsloth-nockpt")
+RUNS = ["stock", "compiled", "ours", "graphed", "liger", "unsloth", "stock-nockpt", "compiled-nockpt",
+        "liger-nockpt", "unsloth-nockpt"]
 NOCKPT = "-nockpt"
 
 
@@ -98,8 +102,9 @@ def _profile(cfg: dict) -> dict | None:
             "trace": p.get("trace", False), "summary": summary}
 
 
-def _child(cfg_path: str, out_path: str) -> int:
-    """``--one-run``: one run, its result written as JSON (an out-of-memory error is a result)."""
+def child(cfg_path: str, out_path: str) -> int:
+    """One run in this process (``python -m harness _trainer_run``, which imports Unsloth first for
+    its runs), its result written as JSON (an out-of-memory error is a result)."""
     from harness.measure import env as envmod
 
     cfg = json.loads(Path(cfg_path).read_text())
@@ -130,7 +135,7 @@ def _isolated(cfg: dict, timeout_s: float | None = None) -> dict:
         tail: collections.deque = collections.deque(maxlen=40)
         timed_out = False
         with host.Watch() as watch, _sigterm_raises():
-            proc = subprocess.Popen([sys.executable, "-u", "-m", "harness.bench.trainer", "--one-run",
+            proc = subprocess.Popen([sys.executable, "-u", "-m", "harness", "_trainer_run",
                                      str(cfg_path), str(out_path)], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
             # its own process group, killed whole: compile workers it started would hold the pipe open
@@ -215,7 +220,8 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
         cfg = {"name": name, "model": model, "max_length": max_length, "doc_len": doc_len, "lora_rank": lora_rank,
                "steps": steps, "warmup": warmup, "device": device, "attn_implementation": attn_implementation,
                "experts_implementation": experts_implementation, "logging_steps": logging_steps,
-               "trainer_args": trainer_args, "profile": profile}
+               "trainer_args": trainer_args, "profile": profile,
+               "stack": name.removesuffix(NOCKPT) if name.startswith("unsloth") else None}
         r = _isolated(cfg, timeout_s)
         if r.get("status") != "ok":
             rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail", "memory_bound",
@@ -284,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                          "rows: the profiler slows the steps it records")
     ap.add_argument("--profile-steps", type=int, default=3, help="optimizer steps profiled (default: 3)")
     ap.add_argument("--trace", action="store_true", help="with --profile, also write each run's chrome trace")
-    ap.add_argument("--one-run", nargs=2, metavar=("RUN_JSON", "RESULT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.one_run:  # a child of run(): one run, its result as JSON
-        return _child(*args.one_run)
     trainer_args = {}
     for item in args.trainer_arg:
         key, sep, value = item.partition("=")

@@ -347,7 +347,7 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
 
 
 _PEERS = {"stock": "stock Trainer + peft", "compiled": "stock Trainer, decoder layers compiled",
-          "liger": "Trainer(use_liger_kernel=True)"}
+          "liger": "Trainer(use_liger_kernel=True)", "unsloth": "Trainer on Unsloth's FastLanguageModel"}
 TRAINER_PEERS = {**_PEERS, **{f"{m}-nockpt": f"{label}, no checkpointing" for m, label in _PEERS.items()}}
 TRAINER_LABELS = {**TRAINER_PEERS, "ours": "Trainer after optim.enable(model)",
                   "graphed": "optim.trainer.GraphedTrainer"}
@@ -365,8 +365,10 @@ def trainer_tables(rows: list[dict]) -> str:
              ("Optimizer-step time of `transformers.Trainer` on the same documents and seed "
               "(`python -m harness.bench.trainer`): median [p20–p80] after warm-up, CUDA events in a "
               "Trainer callback; × fastest peer = the fastest of the peer rows shown (stock, stock "
-              "with its decoder layers compiled, Liger-Kernel through `use_liger_kernel`, each with "
-              "checkpointing and without) over the row; loss diff = the largest relative difference of a step's loss from the stock run's.")]
+              "with its decoder layers compiled, Liger-Kernel through `use_liger_kernel`, Unsloth's "
+              "model with its own offloaded checkpointing, each with checkpointing and without) over "
+              "the row; loss diff = the largest relative difference of a step's loss from the stock "
+              "run's (Unsloth's loader draws its own random weights, so its diff compares two draws).")]
     by_model: dict[tuple, list[dict]] = {}
     for r in found:  # one table per card, workload and logging, each mode's newest row: never H200 over H100 stock
         # rows from before the bench recorded logging_steps logged every step

@@ -119,6 +119,25 @@ class StepLosses:
         return per_step.tolist()
 
 
+class UnslothFlattening:
+    """What Unsloth's padding-free collator hands its model: the stock flattened row
+    (``DataCollatorWithFlattening``: position_ids restarting per document, each document's first
+    label masked) plus each document's length as ``packed_seq_lengths`` (host int32), which its
+    attention reads to keep to each document; Trainer moves it to the device with the batch."""
+
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True)
+
+    def __call__(self, features: list[dict]) -> dict:
+        from harness.run import unsloth_stack
+
+        batch = self.flatten(features)
+        batch.update(unsloth_stack.lengths_kwargs([len(f["input_ids"]) for f in features]))
+        return batch
+
+
 def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
 
@@ -188,11 +207,16 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     flattened row): the same documents per step, so the same loss.
 
     ``peer`` (stock only) is what a Trainer user runs instead of optim: ``"compiled"``, every
-    decoder layer ``torch.compile``'d after peft (``harness.run.peers.compile_layers``), or
-    ``"liger"``, ``TrainingArguments(use_liger_kernel=True)``. Liger's patches for a family are
-    partly module-wide (its RoPE function, its RMSNorm class), so a process that ran it runs later
-    models of that family with them. Either raises ``harness.run.peers.PeerUnavailable`` where it
-    cannot run here. ``gradient_checkpointing`` False runs without it (a peer whose model fits).
+    decoder layer ``torch.compile``'d after peft (``harness.run.peers.compile_layers``),
+    ``"liger"``, ``TrainingArguments(use_liger_kernel=True)``, or ``"unsloth"``, the model from
+    Unsloth's ``FastLanguageModel`` with its LoRA and its own checkpointing (offloaded; Trainer's
+    is left off, as Unsloth's examples leave it), fed the stock flattened row plus the document
+    lengths Unsloth's padding-free collator adds (``UnslothFlattening``); the process must have
+    imported Unsloth first (``python -m harness _trainer_run`` does), and its weights are Unsloth's
+    own random draw, not the harness build's. Liger's patches for a family are partly module-wide
+    (its RoPE function, its RMSNorm class), so a process that ran it runs later models of that
+    family with them. Each raises ``harness.run.peers.PeerUnavailable`` where it cannot run here.
+    ``gradient_checkpointing`` False runs without it (a peer whose model fits).
 
     ``losses`` are each optimizer step's, read without logging every step (``StepLosses``);
     ``logging_steps`` None keeps Trainer's default (a log, and its syncs, every 500 steps), as a
@@ -206,23 +230,32 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     import optim
     from optim import packing, recompute
 
-    from harness.run import peers
+    from harness.run import peers, unsloth_stack
 
-    if peer not in (None, "compiled", "liger") or (peer and ours):
-        raise ValueError(f"peer must be 'compiled' or 'liger' on the stock Trainer, got {peer!r} (ours={ours})")
+    if peer not in (None, "compiled", "liger", "unsloth") or (peer and ours):
+        raise ValueError(f"peer must be 'compiled', 'liger' or 'unsloth' on the stock Trainer, got {peer!r} "
+                         f"(ours={ours})")
     spec = models.get(model_name)
     if peer == "liger":
         peers.liger_patch(torch.device(device))  # PeerUnavailable off CUDA or without Liger-Kernel
         peers.liger_supports(spec.config().model_type)  # or for a family it has no patches for
+    if peer == "unsloth":  # PeerUnavailable off CUDA, without Unsloth, or past the shape's positions
+        unsloth_stack.check(spec, device=torch.device(device), lora_rank=lora_rank, max_seq_length=max_length)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
-                         attn_implementation=attn_implementation, experts_implementation=experts_implementation)
+    if peer == "unsloth":
+        model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
+                                    max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0)
+    else:
+        model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
+                             attn_implementation=attn_implementation, experts_implementation=experts_implementation)
     if peer == "compiled":
         peers.compile_layers(model)
     if ours:
         optim.enable(model, **settings)
         collator = packing.PackingCollator(max_length=max_length, rows=rows)
+    elif peer == "unsloth":
+        collator = UnslothFlattening()
     else:
         collator = DataCollatorWithFlattening(return_position_ids=True)
     extra = dict(trainer_args or {})
@@ -233,7 +266,9 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
               learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
               bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
-              gradient_checkpointing=gradient_checkpointing, remove_unused_columns=False, dataloader_num_workers=0,
+              # Unsloth's checkpointing is its model's own (build): Trainer's would replace it
+              gradient_checkpointing=gradient_checkpointing and peer != "unsloth", remove_unused_columns=False,
+              dataloader_num_workers=0,
               # a captured step cannot read the RNG state; the eager twin runs the same
               gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
               gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear",
