@@ -206,3 +206,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def unsloth_stand_in(tmp_path, monkeypatch):
+    """A stand-in ``unsloth`` package on the child processes' path, which records which of torch,
+    transformers and peft were already imported when the process imported it (Unsloth patches
+    them at import, so it must come first) and whether the Hub was set offline: read the file this
+    returns, ``"<modules>|<HF_HUB_OFFLINE>"``."""
+    fake = tmp_path / "site" / "unsloth"
+    fake.mkdir(parents=True)
+    seen = tmp_path / "seen.txt"
+    (fake / "__init__.py").write_text(
+        "import os, sys\n"
+        f"open({str(seen)!r}, 'w').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
+        " + '|' + os.environ.get('HF_HUB_OFFLINE', ''))\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    return seen

@@ -187,26 +187,17 @@ def test_a_trainer_profile_that_training_outlives_is_written_with_the_steps_it_h
     assert s["phases"]["forward_backward"]["cpu_span_ms"] > 0
 
 
-def test_the_unsloth_trainer_run_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, monkeypatch):
-    # Unsloth patches transformers and peft at import: the run's process must import it first. A
-    # stand-in package records what was already imported when the run's process imported it.
+def test_the_unsloth_trainer_run_imports_it_before_torch_and_on_cpu_is_a_skipped_row(unsloth_stand_in):
+    # Unsloth patches transformers and peft at import: the run's process must import it first
     from harness.bench import trainer as bench_trainer
     from harness.report.user import trainer_tables
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU the unsloth run trains; the device's Trainer bench measures it")
-    fake = tmp_path / "site" / "unsloth"
-    fake.mkdir(parents=True)
-    seen = tmp_path / "seen.txt"
-    (fake / "__init__.py").write_text(
-        "import sys\n"
-        f"open({str(seen)!r}, 'w').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
-        " + '|')\n")
-    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
     rows = bench_trainer.run("qwen3-0.6b-tiny", ["stock", "unsloth", "unsloth-nockpt"], max_length=64, doc_len=32,
                              lora_rank=4, steps=2, warmup=1, device="cpu", attn_implementation="sdpa",
                              experts_implementation=None)
-    assert seen.read_text() == "|", "unsloth was imported after " + seen.read_text()
+    assert unsloth_stand_in.read_text() == "|1", "unsloth was imported after " + unsloth_stand_in.read_text()
     by = {r["mode"]: r for r in rows}
     assert by["stock"]["status"] == "ok"
     for mode in ("unsloth", "unsloth-nockpt"):

@@ -173,21 +173,12 @@ def test_compiled_stack_on_moe_experts_lora_compiles_once_and_trains_what_stock_
     assert wrappers and all(c.forward.__self__ is c and m.forward.__self__ is m for m, c in wrappers)
 
 
-def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, write_toml, monkeypatch):
-    # Unsloth patches transformers and peft at import: the point's process must import it first.
-    # A stand-in package records what was already imported when the point's process imported it.
+def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tmp_path, write_toml, unsloth_stand_in):
+    # Unsloth patches transformers and peft at import: the point's process must import it first
     if torch.cuda.is_available():
         pytest.skip("on a GPU the unsloth point runs; tests/test_gpu_peers.py covers it")
-    fake = tmp_path / "site" / "unsloth"
-    fake.mkdir(parents=True)
-    seen = tmp_path / "seen.txt"
-    (fake / "__init__.py").write_text(
-        "import os, sys\n"
-        f"open({str(seen)!r}, 'w').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
-        " + '|' + os.environ.get('HF_HUB_OFFLINE', ''))\n")
-    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
     rows = _run(tmp_path, write_toml, BASE + '[variants.u]\nstack = "unsloth"\n')
-    assert seen.read_text() == "|1", "unsloth was imported after " + seen.read_text()
+    assert unsloth_stand_in.read_text() == "|1", "unsloth was imported after " + unsloth_stand_in.read_text()
     assert (rows["u"]["role"], rows["u"]["stack"]) == ("unsloth", "unsloth")
     assert rows["u"]["status"] == "skipped" and "Unsloth needs a CUDA GPU" in rows["u"]["message"]
 
