@@ -166,6 +166,27 @@ def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missi
     assert "LoRA r=64, Trainer logging every 500 steps; fastest peer" in text
 
 
+def test_the_trainer_tables_loss_diff_is_read_against_the_stock_row_shown_beside_it():
+    from harness.report.user import trainer_tables
+
+    def row(mode, losses, at="2026-11-28T07:00:00+00:00", **kw):
+        return {"kind": "trainer", "gpu_slug": "h200", "model": "m", "tokens": 2048, "lora_rank": 64, "mode": mode,
+                "status": "ok", "ms": 300.0, "recorded_at": at, "steps": 3, "warmup": 1, "losses": losses, **kw}
+
+    with fmt.recording() as tables:
+        trainer_tables([row("stock", [12.0, 11.0, 10.0], "2026-11-28T06:00:00+00:00"),  # an older stock row
+                        row("stock", [10.0, 10.0, 10.0]),
+                        # a run of another invocation than stock's: no figure of its own, its losses compared
+                        row("compiled", [10.0, 10.1, 9.8]),
+                        # its own figure is against the older stock it ran beside; the table's stock is newer
+                        row("ours", [10.0, 10.0, 10.05], max_rel_loss_diff_vs_stock=0.2),
+                        # losses that cannot be paired step by step: the row's own figure
+                        row("graphed", [10.0, 10.0], max_rel_loss_diff_vs_stock=3e-3)])
+    diffs = {r["run"]: r["loss diff"] for r in tables[0].rows()}
+    assert diffs == {"stock Trainer + peft": "0.0e+00", "stock Trainer, decoder layers compiled": "2.0e-02",
+                     "Trainer after optim.enable(model)": "5.0e-03", "optim.trainer.GraphedTrainer": "3.0e-03"}
+
+
 def test_the_three_columns_are_read_from_the_rows_roles_where_the_spec_names_none():
     roles = {"stock": ("stock", ""), "liger": ("peer", "liger"), "user": ("user", "user"),
              "user-varlen": ("ablation", "user")}

@@ -353,6 +353,18 @@ TRAINER_LABELS = {**TRAINER_PEERS, "ours": "Trainer after optim.enable(model)",
                   "graphed": "optim.trainer.GraphedTrainer"}
 
 
+def loss_diff(row: dict, stock: dict | None) -> float | None:
+    """The largest relative difference of a run's per-step losses from those of the stock row shown
+    beside it, read from both rows' losses (runs of one bench invocation or of two, the same
+    documents per step); the row's own recorded figure where either row has none to compare."""
+    mine, ref = row.get("losses"), (stock or {}).get("losses")
+    if mine and ref and len(mine) == len(ref):
+        pairs = [(fmt.number(a), fmt.number(b)) for a, b in zip(mine, ref)]
+        if all(a is not None and b is not None for a, b in pairs):
+            return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+    return fmt.number(row.get("max_rel_loss_diff_vs_stock"))
+
+
 def trainer_tables(rows: list[dict]) -> str:
     """``harness.bench.trainer``'s rows: stock Trainer, its compiled and Liger-Kernel peers, Trainer
     after ``optim.enable`` and GraphedTrainer per model, each against eager stock and against the
@@ -368,7 +380,7 @@ def trainer_tables(rows: list[dict]) -> str:
               "with its decoder layers compiled, Liger-Kernel through `use_liger_kernel`, Unsloth's "
               "model with its own offloaded checkpointing, each with checkpointing and without) over "
               "the row; loss diff = the largest relative difference of a step's loss from the stock "
-              "run's (Unsloth's loader draws its own random weights, so its diff compares two draws).")]
+              "row's in the same table (Unsloth's loader draws its own random weights, so its diff compares two draws).")]
     by_model: dict[tuple, list[dict]] = {}
     for r in found:  # one table per card, workload and logging, each mode's newest row: never H200 over H100 stock
         # rows from before the bench recorded logging_steps logged every step
@@ -385,7 +397,8 @@ def trainer_tables(rows: list[dict]) -> str:
 
         def ok_ms(r):
             return fmt.number(r.get("ms")) if r.get("status", "ok") == "ok" else None
-        stock = next((ok_ms(r) for r in group if r.get("mode") == "stock"), None)
+        stock_row = next((r for r in group if r.get("mode") == "stock" and ok_ms(r)), None)
+        stock = ok_ms(stock_row) if stock_row else None
         peer_ms = {r.get("mode"): ok_ms(r) for r in group if r.get("mode") in TRAINER_PEERS and ok_ms(r)}
         fastest = min(peer_ms, key=peer_ms.get) if peer_ms else None
         body = []
@@ -396,7 +409,7 @@ def trainer_tables(rows: list[dict]) -> str:
                 cell = f"{status}: {r['error']}" if r.get("error") else "no time recorded"
                 body.append([label, cell if status != "ok" else "no time recorded", DASH, DASH, DASH, DASH, DASH])
                 continue
-            diff = fmt.number(r.get("max_rel_loss_diff_vs_stock"))
+            diff = loss_diff(r, stock_row)
             body.append([label, f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
                          fmt.times(stock / ms) if stock else DASH,
                          fmt.times(peer_ms[fastest] / ms) if fastest else DASH, _gib(r.get("peak_gib")),
