@@ -156,7 +156,9 @@ def bench_model(name, args, device, dtype, emit):
         emit({**base, "kind": "moe_syncs", "backend": backend, "tokens": T0,
               "forward_counted": fwd_s.counted, "forward_observed": fwd_s.observed,
               "backward_counted": bwd_s.counted, "backward_observed": bwd_s.observed,
-              "per_model_forward": fwd_s.counted * L})
+              "per_model_forward": fwd_s.counted * L,
+              # observed counts torch's sync warnings alone, not its notice on entering the debug mode
+              "observed_syncs_only": True})
 
     # -- the routing path alone, then the whole experts layer --------------------------------------
     routing_ms: dict[tuple[int, str], float] = {}

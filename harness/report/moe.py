@@ -6,6 +6,7 @@ from __future__ import annotations
 from harness.report.fmt import DASH
 from harness.report import fmt
 from harness.report.moe_query import query_model_md
+from harness.report.moe_syncs import syncs_md
 from harness.report.runs import SAME_RUN_MINUTES, run_label, split_runs
 from harness.roles import is_ours, role_of
 from harness.variant_keys import SWITCHES
@@ -60,18 +61,8 @@ def moe_tables(rows: list[dict]) -> str:
         parts.append("#### MoE routing path (group, gather, weight, scatter; no expert GEMMs)\n\n"
                      + fmt.table(header, body) + "\n\np50 of CUDA-event timings; \"sorted over loop\" = "
                      "100·(loop / sorted − 1), + = sorted faster.")
-    syncs = rows_of_kind(rows, "moe_syncs")
-    if syncs:
-        def pair(r, phase):
-            return fmt.joined(" / ", fmt.num(r.get(f'{phase}_counted'), 'd'), fmt.num(r.get(f'{phase}_observed'), 'd'))
-
-        body = [[r.get("model"), r.get("backend"), r.get("tokens"), pair(r, "forward"), pair(r, "backward"),
-                 fmt.num(r.get("per_model_forward"), "d")]
-                for r in sorted(syncs, key=lambda r: (fmt.natural(r.get("model")), MOE_BACKENDS.index(r["backend"])
-                                                      if r.get("backend") in MOE_BACKENDS else 9))]
-        parts.append("#### Host syncs per MoE layer\n\n" + fmt.table(
-            ["model", "backend", "tokens", "forward counted / observed", "backward counted / observed",
-             "counted per model forward"], body))
+    if syncs := syncs_md(rows_of_kind(rows, "moe_syncs")):
+        parts.append(syncs)
     if query := query_model_md(rows):
         parts.append(query)
     if crossover := moe_crossover_md(rows):

@@ -10,6 +10,7 @@ from harness.report import fmt
 from harness.report.moe_query import predicted_from_other_lengths
 from harness.report.moe import (CROSSOVER_HEADER, CROSSOVER_NOTE, moe_crossover_body, moe_crossover_points,
                                 gpu_memory_gib, moe_gap_md, moe_routing)
+from harness.report.moe_syncs import notice_note, observed_cell
 from harness.report.blog import figures
 from harness.report.blog.common import Headline, cell, other_run_note, split_table, stock_caveats
 from harness.report.blog.data import RolePoint, role_points
@@ -22,13 +23,13 @@ def _syncs_md(rows: list[dict]) -> str:
     if not sy:
         return ""
     body = [[gpu_short(r.get("device_name")), r.get("model"), r.get("num_experts"), r.get("backend"),
-             r.get("forward_counted"), "–" if r.get("forward_observed") is None else r.get("forward_observed"),
+             r.get("forward_counted"), "–" if r.get("forward_observed") is None else observed_cell(r),
              r.get("per_model_forward")]
             for r in sorted(sy, key=lambda r: (str(r.get("gpu_slug")), fmt.natural(str(r.get("model"))), str(r.get("backend"))))]
     return ("**Host syncs: ∝ E against 1.** The per-expert loop asks the device which rows each expert "
             "got, once per expert; grouping once (argsort + bincount) asks once; grouped_mm never asks.\n\n"
             + fmt.table(["GPU", "model", "E", "backend", "forward syncs per layer (counted)", "observed (CUDA sync debug)",
-                      "per model forward"], body))
+                      "per model forward"], body) + notice_note(sy))
 
 
 def _gain(pct) -> str:
