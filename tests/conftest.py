@@ -212,14 +212,14 @@ def one_thread():
 def unsloth_stand_in(tmp_path, monkeypatch):
     """A stand-in ``unsloth`` package on the child processes' path, which records which of torch,
     transformers and peft were already imported when the process imported it (Unsloth patches
-    them at import, so it must come first) and whether the Hub was set offline: read the file this
-    returns, ``"<modules>|<HF_HUB_OFFLINE>"``."""
+    them at import, so it must come first) and whether the Hub was set offline: the file this
+    returns gets a line ``"<modules>|<HF_HUB_OFFLINE>"`` per process that imported it."""
     fake = tmp_path / "site" / "unsloth"
     fake.mkdir(parents=True)
     seen = tmp_path / "seen.txt"
     (fake / "__init__.py").write_text(
         "import os, sys\n"
-        f"open({str(seen)!r}, 'w').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
-        " + '|' + os.environ.get('HF_HUB_OFFLINE', ''))\n")
+        f"open({str(seen)!r}, 'a').write(' '.join(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)"
+        " + '|' + os.environ.get('HF_HUB_OFFLINE', '') + '\\n')\n")
     monkeypatch.setenv("PYTHONPATH", str(fake.parent))
     return seen

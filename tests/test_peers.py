@@ -178,7 +178,7 @@ def test_an_unsloth_point_imports_it_before_torch_and_on_cpu_is_a_skipped_row(tm
     if torch.cuda.is_available():
         pytest.skip("on a GPU the unsloth point runs; tests/test_gpu_peers.py covers it")
     rows = _run(tmp_path, write_toml, BASE + '[variants.u]\nstack = "unsloth"\n')
-    assert unsloth_stand_in.read_text() == "|1", "unsloth was imported after " + unsloth_stand_in.read_text()
+    assert unsloth_stand_in.read_text() == "|1\n", "unsloth was imported after " + unsloth_stand_in.read_text()
     assert (rows["u"]["role"], rows["u"]["stack"]) == ("unsloth", "unsloth")
     assert rows["u"]["status"] == "skipped" and "Unsloth needs a CUDA GPU" in rows["u"]["message"]
 

@@ -366,7 +366,7 @@ def loss_diff(row: dict, stock: dict | None) -> float | None:
 
 
 def trainer_tables(rows: list[dict]) -> str:
-    """``harness.bench.trainer``'s rows: stock Trainer, its compiled and Liger-Kernel peers, Trainer
+    """``harness.bench.trainer``'s rows: stock Trainer, its compiled, Liger-Kernel and Unsloth peers, Trainer
     after ``optim.enable`` and GraphedTrainer per model, each against eager stock and against the
     fastest peer of the same run, with the loss curves' largest difference from stock."""
     found = [r for r in rows if r.get("kind") == "trainer"]

@@ -93,7 +93,8 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_l
     if device.type != "cuda":
         raise PeerUnavailable(f"Unsloth needs a CUDA GPU; this point runs on {device.type}")
     if sys.modules.get("unsloth") is None:
-        why = IMPORT_ERROR or "it was not imported first in the point's process (harness _point does that)"
+        why = IMPORT_ERROR or ("it was not imported first in this process (a sweep point's and a Trainer bench run's "
+                                "processes import it first: python -m harness _point, _trainer_run)")
         raise PeerUnavailable(f"Unsloth cannot run here: {why}")
     if not lora_rank:
         raise PeerUnavailable("the Unsloth stack trains LoRA adapters; this point sets no lora_rank")

@@ -122,8 +122,14 @@ class StepLosses:
 class UnslothFlattening:
     """What Unsloth's padding-free collator hands its model: the stock flattened row
     (``DataCollatorWithFlattening``: position_ids restarting per document, each document's first
-    label masked) plus each document's length as ``packed_seq_lengths`` (host int32), which its
-    attention reads to keep to each document; Trainer moves it to the device with the batch."""
+    label masked) plus each document's length as ``packed_seq_lengths`` (host int32); Trainer moves
+    it to the device with the batch. Unsloth's own attention (the families it rewrites: Llama,
+    Qwen3) reads the lengths to keep to each document. Where the model runs transformers' own code
+    (qwen3_moe), a plain Trainer leaves the key unread (Unsloth's SFTTrainer installs its packed
+    attention) and transformers' mask keeps to each document from the position ids. On gpt-oss,
+    Unsloth's flex attention with sinks reads neither: a row's later document attends to the
+    earlier one, as stock transformers' gpt-oss mask does (Unsloth's SFTTrainer turns padding-free
+    off for gpt-oss and trains a document per row)."""
 
     def __init__(self):
         from transformers import DataCollatorWithFlattening
@@ -211,7 +217,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     ``"liger"``, ``TrainingArguments(use_liger_kernel=True)``, or ``"unsloth"``, the model from
     Unsloth's ``FastLanguageModel`` with its LoRA and its own checkpointing (offloaded; Trainer's
     is left off, as Unsloth's examples leave it), fed the stock flattened row plus the document
-    lengths Unsloth's padding-free collator adds (``UnslothFlattening``); the process must have
+    lengths Unsloth's padding-free collator adds (``UnslothFlattening``, which says where its
+    attention reads them); the process must have
     imported Unsloth first (``python -m harness _trainer_run`` does), and its weights are Unsloth's
     own random draw, not the harness build's. Liger's patches for a family are partly module-wide
     (its RoPE function, its RMSNorm class), so a process that ran it runs later models of that
@@ -300,4 +307,6 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
             "trainer_args": {k: getattr(args, k) for k in extra}, "counters": packing.counters(), "kernels": packing.kernels(),
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "recompute_stats": recompute.describe(model) or None,
-            "wrapped": type(trainer.model_wrapped).__name__}  # the name: the result keeps no model alive
+            "wrapped": type(trainer.model_wrapped).__name__,
+            # the attention the model ran, which Unsloth's loader chooses for itself
+            "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}  # the name: the result keeps no model alive

@@ -109,5 +109,8 @@ def stock_caveats(points: list[RolePoint]) -> str:
             "attention masks without the position ids (in 5.17, which these GPU rows ran, and still in "
             "5.24, the newest tested), so in stock and under Liger-Kernel a packed row's later documents attend to the "
             "earlier ones: a different loss from each document alone, and on the full-attention layers "
-            "more attention work than the documents need. `optim.enable()` attends each document alone; "
-            "stock Qwen3 and Llama do too. The CPU tests check all three on every run.")
+            "more attention work than the documents need. Unsloth's gpt-oss attention (flex attention with "
+            "sinks, in unsloth_zoo 2026.10.9's source) masks the whole row causally too, reading neither the "
+            "position ids nor the document lengths; its own SFTTrainer turns padding-free batches off for "
+            "gpt-oss. `optim.enable()` attends each document alone; stock Qwen3 and Llama do too. The CPU "
+            "tests check the three models' stock and optim paths on every run.")
