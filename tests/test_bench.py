@@ -194,17 +194,18 @@ def test_the_unsloth_trainer_run_imports_it_before_torch_and_on_cpu_is_a_skipped
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU the unsloth run trains; the device's Trainer bench measures it")
-    rows = bench_trainer.run("qwen3-0.6b-tiny", ["stock", "unsloth", "unsloth-nockpt"], max_length=64, doc_len=32,
-                             lora_rank=4, steps=2, warmup=1, device="cpu", attn_implementation="sdpa",
+    rows = bench_trainer.run("qwen3-0.6b-tiny", ["stock", "unsloth", "unsloth-sft", "unsloth-nockpt"], max_length=64,
+                             doc_len=32, lora_rank=4, steps=2, warmup=1, device="cpu", attn_implementation="sdpa",
                              experts_implementation=None)
     # each Unsloth run's process imported it first; stock's never imported it
-    assert unsloth_stand_in.read_text() == "|1\n|1\n", "unsloth was imported after " + unsloth_stand_in.read_text()
+    assert unsloth_stand_in.read_text() == "|1\n" * 3, "unsloth was imported after " + unsloth_stand_in.read_text()
     by = {r["mode"]: r for r in rows}
     assert by["stock"]["status"] == "ok" and by["stock"]["attn_implementation_used"] == "sdpa"
-    for mode in ("unsloth", "unsloth-nockpt"):
+    for mode in ("unsloth", "unsloth-sft", "unsloth-nockpt"):
         assert by[mode]["status"] == "skipped" and "Unsloth needs a CUDA GPU" in by[mode]["error"], by[mode]
     for r in rows:
         r.update(gpu_slug="cpu", recorded_at="2026-11-28T00:00:00+00:00")
     text = trainer_tables(rows)
     assert "| Trainer on Unsloth's FastLanguageModel | skipped: Unsloth needs a CUDA GPU" in text
+    assert "| Unsloth's SFTTrainer | skipped: Unsloth needs a CUDA GPU" in text
     assert "fastest peer: stock Trainer + peft (of stock Trainer + peft only)" in text

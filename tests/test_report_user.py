@@ -148,10 +148,12 @@ def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missi
     with fmt.recording() as tables:
         text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0),
                                row("stock-nockpt", 500.0), row("compiled-nockpt", 350.0), row("liger-nockpt", 320.0),
-                               row("unsloth", 330.0), row("unsloth-nockpt", 310.0)])
+                               row("unsloth", 330.0), row("unsloth-nockpt", 310.0),
+                               row("unsloth-sft", 305.0, batching="padded rows"), row("unsloth-sft-nockpt", 301.0)])
     assert "fastest peer: Trainer(use_liger_kernel=True)" in text and "only)" not in text
-    assert [r["× fastest peer"] for r in tables[0].rows()] == [0.5, 0.75, 1.0, 300 / 330, 0.6, 300 / 350, 300 / 320,
-                                                                300 / 310, 1.5]
+    assert [r["× fastest peer"] for r in tables[0].rows()] == [0.5, 0.75, 1.0, 300 / 330, 300 / 305, 0.6, 300 / 350,
+                                                                300 / 320, 300 / 310, 300 / 301, 1.5]
+    assert "| Unsloth's SFTTrainer (padded rows) | 305.0 [" in text  # what Unsloth chose for itself
     # a peer without checkpointing that is faster is the denominator
     with fmt.recording() as tables:
         text = trainer_tables([row("stock", 600.0), row("compiled", 400.0), row("liger", 300.0), row("ours", 200.0),

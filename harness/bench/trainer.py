@@ -1,6 +1,7 @@
 """``transformers.Trainer`` side by side, each run in a fresh process: stock Trainer + peft, the peers a Trainer
 user runs instead (every decoder layer ``torch.compile``'d; ``use_liger_kernel=True``; Unsloth's
-``FastLanguageModel`` with its own LoRA and offloaded checkpointing), each of the four also without
+``FastLanguageModel`` with its own LoRA and offloaded checkpointing, under Trainer and under TRL's
+``SFTTrainer`` as Unsloth runs it, ``unsloth-sft``), each of the five also without
 checkpointing (``-nockpt``: a user whose model fits turns it off), the same
 Trainer after ``optim.enable(model)`` with ``optim.packing.PackingCollator``, and
 ``optim.trainer.GraphedTrainer`` (each micro-step's forward, loss and backward replayed as one
@@ -39,14 +40,15 @@ from harness.bench import add_store_arguments, store
 from harness.measure.timing import percentiles
 from harness.run.peers import PeerUnavailable
 from harness.workload import models
-from harness.workload.trainers import trainer_run
+from harness.workload.trainers import trainer_run, unsloth_sft_run
 
 # what a Trainer user runs instead of optim: each peer with checkpointing, and without it (as a user
 # whose model fits runs it; optim.enable skips the recomputes that fit, so a peer gets the same chance)
-PEERS = ("stock", "compiled", "liger", "unsloth", "stock-nockpt", "compiled-nockpt", "liger-nockpt",
-         "unsloth-nockpt")
-RUNS = ["stock", "compiled", "ours", "graphed", "liger", "unsloth", "stock-nockpt", "compiled-nockpt",
-        "liger-nockpt", "unsloth-nockpt"]
+PEERS = ("stock", "compiled", "liger", "unsloth", "unsloth-sft", "stock-nockpt", "compiled-nockpt", "liger-nockpt",
+         "unsloth-nockpt", "unsloth-sft-nockpt")
+RUNS = ["stock", "compiled", "ours", "graphed", "liger", "unsloth", "unsloth-sft", "stock-nockpt", "compiled-nockpt",
+        "liger-nockpt", "unsloth-nockpt", "unsloth-sft-nockpt"]
+SFT = "unsloth-sft"  # TRL's SFTTrainer as Unsloth runs it, not transformers.Trainer
 NOCKPT = "-nockpt"
 
 
@@ -74,7 +76,11 @@ def _one(cfg: dict) -> dict:
                   experts_implementation=cfg["experts_implementation"], logging_steps=cfg["logging_steps"],
                   trainer_args=cfg["trainer_args"], profile=_profile(cfg))
         try:
-            if name in PEERS:
+            if name.removesuffix(NOCKPT) == SFT:
+                r = unsloth_sft_run(model, gradient_checkpointing=not name.endswith(NOCKPT),
+                                    **{k: v for k, v in kw.items() if k not in ("attn_implementation",
+                                                                                "experts_implementation", "profile")})
+            elif name in PEERS:
                 peer = name.removesuffix(NOCKPT)
                 r = trainer_run(model, ours=False, peer=None if peer == "stock" else peer,
                                 gradient_checkpointing=not name.endswith(NOCKPT), **kw)
@@ -85,7 +91,7 @@ def _one(cfg: dict) -> dict:
     return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
             "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats"),
             "gradient_checkpointing": r.get("gradient_checkpointing"),
-            "attn_implementation_used": r.get("attn_implementation_used")}
+            "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching")}
 
 
 def profile_stem(model: str, max_length: int, name: str) -> str:
@@ -222,7 +228,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
                "steps": steps, "warmup": warmup, "device": device, "attn_implementation": attn_implementation,
                "experts_implementation": experts_implementation, "logging_steps": logging_steps,
                "trainer_args": trainer_args, "profile": profile,
-               "stack": name.removesuffix(NOCKPT) if name.startswith("unsloth") else None}
+               "stack": "unsloth" if name.startswith("unsloth") else None}
         r = _isolated(cfg, timeout_s)
         if r.get("status") != "ok":
             rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail", "memory_bound",
@@ -240,7 +246,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
                          "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
                          "host_used_peak_gib": r.get("host_used_peak_gib"),
                          "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),
-                         "attn_implementation_used": r.get("attn_implementation_used"),
+                         "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
                          "optim": r.get("enabled") if name not in PEERS else None,
                          "recompute_stats": r.get("recompute_stats") if name not in PEERS else None})
             print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "

@@ -347,7 +347,8 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
 
 
 _PEERS = {"stock": "stock Trainer + peft", "compiled": "stock Trainer, decoder layers compiled",
-          "liger": "Trainer(use_liger_kernel=True)", "unsloth": "Trainer on Unsloth's FastLanguageModel"}
+          "liger": "Trainer(use_liger_kernel=True)", "unsloth": "Trainer on Unsloth's FastLanguageModel",
+          "unsloth-sft": "Unsloth's SFTTrainer"}
 TRAINER_PEERS = {**_PEERS, **{f"{m}-nockpt": f"{label}, no checkpointing" for m, label in _PEERS.items()}}
 TRAINER_LABELS = {**TRAINER_PEERS, "ours": "Trainer after optim.enable(model)",
                   "graphed": "optim.trainer.GraphedTrainer"}
@@ -378,7 +379,8 @@ def trainer_tables(rows: list[dict]) -> str:
               "(`python -m harness.bench.trainer`): median [p20–p80] after warm-up, CUDA events in a "
               "Trainer callback; × fastest peer = the fastest of the peer rows shown (stock, stock "
               "with its decoder layers compiled, Liger-Kernel through `use_liger_kernel`, Unsloth's "
-              "model with its own offloaded checkpointing, each with checkpointing and without) over "
+              "model with its own offloaded checkpointing under Trainer and under TRL's SFTTrainer as "
+              "Unsloth runs it, batching its own choice, each with checkpointing and without) over "
               "the row; loss diff = the largest relative difference of a step's loss from the stock "
               "row's in the same table (Unsloth's loader draws its own random weights, so its diff compares two draws).")]
     by_model: dict[tuple, list[dict]] = {}
@@ -404,6 +406,8 @@ def trainer_tables(rows: list[dict]) -> str:
         body = []
         for r in sorted(group, key=lambda r: order.get(r.get("mode"), 99)):
             ms, label = ok_ms(r), TRAINER_LABELS.get(r.get("mode"), r.get("mode"))
+            if r.get("batching"):  # what Unsloth's SFTTrainer chose for itself
+                label += f" ({r['batching']})"
             if ms is None:
                 status = r.get("status", "ok")
                 cell = f"{status}: {r['error']}" if r.get("error") else "no time recorded"

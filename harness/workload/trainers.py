@@ -201,6 +201,52 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
             "enabled": optim.enabled(trainer.model), "n_gpu": trainer.args.n_gpu}
 
 
+def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[dict], max_length: int,
+                    device: str = "cuda", dtype=torch.bfloat16, lora_rank: int = 16, out_dir: str, warmup: int = 0,
+                    gradient_checkpointing: bool = True, logging_steps: int | None = None,
+                    trainer_args: dict | None = None, callbacks: list | None = None) -> dict:
+    """What an Unsloth user runs: TRL's ``SFTTrainer`` (which Unsloth, imported first, patches) on
+    the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``), the documents
+    pre-tokenized, every batching choice left to Unsloth: padding-free where it turns that on by
+    itself (the document lengths to its attention), a document per padded row where it does not
+    (gpt-oss, whose attention would cross documents). ``max_length`` None in the config, as TRL
+    asks of padding-free with inputs already cut to length (each document is); the model's
+    window is ``max_length``. Trainer's own checkpointing stays off: Unsloth's is the model's.
+    The process must have imported Unsloth first (``python -m harness _trainer_run`` does);
+    PeerUnavailable where it cannot run here. ``batching`` says what Unsloth chose."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from harness.run import unsloth_stack
+
+    spec = models.get(model_name)
+    unsloth_stack.check(spec, device=torch.device(device), lora_rank=lora_rank, max_seq_length=max_length)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
+                                max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0)
+    extra = dict(trainer_args or {})
+    kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=1e-4,
+              report_to=[], save_strategy="no", bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
+              dataloader_num_workers=0, max_length=None, gradient_checkpointing=False, max_grad_norm=1.0,
+              lr_scheduler_type="linear")
+    if logging_steps is not None:
+        kw["logging_steps"] = logging_steps
+    args = SFTConfig(**{**kw, **extra})
+    _one_device(args, False)
+    timer = StepTimer()
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer(spec.vocab_size),
+                         train_dataset=Dataset.from_list([{"input_ids": d["input_ids"]} for d in docs]),
+                         callbacks=[timer.callback, *(callbacks or [])])
+    losses = StepLosses()
+    losses.attach(trainer)
+    trainer.train()
+    batching = "packing" if trainer.args.packing else "padding-free" if trainer.args.padding_free else "padded rows"
+    return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps, "batching": batching,
+            "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
+            "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}
+
+
 def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, docs: list[dict], max_length: int,
                 device: str = "cpu", dtype=torch.float32, lora_rank: int = 4, out_dir: str, warmup: int = 0,
                 graphed: bool = False, rows: int | None = None, accumulation: int = 1,
