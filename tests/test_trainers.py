@@ -108,3 +108,39 @@ def test_unsloths_collator_is_the_stock_flattened_row_plus_each_documents_length
         assert torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])), k
     lengths = got["packed_seq_lengths"]
     assert lengths.dtype == torch.int32 and lengths.device.type == "cpu" and lengths.tolist() == [5, 3, 7]
+
+
+def test_unsloths_sft_run_trains_what_the_stock_trainer_trains_step_for_step(tmp_path, monkeypatch):
+    # Unsloth itself needs a GPU; its model builder stands aside for the harness's own build, so the
+    # rest of the run (TRL's SFTTrainer, the config kept at Trainer's defaults where Unsloth's differ,
+    # one micro-step of the same documents per optimizer step) is checked against stock on CPU
+    from transformers import TrainingArguments
+
+    from harness.run import unsloth_stack
+    from harness.workload import models
+    from harness.workload.trainers import SAME_AS_TRAINER, unsloth_sft_run
+
+    def build(spec, *, device, dtype, lora_rank, max_seq_length, gradient_checkpointing, seed):
+        return models.build(spec, device="cpu", dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False)
+
+    monkeypatch.setattr(unsloth_stack, "check", lambda *a, **k: None)
+    monkeypatch.setattr(unsloth_stack, "build", build)
+    seen = {}
+
+    from transformers import TrainerCallback
+
+    class Args(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            seen.update({k: getattr(args, k) for k in (*SAME_AS_TRAINER, "gradient_accumulation_steps")})
+
+    docs = [{**d, "labels": d["input_ids"]} for d in documents(6, models.get("qwen3-0.6b-tiny").vocab_size, 32, 33)]
+    sft = unsloth_sft_run("qwen3-0.6b-tiny", steps=3, batch_size=2, docs=docs, max_length=64, device="cpu",
+                          dtype=torch.float32, lora_rank=4, out_dir=str(tmp_path / "sft"), callbacks=[Args()])
+    stock = trainer_run("qwen3-0.6b-tiny", ours=False, steps=3, batch_size=2, docs=docs, max_length=64,
+                        lora_rank=4, out_dir=str(tmp_path / "stock"))
+    fields = TrainingArguments.__dataclass_fields__
+    assert {k: str(getattr(v, "value", v)) for k, v in seen.items()} == {
+        **{k: str(fields[k].default) for k in SAME_AS_TRAINER},
+        "gradient_accumulation_steps": "1"}
+    assert sft["batching"] == "padded rows" and sft["gradient_checkpointing"] is False
+    assert len(sft["losses"]) == 3 and sft["losses"] == pytest.approx(stock["losses"], rel=1e-4)

@@ -201,6 +201,11 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
             "enabled": optim.enabled(trainer.model), "n_gpu": trainer.args.n_gpu}
 
 
+# TrainingArguments fields whose defaults Unsloth's SFTConfig changes, kept at TrainingArguments' own
+SAME_AS_TRAINER = ("optim", "weight_decay", "warmup_steps", "logging_nan_inf_filter", "torch_empty_cache_steps",
+                   "logging_steps")
+
+
 def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[dict], max_length: int,
                     device: str = "cuda", dtype=torch.bfloat16, lora_rank: int = 16, out_dir: str, warmup: int = 0,
                     gradient_checkpointing: bool = True, logging_steps: int | None = None,
@@ -212,9 +217,14 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     (gpt-oss, whose attention would cross documents). ``max_length`` None in the config, as TRL
     asks of padding-free with inputs already cut to length (each document is); the model's
     window is ``max_length``. Trainer's own checkpointing stays off: Unsloth's is the model's.
-    The process must have imported Unsloth first (``python -m harness _trainer_run`` does);
-    PeerUnavailable where it cannot run here. ``batching`` says what Unsloth chose."""
+    Unsloth's ``SFTConfig`` has defaults of its own (two accumulated micro-steps, 8-bit AdamW, a
+    warm-up, weight decay, no NaN/Inf filter); the training ones the other runs leave to
+    ``TrainingArguments`` are set to its defaults here (``SAME_AS_TRAINER``), so each optimizer
+    step trains the same tokens with the same optimizer. The process must have imported Unsloth
+    first (``python -m harness _trainer_run`` does); PeerUnavailable where it cannot run here.
+    ``batching`` says what Unsloth chose."""
     from datasets import Dataset
+    from transformers import TrainerCallback, TrainingArguments
     from trl import SFTConfig, SFTTrainer
 
     from harness.run import unsloth_stack
@@ -226,24 +236,35 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
                                 max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0)
     extra = dict(trainer_args or {})
-    kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=1e-4,
+    clash = sorted(set(extra) & {"logging_steps", "output_dir", "max_steps", "gradient_checkpointing"})
+    if clash:
+        raise ValueError(f"trainer_args {clash} are set by unsloth_sft_run's own arguments")
+    fields = TrainingArguments.__dataclass_fields__
+    kw = {k: fields[k].default for k in SAME_AS_TRAINER}
+    kw.update(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=1e-4,
               report_to=[], save_strategy="no", bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
               dataloader_num_workers=0, max_length=None, gradient_checkpointing=False, max_grad_norm=1.0,
-              lr_scheduler_type="linear")
+              lr_scheduler_type="linear", gradient_accumulation_steps=1)
     if logging_steps is not None:
         kw["logging_steps"] = logging_steps
     args = SFTConfig(**{**kw, **extra})
     _one_device(args, False)
     timer = StepTimer()
+    checkpointing: list[bool] = []
+
+    class _Checkpointing(TrainerCallback):  # read while training: Unsloth's train() ends in for_inference()
+        def on_step_end(self, args, state, control, model=None, **kw):
+            checkpointing.append(bool(getattr(model, "is_gradient_checkpointing", False)))
+
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer(spec.vocab_size),
                          train_dataset=Dataset.from_list([{"input_ids": d["input_ids"]} for d in docs]),
-                         callbacks=[timer.callback, *(callbacks or [])])
+                         callbacks=[timer.callback, _Checkpointing(), *(callbacks or [])])
     losses = StepLosses()
     losses.attach(trainer)
     trainer.train()
     batching = "packing" if trainer.args.packing else "padding-free" if trainer.args.padding_free else "padded rows"
     return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps, "batching": batching,
-            "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
+            "gradient_checkpointing": any(checkpointing),
             "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}
 
 
