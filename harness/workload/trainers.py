@@ -201,6 +201,9 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
             "enabled": optim.enabled(trainer.model), "n_gpu": trainer.args.n_gpu}
 
 
+# the training recipe every Trainer run here shares: the same schedule, clipping and seed
+RECIPE = dict(learning_rate=1e-4, max_grad_norm=1.0, lr_scheduler_type="linear", seed=0, report_to=[],
+              save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 # TrainingArguments fields whose defaults Unsloth's SFTConfig changes, kept at TrainingArguments' own
 SAME_AS_TRAINER = ("optim", "weight_decay", "warmup_steps", "logging_nan_inf_filter", "torch_empty_cache_steps",
                    "logging_steps")
@@ -241,10 +244,9 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
         raise ValueError(f"trainer_args {clash} are set by unsloth_sft_run's own arguments")
     fields = TrainingArguments.__dataclass_fields__
     kw = {k: fields[k].default for k in SAME_AS_TRAINER}
-    kw.update(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=1e-4,
-              report_to=[], save_strategy="no", bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
-              dataloader_num_workers=0, max_length=None, gradient_checkpointing=False, max_grad_norm=1.0,
-              lr_scheduler_type="linear", gradient_accumulation_steps=1)
+    kw.update(RECIPE, output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+              bf16=dtype == torch.bfloat16, max_length=None, gradient_checkpointing=False,
+              gradient_accumulation_steps=1)
     if logging_steps is not None:
         kw["logging_steps"] = logging_steps
     args = SFTConfig(**{**kw, **extra})
@@ -337,15 +339,13 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                                  "gradient_checkpointing"})
     if clash:
         raise ValueError(f"trainer_args {clash} are set by trainer_run's own arguments")
-    kw = dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
-              learning_rate=1e-4, use_cpu=device == "cpu", report_to=[], save_strategy="no",
-              bf16=dtype == torch.bfloat16, disable_tqdm=True, seed=0,
+    kw = dict(RECIPE, output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+              use_cpu=device == "cpu", bf16=dtype == torch.bfloat16,
               # Unsloth's checkpointing is its model's own (build): Trainer's would replace it
               gradient_checkpointing=gradient_checkpointing and peer != "unsloth", remove_unused_columns=False,
-              dataloader_num_workers=0,
               # a captured step cannot read the RNG state; the eager twin runs the same
               gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False},
-              gradient_accumulation_steps=accumulation, max_grad_norm=1.0, lr_scheduler_type="linear",
+              gradient_accumulation_steps=accumulation,
               use_liger_kernel=peer == "liger")
     if logging_steps is not None:
         kw["logging_steps"] = logging_steps
@@ -374,6 +374,6 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
             "trainer_args": {k: getattr(args, k) for k in extra}, "counters": packing.counters(), "kernels": packing.kernels(),
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "recompute_stats": recompute.describe(model) or None,
-            "wrapped": type(trainer.model_wrapped).__name__,
+            "wrapped": type(trainer.model_wrapped).__name__,  # the name: the result keeps no model alive
             # the attention the model ran, which Unsloth's loader chooses for itself
-            "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}  # the name: the result keeps no model alive
+            "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}
