@@ -379,11 +379,37 @@ def test_the_blog_section_gives_each_stacks_longest_and_the_headline_what_the_pr
     assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 (2.00×); not searched: "
                                   "stock + torch.compile, Liger-Kernel"}
     assert "Targets: met or not" in text
-    assert "Ours, as each row ran it: `user-long`: `optim.enable(model, mlp_chunk=4096, recompute='all')`." in text
+    assert "Ours, as each row ran it: `user-long` (m): `optim.enable(model, mlp_chunk=4096, recompute='all')`." in text
+    assert "[reports/context](context/README.md)" in text and "judged under \"Targets: met or not\", `context`." in text
     # a search still open on either side is said to be
     rows.pop(1)
     assert "; the peers' not yet bounded; not searched:" in blog.part(rows, {}, None)[1].measured["G"]
     assert blog.part([], {}, None)[0] == ""
+
+
+def test_the_blog_section_reads_a_second_experiment_its_models_ranks_and_a_peer_bounded_only_far_above():
+    """gpt-oss-20b's search (r=64, experiment context-moe) beside the dense models' (r=16): the text
+    names each model's rank and both experiments; a peer that trained at 16384 and ran out of memory
+    at 65536 has a longest somewhere between, and the headline says so instead of a bare ratio."""
+    from harness.report.blog import context as blog
+
+    dense = [_row("unsloth", "unsloth", 16384, "ok", 900.0) | {"lora_rank": 16, "experiment": "context"},
+             _row("unsloth", "unsloth", 17408, "oom") | {"lora_rank": 16, "experiment": "context"},
+             _row("user-long", "ours", 32768, "ok", 2000.0) | {"lora_rank": 16, "experiment": "context",
+                                                                "switches": {"recompute": "all", "mlp_chunk": 4096}}]
+    moe = [r | {"model": "oss", "lora_rank": 64, "experiment": "context-moe"}
+           for r in (_row("stock", "stock", 16384, "ok", 2352.0), _row("stock", "stock", 65536, "oom"),
+                     _row("user-long", "ours", 65536, "ok", 9146.0) | {"switches": {"recompute": "all"}})]
+    text, head = blog.part(dense + moe, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]}, None)
+    assert "bf16 LoRA, r=16 for m, r=64 for oss)" in text
+    assert "[reports/context](context/README.md), [reports/context-moe](context-moe/README.md)." in text
+    assert "judged under \"Targets: met or not\", `context` and `context-moe`." in text
+    assert ("`user-long` (m): `optim.enable(model, mlp_chunk=4096, recompute='all')`; "
+            "`user-long` (oss): `optim.enable(model, recompute='all')`") in text
+    claims = head.measured["G"].split("; oss: ")
+    assert "the best peer's lies between" not in claims[0]  # 16384 to 17407: settled enough
+    assert claims[1].startswith("ours 65536 tokens vs the best peer's 16384 (4.00×); "
+                                "the best peer's lies between 16384 and 65535; ours not yet bounded"), claims[1]
 
 
 def test_a_peer_role_never_searched_withholds_a_met_verdict_and_is_named():

@@ -22,11 +22,23 @@ def _claim(groups: dict, slug: str, model: str) -> str | None:
     if not o_len or not p_len:
         return None
     open_ = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
+    # a peer bounded from above but not bisected far: its longest is a range wide enough to move the ratio
+    unsettled = p_up != float("inf") and p_up + 1 > 1.25 * p_len
     searched = {role_of(groups[k][0]) for k in peers}
     missing = [ROLE_LABEL.get(r, r) for r in report.PEER_ROLES if r not in searched]
     return (f"{model}: ours {o_len} tokens vs the best peer's {p_len} ({fmt.times(o_len / p_len)})"
+            + (f"; the best peer's lies between {p_len} and {int(p_up)}" if unsettled else "")
             + (f"; {' and '.join(open_)} not yet bounded" if open_ else "")
             + (f"; not searched: {', '.join(missing)}" if missing else ""))
+
+
+def _ranks(groups: dict) -> str:
+    """The LoRA ranks the probes trained, per model: "r=16 for llama-3.1-8b and qwen3-8b-yarn, r=64
+    for gpt-oss-20b"."""
+    by_rank: dict = {}
+    for (_, model, _), rs in groups.items():
+        by_rank.setdefault(rs[0].get("lora_rank"), set()).add(model)
+    return ", ".join(f"r={r} for {' and '.join(sorted(ms))}" for r, ms in sorted(by_rank.items(), key=lambda kv: str(kv[0])))
 
 
 def _call(row: dict) -> str:
@@ -44,14 +56,19 @@ def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
     groups = report.by_variant([r for r in rows if r.get("kind", "step") == "step"])
     if not groups:
         return "", head
+    exps = sorted({r["experiment"] for rs in groups.values() for r in rs if r.get("experiment")}) or ["context"]
     parts = ["## 4. Long context on one GPU",
              "The longest single-document length each stack trains one full step at (forward, backward, "
-             "AdamW; bf16, LoRA r=16 on every linear layer), searched by `python -m harness context`: "
+             f"AdamW; bf16 LoRA, {_ranks(groups)}), searched by `python -m harness context`: "
              "doubling, then toward where the peaks of the lengths that trained say the card fills, then "
              "bisection, each probe a fresh process; an out-of-memory probe is the only one that bounds a "
              "length from above. Every table, step time and the offload bound at each length: "
-             "[reports/context](context/README.md)."]
-    calls = sorted({f"`{k[2]}`: {_call(rs[0])}" for k, rs in groups.items() if role_of(rs[0]) in OURS})
+             + ", ".join(f"[reports/{e}]({e}/README.md)" for e in exps) + "."]
+    ran: dict = {}  # each call of ours, with the models it ran on
+    for k, rs in groups.items():
+        if role_of(rs[0]) in OURS:
+            ran.setdefault((k[2], _call(rs[0])), set()).add(k[1])
+    calls = sorted(f"`{v}` ({', '.join(sorted(ms))}): {call}" for (v, call), ms in ran.items())
     if calls:
         parts.append("Ours, as each row ran it: " + "; ".join(calls) + ".")
     for slug in sorted({k[0] for k in groups}):
@@ -72,5 +89,6 @@ def part(rows: list[dict], spec: dict, ctx) -> tuple[str, Headline]:
         if claims:
             head.measured[gpu] = "; ".join(claims)
     if spec.get("targets"):
-        parts.append("Its targets are judged under \"Targets: met or not\", `context`.")
+        parts.append("Its targets are judged under \"Targets: met or not\", "
+                     + " and ".join(f"`{e}`" for e in exps) + ".")
     return "\n\n".join(parts), head
