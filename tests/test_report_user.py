@@ -128,6 +128,25 @@ def test_the_trainer_tables_compare_within_one_card():
     assert [r["× fastest peer"] for r in h200.rows()] == ["–"]
 
 
+def test_an_unsloth_row_drawn_from_other_weights_has_its_loss_diff_marked():
+    """Rows from before Unsloth's loader read stock's weights compare two random draws: their diff
+    is marked and the note says so; a row built from stock's weights is a plain figure."""
+    from harness.report.user import trainer_tables
+
+    def row(mode, losses, **kw):
+        return {"kind": "trainer", "gpu_slug": "h100", "model": "m", "tokens": 2048, "lora_rank": 64, "mode": mode,
+                "status": "ok", "ms": 100.0, "losses": losses, "recorded_at": "2026-11-28T07:00:00+00:00",
+                "steps": 2, "warmup": 0, **kw}
+
+    stock = row("stock", [10.0, 9.0], weights="stock")
+    text = trainer_tables([stock, row("unsloth", [10.1, 9.0]), row("unsloth-nockpt", [10.0, 9.09], weights="stock")])
+    lines = {x.split(" | ")[0].lstrip("| "): x for x in text.splitlines() if x.startswith("| ")}
+    assert "| 1.0e-02 † |" in lines["Trainer on Unsloth's FastLanguageModel"]
+    assert "| 1.0e-02 |" in lines["Trainer on Unsloth's FastLanguageModel, no checkpointing"]
+    assert "† a row from before Unsloth's loader read stock's weights" in text
+    assert "†" not in trainer_tables([stock, row("unsloth", [10.0, 9.0], weights="stock")])
+
+
 def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missing():
     from harness.report.user import trainer_tables
 

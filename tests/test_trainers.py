@@ -110,21 +110,83 @@ def test_unsloths_collator_is_the_stock_flattened_row_plus_each_documents_length
     assert lengths.dtype == torch.int32 and lengths.device.type == "cpu" and lengths.tolist() == [5, 3, 7]
 
 
-def test_unsloths_sft_run_trains_what_the_stock_trainer_trains_step_for_step(tmp_path, monkeypatch):
-    # Unsloth itself needs a GPU; its model builder stands aside for the harness's own build, so the
-    # rest of the run (TRL's SFTTrainer, the config kept at Trainer's defaults where Unsloth's differ,
-    # one micro-step of the same documents per optimizer step) is checked against stock on CPU
-    from transformers import TrainingArguments
+def _unsloth_loader_stand_in(monkeypatch, tmp_path):
+    """Unsloth itself needs a GPU: its loader stands aside for transformers' own, reading the model
+    directory the harness writes for Unsloth (``base`` saved there, as Unsloth would read it), with
+    peft's adapters on the harness's modules. Returns the ``base`` each build was given."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
 
     from harness.run import unsloth_stack
     from harness.workload import models
-    from harness.workload.trainers import SAME_AS_TRAINER, unsloth_sft_run
 
-    def build(spec, *, device, dtype, lora_rank, max_seq_length, gradient_checkpointing, seed):
-        return models.build(spec, device="cpu", dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False)
+    given = []
+
+    def build(spec, *, device, dtype, lora_rank, max_seq_length, gradient_checkpointing, seed, base=None):
+        given.append(base)
+        root = tmp_path / f"unsloth-dir-{len(given)}"
+        root.mkdir()
+        model = AutoModelForCausalLM.from_pretrained(unsloth_stack._model_dir(spec, root, base), dtype=dtype)
+        return get_peft_model(model, models.lora_config(spec, lora_rank)).train()
 
     monkeypatch.setattr(unsloth_stack, "check", lambda *a, **k: None)
     monkeypatch.setattr(unsloth_stack, "build", build)
+    return given
+
+
+def test_unsloth_under_trainer_trains_stocks_weights_step_for_step(tmp_path, monkeypatch):
+    """The Trainer bench's Unsloth run loads the weights stock trains (the loader's model directory
+    holds them), so the loss-diff column compares two stacks on one model; with Unsloth's own random
+    draw the first step's loss would already differ."""
+    given = _unsloth_loader_stand_in(monkeypatch, tmp_path)
+    docs = documents(12, 512, 20, 40)
+    kw = dict(ours=False, steps=3, batch_size=4, docs=docs, max_length=160, lora_rank=4)
+    theirs = trainer_run(MODEL, peer="unsloth", out_dir=str(tmp_path / "u"), **kw)
+    stock = trainer_run(MODEL, out_dir=str(tmp_path / "s"), **kw)
+    assert len(given) == 1 and callable(given[0]) and theirs["weights"] == stock["weights"] == "stock"
+    _close_curves(theirs["losses"], stock["losses"], 1e-4)
+
+
+def test_the_weights_built_for_unsloths_loader_are_released_before_it_loads(tmp_path):
+    """A function given as ``base`` builds the model, which is saved and let go: the card never
+    holds stock's copy beside Unsloth's (two copies of a 20B model fill an 80 GB card). A model
+    given as ``base`` is the caller's and is left alone."""
+    import gc
+    import weakref
+
+    from harness.run import unsloth_stack
+    from harness.workload import models
+    from harness.workload.trainers import stock_weights
+
+    spec = models.get(MODEL)
+    refs = []
+
+    def build():
+        m = stock_weights(spec, device="cpu", dtype=torch.float32)()
+        refs.append(weakref.ref(m))
+        return m
+
+    (tmp_path / "a").mkdir()
+    unsloth_stack._model_dir(spec, tmp_path / "a", build)
+    gc.collect()
+    assert len(refs) == 1 and refs[0]() is None, "the built model outlived its save"
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+    kept = stock_weights(spec, device="cpu", dtype=torch.float32)()
+    (tmp_path / "b").mkdir()
+    unsloth_stack._model_dir(spec, tmp_path / "b", kept)
+    assert next(kept.parameters()).numel() > 0  # still usable by its owner
+
+
+def test_unsloths_sft_run_trains_what_the_stock_trainer_trains_step_for_step(tmp_path, monkeypatch):
+    # Unsloth's loader stands aside (``_unsloth_loader_stand_in``), so the rest of the run (TRL's
+    # SFTTrainer, the config kept at Trainer's defaults where Unsloth's differ, one micro-step of
+    # the same documents per optimizer step, stock's weights) is checked against stock on CPU
+    from transformers import TrainingArguments
+
+    from harness.workload import models
+    from harness.workload.trainers import SAME_AS_TRAINER, unsloth_sft_run
+
+    given = _unsloth_loader_stand_in(monkeypatch, tmp_path)
     seen = {}
 
     from transformers import TrainerCallback
@@ -143,4 +205,5 @@ def test_unsloths_sft_run_trains_what_the_stock_trainer_trains_step_for_step(tmp
         **{k: str(fields[k].default) for k in SAME_AS_TRAINER},
         "gradient_accumulation_steps": "1"}
     assert sft["batching"] == "padded rows" and sft["gradient_checkpointing"] is False
+    assert len(given) == 1 and callable(given[0]) and sft["weights"] == "stock"
     assert len(sft["losses"]) == 3 and sft["losses"] == pytest.approx(stock["losses"], rel=1e-4)

@@ -91,7 +91,8 @@ def _one(cfg: dict) -> dict:
     return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
             "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats"),
             "gradient_checkpointing": r.get("gradient_checkpointing"),
-            "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching")}
+            "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
+            "weights": r.get("weights")}
 
 
 def profile_stem(model: str, max_length: int, name: str) -> str:
@@ -247,6 +248,7 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
                          "host_used_peak_gib": r.get("host_used_peak_gib"),
                          "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),
                          "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
+                         "weights": r.get("weights"),  # "stock": built from stock's weights, Unsloth's too
                          "optim": r.get("enabled") if name not in PEERS else None,
                          "recompute_stats": r.get("recompute_stats") if name not in PEERS else None})
             print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "

@@ -382,7 +382,8 @@ def trainer_tables(rows: list[dict]) -> str:
               "model with its own offloaded checkpointing under Trainer and under TRL's SFTTrainer as "
               "Unsloth runs it, batching its own choice, each with checkpointing and without) over "
               "the row; loss diff = the largest relative difference of a step's loss from the stock "
-              "row's in the same table (Unsloth's loader draws its own random weights, so its diff compares two draws).")]
+              "row's in the same table, every run from stock's weights (Unsloth's loader reads them).")]
+    other_draw = False  # an Unsloth row from before its loader read stock's weights
     by_model: dict[tuple, list[dict]] = {}
     for r in found:  # one table per card, workload and logging, each mode's newest row: never H200 over H100 stock
         # rows from before the bench recorded logging_steps logged every step
@@ -414,10 +415,13 @@ def trainer_tables(rows: list[dict]) -> str:
                 body.append([label, cell if status != "ok" else "no time recorded", DASH, DASH, DASH, DASH, DASH])
                 continue
             diff = loss_diff(r, stock_row)
+            drawn = str(r.get("mode")).startswith("unsloth") and r.get("weights") != "stock"
+            other_draw |= drawn and diff is not None
             body.append([label, f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
                          fmt.times(stock / ms) if stock else DASH,
                          fmt.times(peer_ms[fastest] / ms) if fastest else DASH, _gib(r.get("peak_gib")),
-                         DASH if diff is None else f"{diff:.1e}", f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
+                         DASH if diff is None else f"{diff:.1e}" + (" †" if drawn else ""),
+                         f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
         card = f" on the {group[0].get('device_name') or gpu}" if many else ""
         peers_note = (f"; fastest peer: {TRAINER_LABELS[fastest]}" if fastest else "; no peer row")
         if fastest and set(peer_ms) != set(TRAINER_PEERS):
@@ -428,6 +432,9 @@ def trainer_tables(rows: list[dict]) -> str:
                      + ("" if from_one_run(group) is not False else " (the modes' newest rows come from different runs)"))
         parts.append(fmt.table(["run", "ms/step", "× stock", "× fastest peer", "peak GiB", "loss diff", "steps"],
                                body))
+    if other_draw:
+        parts.append("† a row from before Unsloth's loader read stock's weights: Unsloth drew its own random "
+                     "ones, so its loss diff compares two draws, not two stacks on one model.")
     return "\n\n".join(parts)
 
 

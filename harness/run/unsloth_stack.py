@@ -68,14 +68,21 @@ def _target_modules(spec) -> list[str]:
 
 def _model_dir(spec, root: Path, base=None) -> Path:
     """A local model directory: the shape's config, a four-word tokenizer, and one weight (the rest
-    drawn at load), or ``base``'s weights where a bare transformers model is given."""
+    drawn at load), or ``base``'s weights where a bare transformers model is given. ``base`` may
+    also be a function that builds one: that model is saved and released here, so the card never
+    holds it and Unsloth's copy at once (a 20B model's two copies fill an 80 GB card)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if base is not None:
-        base.save_pretrained(root)  # its config and every weight (tied ones once)
+        model = base if isinstance(base, torch.nn.Module) else base()
+        model.save_pretrained(root)  # its config and every weight (tied ones once)
+        if model is not base:
+            del model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     else:
         config = spec.config()
         config.save_pretrained(root)
@@ -111,8 +118,9 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_l
 def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gradient_checkpointing: bool,
           seed: int, batch_size: int = 1, base=None):
     """The point's model, built by Unsloth; PeerUnavailable where it cannot be here. ``base``: a
-    bare transformers model of ``spec`` whose weights Unsloth loads (else they are random), so
-    another stack's model can be trained from the same weights."""
+    bare transformers model of ``spec``, or a function that builds one, whose weights Unsloth loads
+    (else it draws its own random ones), so another stack's model can be trained from the same
+    weights."""
     check(spec, device=device, lora_rank=lora_rank, batch_size=batch_size, max_seq_length=max_seq_length)
     import torch
     from unsloth import FastLanguageModel

@@ -201,6 +201,13 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
             "enabled": optim.enabled(trainer.model), "n_gpu": trainer.args.n_gpu}
 
 
+def stock_weights(spec, *, device, dtype):
+    """A function that builds stock's bare model as ``trainer_run`` does (seed 0, on ``device``, whose
+    generator draws the weights), for Unsloth's loader to read: its runs train the weights stock
+    trains, so their losses compare step for step (``unsloth_stack.build(base=...)``)."""
+    return lambda: models.build(spec, device=device, dtype=dtype, lora_rank=None, gradient_checkpointing=False)
+
+
 # the training recipe every Trainer run here shares: the same schedule, clipping and seed
 RECIPE = dict(learning_rate=1e-4, max_grad_norm=1.0, lr_scheduler_type="linear", seed=0, report_to=[],
               save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
@@ -214,7 +221,8 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
                     gradient_checkpointing: bool = True, logging_steps: int | None = None,
                     trainer_args: dict | None = None, callbacks: list | None = None) -> dict:
     """What an Unsloth user runs: TRL's ``SFTTrainer`` (which Unsloth, imported first, patches) on
-    the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``), the documents
+    the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``) with stock's weights
+    (``stock_weights``), the documents
     pre-tokenized, every batching choice left to Unsloth: padding-free where it turns that on by
     itself (the document lengths to its attention), a document per padded row where it does not
     (gpt-oss, whose attention would cross documents). ``max_length`` None in the config, as TRL
@@ -237,7 +245,8 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
-                                max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0)
+                                max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0,
+                                base=stock_weights(spec, device=device, dtype=dtype))
     extra = dict(trainer_args or {})
     clash = sorted(set(extra) & {"logging_steps", "output_dir", "max_steps", "gradient_checkpointing"})
     if clash:
@@ -266,6 +275,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     trainer.train()
     batching = "packing" if trainer.args.packing else "padding-free" if trainer.args.padding_free else "padded rows"
     return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps, "batching": batching,
+            "weights": "stock",
             "gradient_checkpointing": any(checkpointing),
             "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}
 
@@ -288,8 +298,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     is left off, as Unsloth's examples leave it), fed the stock flattened row plus the document
     lengths Unsloth's padding-free collator adds (``UnslothFlattening``, which says where its
     attention reads them); the process must have
-    imported Unsloth first (``python -m harness _trainer_run`` does), and its weights are Unsloth's
-    own random draw, not the harness build's. Liger's patches for a family are partly module-wide
+    imported Unsloth first (``python -m harness _trainer_run`` does), and its loader reads stock's
+    weights (``stock_weights``), so its losses compare with stock's step for step. Liger's patches for a family are partly module-wide
     (its RoPE function, its RMSNorm class), so a process that ran it runs later models of that
     family with them. Each raises ``harness.run.peers.PeerUnavailable`` where it cannot run here.
     ``gradient_checkpointing`` False runs without it (a peer whose model fits).
@@ -321,7 +331,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
         torch.cuda.reset_peak_memory_stats()
     if peer == "unsloth":
         model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
-                                    max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0)
+                                    max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0,
+                                    base=stock_weights(spec, device=device, dtype=dtype))
     else:
         model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
                              attn_implementation=attn_implementation, experts_implementation=experts_implementation)
@@ -375,5 +386,6 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "recompute_stats": recompute.describe(model) or None,
             "wrapped": type(trainer.model_wrapped).__name__,  # the name: the result keeps no model alive
+            "weights": "stock",  # every run's, Unsloth's loader included (stock_weights)
             # the attention the model ran, which Unsloth's loader chooses for itself
             "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}
