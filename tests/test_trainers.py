@@ -196,8 +196,12 @@ def test_unsloths_sft_run_trains_what_the_stock_trainer_trains_step_for_step(tmp
             seen.update({k: getattr(args, k) for k in (*SAME_AS_TRAINER, "gradient_accumulation_steps")})
 
     docs = [{**d, "labels": d["input_ids"]} for d in documents(6, models.get("qwen3-0.6b-tiny").vocab_size, 32, 33)]
+    profile = {"out_dir": str(tmp_path), "stem": "sft", "start": 1, "steps": 2,  # as the bench's --profile asks
+               "summary": {"model": "qwen3-0.6b-tiny", "seq_len": 64, "variant": "Trainer unsloth-sft"}}
     sft = unsloth_sft_run("qwen3-0.6b-tiny", steps=3, batch_size=2, docs=docs, max_length=64, device="cpu",
-                          dtype=torch.float32, lora_rank=4, out_dir=str(tmp_path / "sft"), callbacks=[Args()])
+                          dtype=torch.float32, lora_rank=4, out_dir=str(tmp_path / "sft"), callbacks=[Args()],
+                          profile=profile)
+    assert json.loads((tmp_path / "sft.summary.json").read_text())["steps"] == 2
     stock = trainer_run("qwen3-0.6b-tiny", ours=False, steps=3, batch_size=2, docs=docs, max_length=64,
                         lora_rank=4, out_dir=str(tmp_path / "stock"))
     fields = TrainingArguments.__dataclass_fields__

@@ -79,7 +79,7 @@ def _one(cfg: dict) -> dict:
             if name.removesuffix(NOCKPT) == SFT:
                 r = unsloth_sft_run(model, gradient_checkpointing=not name.endswith(NOCKPT),
                                     **{k: v for k, v in kw.items() if k not in ("attn_implementation",
-                                                                                "experts_implementation", "profile")})
+                                                                                "experts_implementation")})
             elif name in PEERS:
                 peer = name.removesuffix(NOCKPT)
                 r = trainer_run(model, ours=False, peer=None if peer == "stock" else peer,

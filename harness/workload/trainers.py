@@ -201,6 +201,18 @@ def sft_run(model_name: str, *, ours: bool, mode: str, steps: int, batch_size: i
             "enabled": optim.enabled(trainer.model), "n_gpu": trainer.args.n_gpu}
 
 
+def _profiler(profile: dict | None) -> list:
+    """The callback that profiles ``profile``'s steps (``trainer_run``'s argument), or none."""
+    if not profile:
+        return []
+    from pathlib import Path
+
+    from harness.run.profile import trainer_profiler
+
+    return [trainer_profiler(Path(profile["out_dir"]), profile["stem"], start=profile["start"],
+                             steps=profile["steps"], summary=profile["summary"], trace=profile.get("trace", False))]
+
+
 def stock_weights(spec, *, device, dtype):
     """A function that builds stock's bare model as ``trainer_run`` does (seed 0, on ``device``, whose
     generator draws the weights), for Unsloth's loader to read: its runs train the weights stock
@@ -219,7 +231,8 @@ SAME_AS_TRAINER = ("optim", "weight_decay", "warmup_steps", "logging_nan_inf_fil
 def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[dict], max_length: int,
                     device: str = "cuda", dtype=torch.bfloat16, lora_rank: int = 16, out_dir: str, warmup: int = 0,
                     gradient_checkpointing: bool = True, logging_steps: int | None = None,
-                    trainer_args: dict | None = None, callbacks: list | None = None) -> dict:
+                    trainer_args: dict | None = None, callbacks: list | None = None,
+                    profile: dict | None = None) -> dict:
     """What an Unsloth user runs: TRL's ``SFTTrainer`` (which Unsloth, imported first, patches) on
     the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``) with stock's weights
     (``stock_weights``), the documents
@@ -233,7 +246,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     ``TrainingArguments`` are set to its defaults here (``SAME_AS_TRAINER``), so each optimizer
     step trains the same tokens with the same optimizer. The process must have imported Unsloth
     first (``python -m harness _trainer_run`` does); PeerUnavailable where it cannot run here.
-    ``batching`` says what Unsloth chose."""
+    ``batching`` says what Unsloth chose; ``profile`` as ``trainer_run``'s."""
     from datasets import Dataset
     from transformers import TrainerCallback, TrainingArguments
     from trl import SFTConfig, SFTTrainer
@@ -269,7 +282,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
 
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer(spec.vocab_size),
                          train_dataset=Dataset.from_list([{"input_ids": d["input_ids"]} for d in docs]),
-                         callbacks=[timer.callback, _Checkpointing(), *(callbacks or [])])
+                         callbacks=[timer.callback, _Checkpointing(), *(callbacks or []), *_profiler(profile)])
     losses = StepLosses()
     losses.attach(trainer)
     trainer.train()
@@ -366,15 +379,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     cls = Trainer
     if graphed:
         from optim.trainer import GraphedTrainer as cls
-    callbacks = [timer.callback, *(callbacks or [])]
-    if profile:
-        from pathlib import Path
-
-        from harness.run.profile import trainer_profiler
-
-        callbacks.append(trainer_profiler(Path(profile["out_dir"]), profile["stem"], start=profile["start"],
-                                          steps=profile["steps"], summary=profile["summary"],
-                                          trace=profile.get("trace", False)))
+    callbacks = [timer.callback, *(callbacks or []), *_profiler(profile)]
     trainer = cls(model=model, args=args, train_dataset=docs, data_collator=collator, callbacks=callbacks)
     losses = StepLosses()
     losses.attach(trainer)
