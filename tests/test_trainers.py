@@ -151,7 +151,6 @@ def test_the_weights_built_for_unsloths_loader_are_released_before_it_loads(tmp_
     """A function given as ``base`` builds the model, which is saved and let go: the card never
     holds stock's copy beside Unsloth's (two copies of a 20B model fill an 80 GB card). A model
     given as ``base`` is the caller's and is left alone."""
-    import gc
     import weakref
 
     from harness.run import unsloth_stack
@@ -168,7 +167,6 @@ def test_the_weights_built_for_unsloths_loader_are_released_before_it_loads(tmp_
 
     (tmp_path / "a").mkdir()
     unsloth_stack._model_dir(spec, tmp_path / "a", build)
-    gc.collect()
     assert len(refs) == 1 and refs[0]() is None, "the built model outlived its save"
     assert (tmp_path / "a" / "model.safetensors").is_file()
     kept = stock_weights(spec, device="cpu", dtype=torch.float32)()

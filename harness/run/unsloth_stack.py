@@ -32,6 +32,7 @@ process launcher), and on one GPU.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -81,6 +82,7 @@ def _model_dir(spec, root: Path, base=None) -> Path:
         model.save_pretrained(root)  # its config and every weight (tied ones once)
         if model is not base:
             del model
+            gc.collect()  # a module graph can hold cycles: freed now, not at the collector's leisure
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     else:
