@@ -138,13 +138,18 @@ def test_an_unsloth_row_drawn_from_other_weights_has_its_loss_diff_marked():
                 "status": "ok", "ms": 100.0, "losses": losses, "recorded_at": "2026-11-28T07:00:00+00:00",
                 "steps": 2, "warmup": 0, **kw}
 
-    stock = row("stock", [10.0, 9.0], weights="stock")
-    text = trainer_tables([stock, row("unsloth", [10.1, 9.0]), row("unsloth-nockpt", [10.0, 9.09], weights="stock")])
+    stock = row("stock", [10.0, 9.0])  # a row from before the field: stock's build all the same
+    text = trainer_tables([stock, row("unsloth", [10.1, 9.0]), row("unsloth-nockpt", [10.0, 9.09], weights="stock"),
+                           row("unsloth-sft", [10.0, 9.0], weights="Unsloth's own draw: no room"),
+                           row("ours", [10.0, 9.18]), row("liger", None)])
     lines = {x.split(" | ")[0].lstrip("| "): x for x in text.splitlines() if x.startswith("| ")}
-    assert "| 1.0e-02 † |" in lines["Trainer on Unsloth's FastLanguageModel"]
+    assert "| 1.0e-02 ‡ |" in lines["Trainer on Unsloth's FastLanguageModel"]
+    assert "| 0.0e+00 ‡ |" in lines["Unsloth's SFTTrainer"]
     assert "| 1.0e-02 |" in lines["Trainer on Unsloth's FastLanguageModel, no checkpointing"]
-    assert "† a row from before Unsloth's loader read stock's weights" in text
-    assert "†" not in trainer_tables([stock, row("unsloth", [10.0, 9.0], weights="stock")])
+    assert "| 2.0e-02 |" in lines["Trainer after optim.enable(model)"]  # only Unsloth's loader draws
+    assert "‡ Unsloth drew its own random weights" in text
+    assert "‡" not in trainer_tables([stock, row("unsloth", [10.0, 9.0], weights="stock")])
+    assert "‡" not in trainer_tables([row("unsloth", None)])  # no diff to mark, no note
 
 
 def test_the_trainer_table_divides_by_the_fastest_peer_and_says_why_one_is_missing():

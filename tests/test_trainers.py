@@ -113,38 +113,74 @@ def test_unsloths_collator_is_the_stock_flattened_row_plus_each_documents_length
 def _unsloth_loader_stand_in(monkeypatch, tmp_path):
     """Unsloth itself needs a GPU: its loader stands aside for transformers' own, reading the model
     directory the harness writes for Unsloth (``base`` saved there, as Unsloth would read it), with
-    peft's adapters on the harness's modules. Returns the ``base`` each build was given."""
+    peft's adapters on the harness's modules, drawn after reseeding as Unsloth's ``get_peft_model``
+    (``random_state``) does. Every bare model built for it must be gone before it loads (the card
+    would hold two copies). Returns the ``base`` each build was given."""
+    import weakref
+
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from harness.run import unsloth_stack
     from harness.workload import models
 
-    given = []
+    given, bare, real_build = [], [], models.build
+
+    def tracked_build(*a, **k):
+        m = real_build(*a, **k)
+        if k.get("lora_rank", 16) is None:
+            bare.append(weakref.ref(m))
+        return m
 
     def build(spec, *, device, dtype, lora_rank, max_seq_length, gradient_checkpointing, seed, base=None):
         given.append(base)
         root = tmp_path / f"unsloth-dir-{len(given)}"
         root.mkdir()
-        model = AutoModelForCausalLM.from_pretrained(unsloth_stack._model_dir(spec, root, base), dtype=dtype)
+        directory = unsloth_stack._model_dir(spec, root, base)
+        assert all(r() is None for r in bare), "stock's weights are still held while Unsloth loads"
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        torch.manual_seed(seed)
         return get_peft_model(model, models.lora_config(spec, lora_rank)).train()
 
+    monkeypatch.setattr(models, "build", tracked_build)
     monkeypatch.setattr(unsloth_stack, "check", lambda *a, **k: None)
     monkeypatch.setattr(unsloth_stack, "build", build)
     return given
 
 
-def test_unsloth_under_trainer_trains_stocks_weights_step_for_step(tmp_path, monkeypatch):
-    """The Trainer bench's Unsloth run loads the weights stock trains (the loader's model directory
-    holds them), so the loss-diff column compares two stacks on one model; with Unsloth's own random
-    draw the first step's loss would already differ."""
+def test_unsloth_under_trainer_trains_stocks_base_weights(tmp_path, monkeypatch):
+    """The Trainer bench's Unsloth run loads the base weights stock trains (the loader's model
+    directory holds them): its first step, before the adapters (lora_B at zero) move, is stock's
+    model, and the later steps part only by the adapters' draw. Without room on the disk Unsloth
+    draws its own weights, and the row says so."""
+    from harness.run import unsloth_stack
+
     given = _unsloth_loader_stand_in(monkeypatch, tmp_path)
     docs = documents(12, 512, 20, 40)
     kw = dict(ours=False, steps=3, batch_size=4, docs=docs, max_length=160, lora_rank=4)
     theirs = trainer_run(MODEL, peer="unsloth", out_dir=str(tmp_path / "u"), **kw)
     stock = trainer_run(MODEL, out_dir=str(tmp_path / "s"), **kw)
     assert len(given) == 1 and callable(given[0]) and theirs["weights"] == stock["weights"] == "stock"
-    _close_curves(theirs["losses"], stock["losses"], 1e-4)
+    _close_curves(theirs["losses"][:1], stock["losses"][:1], 1e-6)
+    _close_curves(theirs["losses"], stock["losses"], 1e-3)
+
+    monkeypatch.setattr(unsloth_stack, "no_room_for_weights", lambda spec, dtype: "no room here")
+    drawn = trainer_run(MODEL, peer="unsloth", out_dir=str(tmp_path / "d"), **kw)
+    assert given[1] is None and drawn["weights"] == "Unsloth's own draw: no room here"
+    assert abs(drawn["losses"][0] - stock["losses"][0]) > 1e-6 * stock["losses"][0]  # another model
+
+
+def test_the_weights_room_is_read_from_the_temporary_directory(tmp_path, monkeypatch):
+    import shutil
+
+    from harness.run import unsloth_stack
+    from harness.workload import models
+
+    spec = models.get(MODEL)
+    assert unsloth_stack.no_room_for_weights(spec, torch.bfloat16, str(tmp_path)) is None
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
+    why = unsloth_stack.no_room_for_weights(spec, torch.bfloat16, str(tmp_path))
+    assert why.startswith(f"{spec.name}'s weights need ") and f"{tmp_path} has 0.0 GiB free" in why
 
 
 def test_the_weights_built_for_unsloths_loader_are_released_before_it_loads(tmp_path):

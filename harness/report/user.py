@@ -382,8 +382,10 @@ def trainer_tables(rows: list[dict]) -> str:
               "model with its own offloaded checkpointing under Trainer and under TRL's SFTTrainer as "
               "Unsloth runs it, batching its own choice, each with checkpointing and without) over "
               "the row; loss diff = the largest relative difference of a step's loss from the stock "
-              "row's in the same table, every run from stock's weights (Unsloth's loader reads them).")]
-    other_draw = False  # an Unsloth row from before its loader read stock's weights
+              "row's in the same table. Every run starts from stock's base weights (Unsloth's loader "
+              "reads them); Unsloth's adapters are its own draw, lora_B at zero, so its first step is "
+              "stock's model and its later steps part by the adapters' draw.")]
+    other_draw = False  # an Unsloth row whose loader drew its own weights
     by_model: dict[tuple, list[dict]] = {}
     for r in found:  # one table per card, workload and logging, each mode's newest row: never H200 over H100 stock
         # rows from before the bench recorded logging_steps logged every step
@@ -420,7 +422,7 @@ def trainer_tables(rows: list[dict]) -> str:
             body.append([label, f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
                          fmt.times(stock / ms) if stock else DASH,
                          fmt.times(peer_ms[fastest] / ms) if fastest else DASH, _gib(r.get("peak_gib")),
-                         DASH if diff is None else f"{diff:.1e}" + (" †" if drawn else ""),
+                         DASH if diff is None else f"{diff:.1e}" + (" ‡" if drawn else ""),
                          f"{r.get('steps')} ({r.get('warmup')} warm-up)"])
         card = f" on the {group[0].get('device_name') or gpu}" if many else ""
         peers_note = (f"; fastest peer: {TRAINER_LABELS[fastest]}" if fastest else "; no peer row")
@@ -433,8 +435,9 @@ def trainer_tables(rows: list[dict]) -> str:
         parts.append(fmt.table(["run", "ms/step", "× stock", "× fastest peer", "peak GiB", "loss diff", "steps"],
                                body))
     if other_draw:
-        parts.append("† a row from before Unsloth's loader read stock's weights: Unsloth drew its own random "
-                     "ones, so its loss diff compares two draws, not two stacks on one model.")
+        parts.append("‡ Unsloth drew its own random weights (a row from before its loader read stock's, or "
+                     "one whose disk had no room to hand them over): its loss diff compares two draws, not two "
+                     "stacks on one model.")
     return "\n\n".join(parts)
 
 

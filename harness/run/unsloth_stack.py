@@ -79,7 +79,7 @@ def _model_dir(spec, root: Path, base=None) -> Path:
 
     if base is not None:
         model = base if isinstance(base, torch.nn.Module) else base()
-        model.save_pretrained(root)  # its config and every weight (tied ones once)
+        model.save_pretrained(root, max_shard_size="2GB")  # config, every weight (tied ones once), shards the host copies one at a time
         if model is not base:
             del model
             gc.collect()  # a module graph can hold cycles: freed now, not at the collector's leisure
@@ -95,6 +95,25 @@ def _model_dir(spec, root: Path, base=None) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(root)
     return root
+
+
+def no_room_for_weights(spec, dtype, directory: str | None = None) -> str | None:
+    """Why ``spec``'s weights in ``dtype`` would not fit, with a tenth to spare, in the temporary
+    directory Unsloth's loader reads them from (``TMPDIR`` moves it); None where they fit."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        n = AutoModelForCausalLM.from_config(spec.config(), dtype=dtype).num_parameters()
+    need = 1.1 * n * dtype.itemsize
+    root = directory or tempfile.gettempdir()
+    free = shutil.disk_usage(root).free
+    if free >= need:
+        return None
+    return (f"{spec.name}'s weights need {need / 2**30:.1f} GiB and {root} has {free / 2**30:.1f} GiB free "
+            "(TMPDIR moves it)")
 
 
 def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_length: int | None = None) -> None:

@@ -215,9 +215,23 @@ def _profiler(profile: dict | None) -> list:
 
 def stock_weights(spec, *, device, dtype):
     """A function that builds stock's bare model as ``trainer_run`` does (seed 0, on ``device``, whose
-    generator draws the weights), for Unsloth's loader to read: its runs train the weights stock
-    trains, so their losses compare step for step (``unsloth_stack.build(base=...)``)."""
+    generator draws the weights), for Unsloth's loader to read (``unsloth_stack.build(base=...)``)."""
     return lambda: models.build(spec, device=device, dtype=dtype, lora_rank=None, gradient_checkpointing=False)
+
+
+def unsloth_weights(spec, *, device, dtype) -> tuple:
+    """What Unsloth's loader is handed, and the row's ``weights``: stock's base weights
+    (``stock_weights``) and ``"stock"``, so Unsloth trains the model stock trains (its adapters are
+    its own draw, lora_B at zero: the first step's loss is stock's model, the later ones part by
+    the adapters' draw); or, where the temporary directory has no room for them, nothing (Unsloth
+    draws its own) and why."""
+    from harness.run import unsloth_stack
+
+    why = unsloth_stack.no_room_for_weights(spec, dtype)
+    if why is None:
+        return stock_weights(spec, device=device, dtype=dtype), "stock"
+    print(f"Unsloth draws its own random weights: {why}", flush=True)
+    return None, f"Unsloth's own draw: {why}"
 
 
 # the training recipe every Trainer run here shares: the same schedule, clipping and seed
@@ -234,8 +248,8 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
                     trainer_args: dict | None = None, callbacks: list | None = None,
                     profile: dict | None = None) -> dict:
     """What an Unsloth user runs: TRL's ``SFTTrainer`` (which Unsloth, imported first, patches) on
-    the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``) with stock's weights
-    (``stock_weights``), the documents
+    the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``) with stock's base
+    weights where the disk has room (``unsloth_weights``), the documents
     pre-tokenized, every batching choice left to Unsloth: padding-free where it turns that on by
     itself (the document lengths to its attention), a document per padded row where it does not
     (gpt-oss, whose attention would cross documents). ``max_length`` None in the config, as TRL
@@ -257,9 +271,10 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     unsloth_stack.check(spec, device=torch.device(device), lora_rank=lora_rank, max_seq_length=max_length)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    base, weights = unsloth_weights(spec, device=device, dtype=dtype)
     model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
                                 max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0,
-                                base=stock_weights(spec, device=device, dtype=dtype))
+                                base=base)
     extra = dict(trainer_args or {})
     clash = sorted(set(extra) & {"logging_steps", "output_dir", "max_steps", "gradient_checkpointing"})
     if clash:
@@ -288,7 +303,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     trainer.train()
     batching = "packing" if trainer.args.packing else "padding-free" if trainer.args.padding_free else "padded rows"
     return {**_summary(trainer, timer, warmup, losses), "logging_steps": args.logging_steps, "batching": batching,
-            "weights": "stock",
+            "weights": weights,
             "gradient_checkpointing": any(checkpointing),
             "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}
 
@@ -310,11 +325,10 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     Unsloth's ``FastLanguageModel`` with its LoRA and its own checkpointing (offloaded; Trainer's
     is left off, as Unsloth's examples leave it), fed the stock flattened row plus the document
     lengths Unsloth's padding-free collator adds (``UnslothFlattening``, which says where its
-    attention reads them); the process must have
-    imported Unsloth first (``python -m harness _trainer_run`` does), and its loader reads stock's
-    weights (``stock_weights``), so its losses compare with stock's step for step. Liger's patches for a family are partly module-wide
-    (its RoPE function, its RMSNorm class), so a process that ran it runs later models of that
-    family with them. Each raises ``harness.run.peers.PeerUnavailable`` where it cannot run here.
+    attention reads them); the process must have imported Unsloth first (``python -m harness
+    _trainer_run`` does), and its loader reads stock's base weights where the disk has room
+    (``unsloth_weights``). Liger's patches for a family are partly module-wide (its RoPE function,
+    its RMSNorm class), so a process that ran it runs later models of that family with them. Each raises ``harness.run.peers.PeerUnavailable`` where it cannot run here.
     ``gradient_checkpointing`` False runs without it (a peer whose model fits).
 
     ``losses`` are each optimizer step's, read without logging every step (``StepLosses``);
@@ -343,10 +357,12 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if peer == "unsloth":
+        base, weights = unsloth_weights(spec, device=device, dtype=dtype)
         model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
                                     max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0,
-                                    base=stock_weights(spec, device=device, dtype=dtype))
+                                    base=base)
     else:
+        weights = "stock"
         model = models.build(spec, device=device, dtype=dtype, lora_rank=lora_rank, gradient_checkpointing=False,
                              attn_implementation=attn_implementation, experts_implementation=experts_implementation)
     if peer == "compiled":
@@ -391,6 +407,6 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
             "enabled": optim.enabled(model), "n_gpu": trainer.args.n_gpu,
             "recompute_stats": recompute.describe(model) or None,
             "wrapped": type(trainer.model_wrapped).__name__,  # the name: the result keeps no model alive
-            "weights": "stock",  # every run's, Unsloth's loader included (stock_weights)
+            "weights": weights,  # "stock": stock's base weights, Unsloth's loader's too (unsloth_weights)
             # the attention the model ran, which Unsloth's loader chooses for itself
             "attn_implementation_used": getattr(model.config, "_attn_implementation", None)}

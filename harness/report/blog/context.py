@@ -26,8 +26,9 @@ def _claim(groups: dict, slug: str, model: str) -> str | None:
     unsettled = p_up != float("inf") and p_up + 1 > 1.25 * p_len
     searched = {role_of(groups[k][0]) for k in peers}
     missing = [ROLE_LABEL.get(r, r) for r in report.PEER_ROLES if r not in searched]
-    return (f"{model}: ours {o_len} tokens vs the best peer's {p_len} ({fmt.times(o_len / p_len)})"
-            + (f"; the best peer's lies between {p_len} and {int(p_up)}" if unsettled else "")
+    peer = (f"the best peer's {p_len} to {int(p_up)}, not bisected further ({fmt.times(o_len / p_up)} to "
+            f"{fmt.times(o_len / p_len)})" if unsettled else f"the best peer's {p_len} ({fmt.times(o_len / p_len)})")
+    return (f"{model}: ours {o_len} tokens vs {peer}"
             + (f"; {' and '.join(open_)} not yet bounded" if open_ else "")
             + (f"; not searched: {', '.join(missing)}" if missing else ""))
 
@@ -38,7 +39,8 @@ def _ranks(groups: dict) -> str:
     by_rank: dict = {}
     for (_, model, _), rs in groups.items():
         by_rank.setdefault(rs[0].get("lora_rank"), set()).add(model)
-    return ", ".join(f"r={r} for {' and '.join(sorted(ms))}" for r, ms in sorted(by_rank.items(), key=lambda kv: str(kv[0])))
+    return ", ".join(f"r={r} for {' and '.join(sorted(ms))}"
+                     for r, ms in sorted(by_rank.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
 
 
 def _call(row: dict) -> str:
