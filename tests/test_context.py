@@ -412,6 +412,10 @@ def test_the_blog_section_reads_a_second_experiment_its_models_ranks_and_a_peer_
     # 16384 to 65535: the ratio is a range, from the peer's upper bound to its longest trained
     assert claims[1].startswith("ours 65536 tokens vs the best peer's 16384 to 65535, not bisected further "
                                 "(1.00× to 4.00×); ours not yet bounded"), claims[1]
+    # 16384 to 24575: half again, more than a quarter, is a range too
+    mid = [r | {"model": "mid"} for r in (_row("stock", "stock", 16384, "ok", 1.0), _row("stock", "stock", 24576, "oom"),
+                                         _row("user-long", "ours", 32768, "ok", 2.0))]
+    assert "the best peer's 16384 to 24575, not bisected further (1.33× to 2.00×)" in blog.part(mid, {}, None)[1].measured["G"]
     ranks = [_row("p", "stock", 1024, "ok", 1.0) | {"model": f"r{r}", "lora_rank": r} for r in (128, 16, 64)]
     assert "bf16 LoRA, r=16 for r16, r=64 for r64, r=128 for r128)" in blog.part(ranks, {}, None)[0]  # by number
 
