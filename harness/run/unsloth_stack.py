@@ -79,7 +79,8 @@ def _model_dir(spec, root: Path, base=None) -> Path:
 
     if base is not None:
         model = base if isinstance(base, torch.nn.Module) else base()
-        model.save_pretrained(root, max_shard_size="2GB")  # config, every weight (tied ones once), shards the host copies one at a time
+        # its config and every weight (tied ones once), in shards the host holds one at a time
+        model.save_pretrained(root, max_shard_size="2GB")
         if model is not base:
             del model
             gc.collect()  # a module graph can hold cycles: freed now, not at the collector's leisure

@@ -328,7 +328,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     attention reads them); the process must have imported Unsloth first (``python -m harness
     _trainer_run`` does), and its loader reads stock's base weights where the disk has room
     (``unsloth_weights``). Liger's patches for a family are partly module-wide (its RoPE function,
-    its RMSNorm class), so a process that ran it runs later models of that family with them. Each raises ``harness.run.peers.PeerUnavailable`` where it cannot run here.
+    its RMSNorm class), so a process that ran it runs later models of that family with them. Each
+    raises ``harness.run.peers.PeerUnavailable`` where it cannot run here.
     ``gradient_checkpointing`` False runs without it (a peer whose model fits).
 
     ``losses`` are each optimizer step's, read without logging every step (``StepLosses``);
