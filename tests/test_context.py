@@ -227,8 +227,9 @@ def test_the_report_judges_ours_against_the_best_peer_at_its_longest_length(tmp_
     assert "| m | unsloth | unsloth | 16384 | 20480 (oom) |" in text
     assert "| m | user | user | 32768 | 65536 (timeout) |" in text
     # ours are the user and ours roles (not the ablation); of the peers tied at 16384, the fastest
-    assert ("| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `compiled`); ours could go "
-            "longer: no probe above ran out of memory (timed out, the point's time limit: `user` at 65536) | yes |") in text
+    # the peers bracketed at 16384 to 20479: the ratio is the range that bracket allows
+    assert ("| ours' longest ≥ 1.5× the best peer's, m (g) | 1.60× to 2.00× (32768 `user` vs 16384 to 20479 `compiled`); "
+            "ours could go longer: no probe above ran out of memory (timed out, the point's time limit: `user` at 65536) | yes |") in text
     # of ours' rows at that length, the fastest (a-slow's 2500 ms is not it)
     assert "| ours faster than the best peer at its longest length, m (g) | 1500.0 vs 1800.0 ms at 16384 | yes |" in text
     # a probe past the point's time limit is the harness's limit, not the card's: 65536 is not yet known
@@ -295,8 +296,8 @@ def test_a_peer_that_never_ran_bounds_nothing_and_a_skipped_probe_is_shown():
             *_short("stock", "stock-compiled")]
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5,
                                                  "faster_at_peer_longest": True, "fits": 131072}]})
-    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 2.00× (32768 `user` vs 16384 `liger`); ours could go " \
-           "longer: no probe above ran out of memory | yes |" in text
+    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 1.60× to 2.00× (32768 `user` vs 16384 to 20479 `liger`); " \
+           "ours could go longer: no probe above ran out of memory | yes |" in text
     assert "| ours faster than the best peer at its longest length, m (g) | 800.0 vs 900.0 ms at 16384 | yes |" in text
     # user-long ended at a skipped probe: ours' longest is open-ended, so 131072 is not yet known
     assert "| ours trains at 131072 tokens, m (g) | longest 32768 | not yet known |" in text
@@ -349,7 +350,7 @@ def test_an_oom_bounds_past_a_timeout_below_it_and_a_peer_that_only_timed_out_bo
     spec = {"targets": [{"model": "m", "min_over_best_peer": 2.0, "fits": 32768}]}
     text = report.lead(ours + peer, ours + peer, spec)
     assert "| ours trains at 32768 tokens, m (g) | longest 16384 | no |" in text
-    assert text.count("could go longer") == 0 and "| ours' longest ≥ 2.0× the best peer's, m (g) | 1.00× " in text
+    assert text.count("could go longer") == 0 and "| ours' longest ≥ 2.0× the best peer's, m (g) | 0.80× to 1.00× " in text
     assert next(x for x in text.splitlines() if x.startswith("| ours' longest")).endswith("| no |")
     # a second peer, timed out at its first length: the peers' longest is no longer bounded
     slow = [timed_out("liger", "peer", 16384)]
@@ -376,7 +377,7 @@ def test_the_blog_section_gives_each_stacks_longest_and_the_headline_what_the_pr
     assert "| m | `user-long` | ours | 32768 | 65536 (oom) | – | 3.00 |" in text
     assert "| m | `stock` | stock | 8192 | 16384 (oom) |" in text and "`x`" not in text  # step rows only
     # a peer role with no probe is named: the best peer may be one not searched
-    assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 (2.00×); not searched: "
+    assert head.measured == {"G": "m: ours 32768 tokens vs the best peer's 16384 to 20479 (1.60× to 2.00×); not searched: "
                                   "stock + torch.compile, Liger-Kernel"}
     assert "Targets: met or not" in text
     assert "Ours, as each row ran it: `user-long` (m): `optim.enable(model, mlp_chunk=4096, recompute='all')`." in text
@@ -407,15 +408,19 @@ def test_the_blog_section_reads_a_second_experiment_its_models_ranks_and_a_peer_
     assert ("`user-long` (m): `optim.enable(model, mlp_chunk=4096, recompute='all')`; "
             "`user-long` (oss): `optim.enable(model, recompute='all')`") in text
     claims = head.measured["G"].split("; oss: ")
-    # 16384 to 17407: settled to within a quarter, the length stands for the bound
-    assert claims[0].startswith("m: ours 32768 tokens vs the best peer's 16384 (2.00×)"), claims[0]
+    # 16384 to 17407: even a bracket bisected to 1024 tokens moves the ratio, so it is a range
+    assert claims[0].startswith("m: ours 32768 tokens vs the best peer's 16384 to 17407 (1.88× to 2.00×)"), claims[0]
     # 16384 to 65535: the ratio is a range, from the peer's upper bound to its longest trained
-    assert claims[1].startswith("ours 65536 tokens vs the best peer's 16384 to 65535, not bisected further "
-                                "(1.00× to 4.00×); ours not yet bounded"), claims[1]
-    # 16384 to 24575: half again, more than a quarter, is a range too
+    assert claims[1].startswith("ours 65536 tokens vs the best peer's 16384 to 65535 (1.00× to 4.00×); "
+                                "ours not yet bounded"), claims[1]
+    # 16384 to 24575: a range too
     mid = [r | {"model": "mid"} for r in (_row("stock", "stock", 16384, "ok", 1.0), _row("stock", "stock", 24576, "oom"),
                                          _row("user-long", "ours", 32768, "ok", 2.0))]
-    assert "the best peer's 16384 to 24575, not bisected further (1.33× to 2.00×)" in blog.part(mid, {}, None)[1].measured["G"]
+    assert "the best peer's 16384 to 24575 (1.33× to 2.00×)" in blog.part(mid, {}, None)[1].measured["G"]
+    # a bracket closed to the token: one length, one ratio
+    tight = [r | {"model": "tight"} for r in (_row("stock", "stock", 16384, "ok", 1.0), _row("stock", "stock", 16385, "oom"),
+                                             _row("user-long", "ours", 32768, "ok", 2.0))]
+    assert "ours 32768 tokens vs the best peer's 16384 (2.00×)" in blog.part(tight, {}, None)[1].measured["G"]
     ranks = [_row("p", "stock", 1024, "ok", 1.0) | {"model": f"r{r}", "lora_rank": r} for r in (128, 16, 64)]
     assert "bf16 LoRA, r=16 for r16, r=64 for r64, r=128 for r128)" in blog.part(ranks, {}, None)[0]  # by number
 
@@ -494,8 +499,9 @@ def test_a_probe_the_host_ran_out_of_memory_for_bounds_the_search_and_says_so():
     text = report.lead(rows, rows, {"targets": [{"model": "m", "min_over_best_peer": 1.5}]})
     assert "| m | unsloth | unsloth | 262144 | 294912 (oom, host: sampled peak 124.8 of 125.9 GiB in use) | – |" in text
     assert "| 57.50 | – | 110.4 |" in text and "| 75.00 | – | 112.3 |" in text
-    # bounded on both sides: 458752 / 262144 = 1.75 at least, 524287 / 294911 at most: met
-    assert "| ours' longest ≥ 1.5× the best peer's, m (g) | 1.75× (458752 `user-long` vs 262144 `unsloth`) | yes |" \
+    # the peer bracketed at 262144 to 294911: 458752 / 294911 = 1.55 at least, 1.75 over its longest trained: met
+    assert ("| ours' longest ≥ 1.5× the best peer's, m (g) | 1.55× to 1.75× (458752 `user-long` vs 262144 to 294911 "
+            "`unsloth`) | yes |") \
         in text
     # the same peer killed by SIGKILL without the killer's word is an error: it bounds nothing
     unsure = [r for r in rows if r is not killed] + [

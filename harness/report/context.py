@@ -236,6 +236,18 @@ def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
     return lo, up
 
 
+def ratio_shown(o_len: int, p_len: int, p_up: float | None) -> tuple[str, str]:
+    """Ours' longest over the best peer's, and the peer's length, as the peers' probes bound it: one
+    figure ("2.00×", "32768") where the bracket the peer's search left does not move the ratio at two
+    decimals, else a range from the peer's upper bound to its longest trained ("1.60× to 2.00×",
+    "32768 to 40959"): a search stopped short of its resolution never reads as its best case."""
+    high = fmt.times(o_len / p_len)
+    low = fmt.times(o_len / p_up) if p_up and p_up != float("inf") else high
+    if low == high:
+        return high, str(p_len)
+    return f"{low} to {high}", f"{p_len} to {int(p_up)}"
+
+
 def _verdict(low: float | None, high: float, goal: float) -> str:
     """Met where the lower bound reaches the goal, not met where the upper bound falls short of it,
     else not yet known (a search not finished to the precision the goal needs)."""
@@ -271,7 +283,11 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
             if "min_over_best_peer" in t:
                 goal = t["min_over_best_peer"]
                 ratio = o_len / p_len if o_len and p_len else None
-                shown = f"{fmt.times(ratio)} ({o_len} `{best_ours}` vs {p_len} `{best_peer}`)" if ratio else "not measured"
+                if ratio:
+                    times, peer_len = ratio_shown(o_len, p_len, p_up)
+                    shown = f"{times} ({o_len} `{best_ours}` vs {peer_len} `{best_peer}`)"
+                else:
+                    shown = "not measured"
                 open_ended = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
                 if ratio and open_ended:
                     shown += f"; {' and '.join(open_ended)} could go longer: no probe above ran out of memory"

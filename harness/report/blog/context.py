@@ -22,12 +22,10 @@ def _claim(groups: dict, slug: str, model: str) -> str | None:
     if not o_len or not p_len:
         return None
     open_ = [who for who, up in (("ours", o_up), ("the peers'", p_up)) if up == float("inf")]
-    # a peer bounded from above but not bisected far: its longest is a range wide enough to move the ratio
-    unsettled = p_up != float("inf") and p_up + 1 > 1.25 * p_len
     searched = {role_of(groups[k][0]) for k in peers}
     missing = [ROLE_LABEL.get(r, r) for r in report.PEER_ROLES if r not in searched]
-    peer = (f"the best peer's {p_len} to {int(p_up)}, not bisected further ({fmt.times(o_len / p_up)} to "
-            f"{fmt.times(o_len / p_len)})" if unsettled else f"the best peer's {p_len} ({fmt.times(o_len / p_len)})")
+    times, peer_len = report.ratio_shown(o_len, p_len, p_up)
+    peer = f"the best peer's {peer_len} ({times})"
     return (f"{model}: ours {o_len} tokens vs {peer}"
             + (f"; {' and '.join(open_)} not yet bounded" if open_ else "")
             + (f"; not searched: {', '.join(missing)}" if missing else ""))
