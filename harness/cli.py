@@ -62,7 +62,8 @@ def cmd_context(args) -> int:
     try:
         found = context.run(exp, args.results, max_len=args.max_len, resolution=args.resolution,
                             command=args.command, stop_after_s=args.stop_after, progress=not args.quiet,
-                            probe_warmup=args.probe_warmup, probe_steps=args.probe_steps, max_probes=args.probes)
+                            probe_warmup=args.probe_warmup, probe_steps=args.probe_steps, max_probes=args.probes,
+                            keep_older=args.keep_older_rows)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -367,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--stop-after", type=argtypes.seconds_or_zero, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
+    p.add_argument("--keep-older-rows", action="store_true",
+                   help="go on from probes other code measured (optim/harness sources, torch, transformers, peft or a "
+                        "peer of other versions); by default a search counts only this code's rows and starts over")
     p.add_argument("--probes", type=argtypes.positive_int, metavar="N",
                    help="run at most N probes in each search; a rerun goes on (with --start N: one probe at N)")
     p.add_argument("--probe-warmup", type=int, default=1, help="warm-up steps of each probe (default: 1)")

@@ -1,5 +1,6 @@
 """harness.run.context: the longest trainable length per variant, searched over sweep points."""
 
+import json
 import subprocess
 import sys
 
@@ -105,6 +106,9 @@ def test_a_search_finds_the_longest_length_to_its_resolution_and_a_rerun_runs_no
     fake.code = "d"
     other = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": "d"})
     assert other.probes[0][0] == 64
+    # told to keep them (code None: any code's rows), a search goes on from both codes' probes
+    kept = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": None})
+    assert kept.probes == [] and kept.longest == s.longest
 
 
 class _PeakFake(_Fake):
@@ -158,6 +162,13 @@ def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tm
     rows = res.read_rows(res.results_path(tmp_path / "results", "ctx", "cpu"))
     assert sorted((r["variant"], r["seq_len"], r["status"]) for r in rows) == [
         ("stock", 64, "ok"), ("stock", 128, "ok"), ("user", 64, "ok"), ("user", 128, "ok")]
+    # the same rows as another code's: --keep-older-rows goes on from them, so nothing runs again
+    path_rows = res.results_path(tmp_path / "results", "ctx", "cpu")
+    path_rows.write_text("".join(json.dumps(r | {"env": r["env"] | {"code_id": "older"}}) + "\n" for r in rows))
+    again = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--max-len", "128", "--keep-older-rows",
+                            "--results", str(tmp_path / "results"), "--quiet"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.count("longest trained 128 tokens (probes this run: none run)") == 2, again.stdout
     assert all(set(r["num_docs"]) == {1} for r in rows)  # one document per row
     assert all(r["warmup_steps"] == 1 and r["measured_steps"] == 2 for r in rows)  # probes, not timings
     # the report reads the probes as the file's points (not stale), with the targets judged

@@ -164,8 +164,11 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
 
 def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: int, command: str = "",
         stop_after_s: float | None = None, progress: bool = True, probe_warmup: int = 1,
-        probe_steps: int = 2, use_peaks: bool = True, max_probes: int | None = None) -> list[Search]:
-    """Every model and variant of ``exp``, one search each, in the file's order."""
+        probe_steps: int = 2, use_peaks: bool = True, max_probes: int | None = None,
+        keep_older: bool = False) -> list[Search]:
+    """Every model and variant of ``exp``, one search each, in the file's order. A search goes on
+    from the rows this code measured; ``keep_older``: from the rows any code measured (a search
+    begun before a change to the sources or a library, whose probes still stand)."""
     from harness.measure.env import code_id
     from harness.run import sweep
 
@@ -175,7 +178,7 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
     slug = res.gpu_slug(sweep.detect_device_name(exp.device))
     path = res.results_path(results_root, exp.name, slug)
-    code = code_id()
+    code = None if keep_older else code_id()
 
     def run_point(one: Experiment) -> None:
         sweep.run(one, results_root, progress=progress, command=command)
