@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +186,28 @@ def test_a_trainer_profile_that_training_outlives_is_written_with_the_steps_it_h
     s = json.loads((tmp_path / "p.summary.json").read_text())
     assert s["steps"] == 2 and "training ended after 2 of the 5 asked for" in s["profiled"]
     assert s["phases"]["forward_backward"]["cpu_span_ms"] > 0
+
+
+def test_the_unsloth_runs_of_a_trainer_bench_share_one_weights_folder_removed_after(monkeypatch):
+    from harness.bench import trainer as bench_trainer
+
+    seen = []
+
+    def isolated(cfg, timeout_s=None):
+        folder = cfg["weights_dir"]
+        seen.append((cfg["name"], folder, folder is not None and Path(folder).is_dir()))
+        return {"status": "skipped", "error": "not here"}
+
+    monkeypatch.setattr(bench_trainer, "_isolated", isolated)
+    kw = dict(max_length=64, doc_len=32, lora_rank=4, steps=2, warmup=1, device="cpu", attn_implementation="sdpa",
+              experts_implementation=None)
+    bench_trainer.run("qwen3-0.6b-tiny", ["stock", "unsloth", "unsloth-sft-nockpt"], **kw)
+    (_, s, _), (_, a, a_there), (_, b, b_there) = seen
+    assert a is not None and a == b == s and a_there and b_there  # one folder for the whole bench
+    assert not Path(a).exists()  # removed once the last run is done
+    seen.clear()
+    bench_trainer.run("qwen3-0.6b-tiny", ["stock", "ours"], **kw)
+    assert [f for _, f, _ in seen] == [None, None]  # no Unsloth run: no folder
 
 
 def test_the_unsloth_trainer_run_imports_it_before_torch_and_on_cpu_is_a_skipped_row(unsloth_stand_in):

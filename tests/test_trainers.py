@@ -136,7 +136,7 @@ def _unsloth_loader_stand_in(monkeypatch, tmp_path):
         given.append(base)
         root = tmp_path / f"unsloth-dir-{len(given)}"
         root.mkdir()
-        directory = unsloth_stack._model_dir(spec, root, base)
+        directory = unsloth_stack.loader_dir(spec, root, base)
         assert all(r() is None for r in bare), "stock's weights are still held while Unsloth loads"
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         torch.manual_seed(seed)
@@ -164,10 +164,35 @@ def test_unsloth_under_trainer_trains_stocks_base_weights(tmp_path, monkeypatch)
     _close_curves(theirs["losses"][:1], stock["losses"][:1], 1e-6)
     _close_curves(theirs["losses"], stock["losses"], 1e-3)
 
-    monkeypatch.setattr(unsloth_stack, "no_room_for_weights", lambda spec, dtype: "no room here")
+    monkeypatch.setattr(unsloth_stack, "no_room_for_weights", lambda spec, dtype, directory=None: "no room here")
     drawn = trainer_run(MODEL, peer="unsloth", out_dir=str(tmp_path / "d"), **kw)
     assert given[1] is None and drawn["weights"] == "Unsloth's own draw: no room here"
     assert abs(drawn["losses"][0] - stock["losses"][0]) > 1e-6 * stock["losses"][0]  # another model
+
+
+def test_the_unsloth_runs_of_one_bench_build_and_save_stocks_weights_once(tmp_path, monkeypatch):
+    """Given a shared folder, the first Unsloth run builds stock's bare model and saves it there; a
+    later run reads that copy without building or saving again, and trains the same model. What a
+    run killed while saving left is cleared first, and takes no room from the next save."""
+    from harness.workload import models
+
+    given = _unsloth_loader_stand_in(monkeypatch, tmp_path)
+    built, real_build = [], models.build
+    monkeypatch.setattr(models, "build", lambda *a, **k: built.append(k.get("lora_rank")) or real_build(*a, **k))
+    shared = tmp_path / "shared"
+    (shared / f".{MODEL}-killed").mkdir(parents=True)  # a save a killed run left halfway
+    (shared / f".{MODEL}-killed" / "model.safetensors").write_bytes(b"half")
+    docs = documents(12, 512, 20, 40)
+    kw = dict(ours=False, steps=2, batch_size=4, docs=docs, max_length=160, lora_rank=4)
+    first = trainer_run(MODEL, peer="unsloth", out_dir=str(tmp_path / "u1"), weights_dir=str(shared), **kw)
+    assert sorted(p.name for p in shared.iterdir()) == [MODEL]  # in place whole, the half save gone
+    assert built.count(None) == 1 and given[0] == shared / MODEL
+    second = trainer_run(MODEL, peer="unsloth", out_dir=str(tmp_path / "u2"), weights_dir=str(shared), **kw)
+    assert built.count(None) == 1, "the second run built stock's weights again"
+    assert given[1] == shared / MODEL and first["weights"] == second["weights"] == "stock"
+    stock = trainer_run(MODEL, out_dir=str(tmp_path / "s"), **kw)
+    _close_curves(second["losses"][:1], stock["losses"][:1], 1e-6)
+    _close_curves(first["losses"], second["losses"], 1e-6)
 
 
 def test_the_weights_room_is_read_from_the_temporary_directory(tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ def _one(cfg: dict) -> dict:
                   dtype=torch.bfloat16 if device == "cuda" else torch.float32, lora_rank=cfg["lora_rank"],
                   out_dir=out_dir, warmup=cfg["warmup"], attn_implementation=cfg["attn_implementation"],
                   experts_implementation=cfg["experts_implementation"], logging_steps=cfg["logging_steps"],
-                  trainer_args=cfg["trainer_args"], profile=_profile(cfg))
+                  trainer_args=cfg["trainer_args"], profile=_profile(cfg), weights_dir=cfg.get("weights_dir"))
         try:
             if name.removesuffix(NOCKPT) == SFT:
                 r = unsloth_sft_run(model, gradient_checkpointing=not name.endswith(NOCKPT),
@@ -213,51 +213,60 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
     last run's, else what this process reads without a CUDA context (``env.light`` and the GPU's
     name from NVML). ``profile`` (``{"out": folder, "steps": n, "trace": bool}``) profiles each
     run's ``n`` optimizer steps after the warm-up (``harness.run.profile.trainer_profiler``); their
-    times are the profiler's, so such rows are not for storing."""
+    times are the profiler's, so such rows are not for storing. The Unsloth runs share one folder of
+    stock's saved weights (``trainers.unsloth_weights``), removed when the last run is done: the
+    first writes them, the later ones only read."""
     rows, results, env = [], {}, None
     if logging_steps is None:  # Trainer's own default, recorded as the number it is
         from transformers import TrainingArguments
 
         logging_steps = TrainingArguments.__dataclass_fields__["logging_steps"].default
     trainer_args = dict(sorted(trainer_args.items())) if trainer_args else None
-    for name in sorted(runs, key=RUNS.index):
-        base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
-                "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
-                "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
-                "logging_steps": logging_steps, "trainer_args": trainer_args}
-        cfg = {"name": name, "model": model, "max_length": max_length, "doc_len": doc_len, "lora_rank": lora_rank,
-               "steps": steps, "warmup": warmup, "device": device, "attn_implementation": attn_implementation,
-               "experts_implementation": experts_implementation, "logging_steps": logging_steps,
-               "trainer_args": trainer_args, "profile": profile,
-               "stack": "unsloth" if name.startswith("unsloth") else None}
-        r = _isolated(cfg, timeout_s)
-        if r.get("status") != "ok":
-            rows.append({**base, **{k: r[k] for k in ("status", "error", "log_tail", "memory_bound",
-                                                      "host_used_peak_gib") if k in r}})
-            print(f"{model} {name:8s} {r.get('status')}: {r.get('error')}", flush=True)
-        else:
-            results[name] = r
-            p = percentiles(r["step_ms_all"][warmup:])
-            ref = results.get("stock")
-            diff = None
-            if ref is not None and len(ref["losses"]) == len(r["losses"]):
-                diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])),
-                           default=None)
-            rows.append({**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
-                         "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
-                         "host_used_peak_gib": r.get("host_used_peak_gib"),
-                         "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),
-                         "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
-                         "weights": r.get("weights"),  # "stock": built from stock's weights, Unsloth's too
-                         "optim": r.get("enabled") if name not in PEERS else None,
-                         "recompute_stats": r.get("recompute_stats") if name not in PEERS else None})
-            print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
-                  f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}",
-                  flush=True)
-        env = r.get("env") or env or _env_without_cuda(device)
-        if on_row is not None:
-            on_row(rows[-1], env)
+    with contextlib.ExitStack() as stack:
+        weights_dir = (stack.enter_context(tempfile.TemporaryDirectory(prefix="packbench-weights-"))
+                       if any(n.startswith("unsloth") for n in runs) else None)
+        for name in sorted(runs, key=RUNS.index):
+            base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
+                    "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
+                    "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
+                    "logging_steps": logging_steps, "trainer_args": trainer_args}
+            cfg = {"name": name, "model": model, "max_length": max_length, "doc_len": doc_len,
+                   "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device": device,
+                   "attn_implementation": attn_implementation, "experts_implementation": experts_implementation,
+                   "logging_steps": logging_steps, "trainer_args": trainer_args, "profile": profile,
+                   "stack": "unsloth" if name.startswith("unsloth") else None, "weights_dir": weights_dir}
+            r = _isolated(cfg, timeout_s)
+            rows.append(_row(base, r, results, warmup))
+            env = r.get("env") or env or _env_without_cuda(device)
+            if on_row is not None:
+                on_row(rows[-1], env)
     return rows
+
+
+def _row(base: dict, r: dict, results: dict, warmup: int) -> dict:
+    """A run's row from its process's result ``r``, its loss compared with the stock run's where
+    that ran first; an ok result is kept in ``results`` under the run's name."""
+    model, name = base["model"], base["mode"]
+    if r.get("status") != "ok":
+        print(f"{model} {name:8s} {r.get('status')}: {r.get('error')}", flush=True)
+        return {**base, **{k: r[k] for k in ("status", "error", "log_tail", "memory_bound", "host_used_peak_gib")
+                           if k in r}}
+    results[name] = r
+    p = percentiles(r["step_ms_all"][warmup:])
+    ref = results.get("stock")
+    diff = None
+    if ref is not None and len(ref["losses"]) == len(r["losses"]):
+        diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])), default=None)
+    print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
+          f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}", flush=True)
+    return {**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
+            "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
+            "host_used_peak_gib": r.get("host_used_peak_gib"),
+            "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),
+            "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
+            "weights": r.get("weights"),  # "stock": built from stock's weights, Unsloth's too
+            "optim": r.get("enabled") if name not in PEERS else None,
+            "recompute_stats": r.get("recompute_stats") if name not in PEERS else None}
 
 
 def _env_without_cuda(device: str) -> dict:

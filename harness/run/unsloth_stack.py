@@ -98,6 +98,39 @@ def _model_dir(spec, root: Path, base=None) -> Path:
     return root
 
 
+def loader_dir(spec, root: Path, base) -> Path:
+    """The folder Unsloth's loader reads: ``base`` where it is one ``saved_weights`` wrote, else
+    ``_model_dir``'s, written under ``root``."""
+    return base if isinstance(base, Path) else _model_dir(spec, root, base)
+
+
+def saved_weights(spec, directory: Path, base) -> Path:
+    """``base`` (a bare model, or a function that builds one) saved as Unsloth's loader reads it
+    (``_model_dir``) in ``directory/<name>``, for every later run given ``directory`` to read
+    without building ``base`` at all (a 20B model's weights take about a minute to build and
+    write). It is saved into a folder of its own and renamed into place whole, so a run killed
+    halfway leaves nothing a later one would read (``drop_unfinished`` clears it)."""
+    import shutil
+
+    done = directory / spec.name
+    part = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=directory))
+    _model_dir(spec, part, base)
+    try:
+        part.rename(done)
+    except OSError:  # another run put its copy in place first: the same weights
+        shutil.rmtree(part, ignore_errors=True)
+    return done
+
+
+def drop_unfinished(spec, directory: Path) -> None:
+    """Remove what a run killed while saving ``spec``'s weights under ``directory`` left (its
+    private folder, never renamed into place), so it takes no room from the next run's save."""
+    import shutil
+
+    for part in directory.glob(f".{spec.name}-*"):
+        shutil.rmtree(part, ignore_errors=True)
+
+
 def no_room_for_weights(spec, dtype, directory: str | None = None) -> str | None:
     """Why ``spec``'s weights in ``dtype`` would not fit, with a tenth to spare, in the temporary
     directory Unsloth's loader reads them from (``TMPDIR`` moves it); None where they fit."""
@@ -140,9 +173,9 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_l
 def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gradient_checkpointing: bool,
           seed: int, batch_size: int = 1, base=None):
     """The point's model, built by Unsloth; PeerUnavailable where it cannot be here. ``base``: a
-    bare transformers model of ``spec``, or a function that builds one, whose weights Unsloth loads
-    (else it draws its own random ones), so another stack's model can be trained from the same
-    weights."""
+    bare transformers model of ``spec``, a function that builds one, or the folder
+    ``saved_weights`` wrote, whose weights Unsloth loads (else it draws its own random ones), so
+    another stack's model can be trained from the same weights."""
     check(spec, device=device, lora_rank=lora_rank, batch_size=batch_size, max_seq_length=max_seq_length)
     import torch
     from unsloth import FastLanguageModel
@@ -151,7 +184,7 @@ def build(spec, *, device, dtype, lora_rank: int | None, max_seq_length: int, gr
         torch.manual_seed(seed)
         try:
             model, _ = FastLanguageModel.from_pretrained(
-                str(_model_dir(spec, Path(tmp), base)), max_seq_length=max_seq_length, dtype=dtype,
+                str(loader_dir(spec, Path(tmp), base)), max_seq_length=max_seq_length, dtype=dtype,
                 load_in_4bit=False, load_in_16bit=True, local_files_only=True)
         except NotImplementedError as e:  # a model type it does not support
             raise PeerUnavailable(f"Unsloth cannot load {spec.name}: {type(e).__name__}: {e}"[:400]) from None

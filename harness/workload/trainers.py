@@ -219,17 +219,29 @@ def stock_weights(spec, *, device, dtype):
     return lambda: models.build(spec, device=device, dtype=dtype, lora_rank=None, gradient_checkpointing=False)
 
 
-def unsloth_weights(spec, *, device, dtype) -> tuple:
+def unsloth_weights(spec, *, device, dtype, weights_dir: str | None = None) -> tuple:
     """What Unsloth's loader is handed, and the row's ``weights``: stock's base weights
     (``stock_weights``) and ``"stock"``, so Unsloth trains the model stock trains (its adapters are
     its own draw, lora_B at zero: the first step's loss is stock's model, the later ones part by
-    the adapters' draw); or, where the temporary directory has no room for them, nothing (Unsloth
-    draws its own) and why."""
+    the adapters' draw); or, where the disk has no room for them, nothing (Unsloth draws its own)
+    and why. ``weights_dir``: a folder the Unsloth runs of one bench share, where the first saves
+    stock's weights and the later ones read them (``unsloth_stack.saved_weights``); else each run
+    saves its own copy in the temporary directory."""
+    from pathlib import Path
+
     from harness.run import unsloth_stack
 
-    why = unsloth_stack.no_room_for_weights(spec, dtype)
+    shared = Path(weights_dir) / spec.name if weights_dir is not None else None
+    if shared is not None and shared.is_dir():  # an earlier run of the bench saved them
+        return shared, "stock"
+    if shared is not None:
+        unsloth_stack.drop_unfinished(spec, shared.parent)  # a killed run's half save: its room is ours
+    why = unsloth_stack.no_room_for_weights(spec, dtype, weights_dir)
     if why is None:
-        return stock_weights(spec, device=device, dtype=dtype), "stock"
+        base = stock_weights(spec, device=device, dtype=dtype)
+        if shared is not None:
+            base = unsloth_stack.saved_weights(spec, shared.parent, base)
+        return base, "stock"
     print(f"Unsloth draws its own random weights: {why}", flush=True)
     return None, f"Unsloth's own draw: {why}"
 
@@ -246,7 +258,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
                     device: str = "cuda", dtype=torch.bfloat16, lora_rank: int = 16, out_dir: str, warmup: int = 0,
                     gradient_checkpointing: bool = True, logging_steps: int | None = None,
                     trainer_args: dict | None = None, callbacks: list | None = None,
-                    profile: dict | None = None) -> dict:
+                    profile: dict | None = None, weights_dir: str | None = None) -> dict:
     """What an Unsloth user runs: TRL's ``SFTTrainer`` (which Unsloth, imported first, patches) on
     the model from ``FastLanguageModel`` (``harness.run.unsloth_stack.build``) with stock's base
     weights where the disk has room (``unsloth_weights``), the documents
@@ -260,7 +272,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     ``TrainingArguments`` are set to its defaults here (``SAME_AS_TRAINER``), so each optimizer
     step trains the same tokens with the same optimizer. The process must have imported Unsloth
     first (``python -m harness _trainer_run`` does); PeerUnavailable where it cannot run here.
-    ``batching`` says what Unsloth chose; ``profile`` as ``trainer_run``'s."""
+    ``batching`` says what Unsloth chose; ``profile`` and ``weights_dir`` as ``trainer_run``'s."""
     from datasets import Dataset
     from transformers import TrainerCallback, TrainingArguments
     from trl import SFTConfig, SFTTrainer
@@ -271,7 +283,7 @@ def unsloth_sft_run(model_name: str, *, steps: int, batch_size: int, docs: list[
     unsloth_stack.check(spec, device=torch.device(device), lora_rank=lora_rank, max_seq_length=max_length)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    base, weights = unsloth_weights(spec, device=device, dtype=dtype)
+    base, weights = unsloth_weights(spec, device=device, dtype=dtype, weights_dir=weights_dir)
     model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
                                 max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0,
                                 base=base)
@@ -314,7 +326,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 data_parallel: bool = False, peer: str | None = None, logging_steps: int | None = None,
                 trainer_args: dict | None = None, profile: dict | None = None, gradient_checkpointing: bool = True,
-                callbacks: list | None = None, **settings) -> dict:
+                callbacks: list | None = None, weights_dir: str | None = None, **settings) -> dict:
     """transformers.Trainer on a peft model: ours with optim.packing's PackingCollator (rows of
     ``max_length`` packed tokens), stock with transformers' DataCollatorWithFlattening (one
     flattened row): the same documents per step, so the same loss.
@@ -338,7 +350,8 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     ``TrainingArguments`` (``{"logging_nan_inf_filter": False}``: no host read of each micro-step's
     loss), over the run's own. ``profile`` is ``harness.run.profile.trainer_profiler``'s arguments
     (``out_dir``, ``stem``, ``start``, ``steps``, ``summary``, ``trace``): those steps are profiled.
-    ``callbacks`` are more ``TrainerCallback``s, after the run's own."""
+    ``callbacks`` are more ``TrainerCallback``s, after the run's own. ``weights_dir``: the folder
+    the Unsloth runs of one bench share stock's saved weights in (``unsloth_weights``)."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import optim
@@ -358,7 +371,7 @@ def trainer_run(model_name: str, *, ours: bool, steps: int, batch_size: int, doc
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if peer == "unsloth":
-        base, weights = unsloth_weights(spec, device=device, dtype=dtype)
+        base, weights = unsloth_weights(spec, device=device, dtype=dtype, weights_dir=weights_dir)
         model = unsloth_stack.build(spec, device=torch.device(device), dtype=dtype, lora_rank=lora_rank,
                                     max_seq_length=max_length, gradient_checkpointing=gradient_checkpointing, seed=0,
                                     base=base)
