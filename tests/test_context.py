@@ -111,6 +111,43 @@ def test_a_search_finds_the_longest_length_to_its_resolution_and_a_rerun_runs_no
     assert kept.probes == [] and kept.longest == s.longest
 
 
+class _Limits(_Fake):
+    """A sweep whose each variant trains up to its own limit."""
+
+    def __init__(self, limits):
+        super().__init__(limit=0)
+        self.limits = limits
+
+    def run_point(self, exp):
+        (point,) = exp.points()
+        self.limit = self.limits[point.variant]
+        super().run_point(exp)
+
+
+def test_ours_is_probed_at_the_best_peers_longest_once_the_peers_searches_finish(tmp_path):
+    """Ours' search passes the peer's limit by (doubling, then bisecting its own bracket): a probe
+    at the peer's longest length sets the two step times there side by side, once."""
+    exp, fake = _exp(tmp_path), _Limits({"stock": 23000, "user": 70000})
+    kw = dict(run_point=fake.run_point, rows_of=lambda: fake.rows, code="c")
+    searches = [context.search(exp, "qwen3-0.6b-tiny", v, tmp_path, max_len=1 << 20, resolution=1024, **kw)
+                for v in ("stock", "user")]
+    peer, ours = searches
+    assert not peer.stopped and peer.longest not in {n for n, _ in ours.probes}  # passed by
+    before = len(fake.runs)
+    context.meet(exp, searches, **kw)
+    assert fake.runs[before:] == [peer.longest] and ours.probes[-1] == (peer.longest, "ok")
+    context.meet(exp, searches, **kw)  # ours has its row there now
+    assert len(fake.runs) == before + 1
+    # a peer's search stopped short (out of time, a probe limit): its longest is not known yet
+    short = [context.Search("qwen3-0.6b-tiny", "stock", longest=17000, stopped="stopped: out of time"), ours]
+    context.meet(exp, short, **kw)
+    # ours no longer than the peer, or the probe limit reached: nothing to meet
+    context.meet(exp, [context.Search("qwen3-0.6b-tiny", "stock", longest=ours.longest + 1), ours], **kw)
+    context.meet(exp, [context.Search("qwen3-0.6b-tiny", "stock", longest=1000), ours], max_probes=len(ours.probes),
+                 **kw)
+    assert len(fake.runs) == before + 1
+
+
 class _PeakFake(_Fake):
     """Peaks of 10 GiB + 1 GiB per 1000 tokens on an 80 GiB card; out of memory past ``limit``."""
 

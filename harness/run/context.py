@@ -14,6 +14,10 @@ them, ``predict``), and the search goes there rather than doubling past it: a lo
 minutes (attention's time grows with the square of the length), so fewer of them. A point that fails otherwise (another ``error``, ``skipped``) ends that variant's search:
 its row says why.
 
+Once every peer's search of a model has finished, each of ours' variants that trained longer is
+probed once at the best peer's longest length too (``meet``), so the two step times there stand
+side by side.
+
 The rows are the sweep's, in ``results/<experiment>/<gpu>.jsonl``, each point identified by its
 length as any sweep point is. A rerun reads the rows this code measured and goes on where the
 search stopped; ``stop_after_s`` starts no probe past that many seconds.
@@ -162,6 +166,38 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
     return s
 
 
+def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: str | None,
+         deadline: float | None = None, probe_warmup: int = 1, probe_steps: int = 2,
+         max_probes: int | None = None) -> None:
+    """Ours at the best peer's longest length: per model whose peers' searches here all finished
+    (each peer's longest known to the resolution, or trained at ``max_len``), one probe of each of
+    ours' variants (``harness.roles.OURS``) that trained at that length or longer but has no row
+    there, appended to its search's probes. Ours' own search seldom lands on the peer's length, and
+    without a row there the step times at the peer's limit cannot be set side by side (the target
+    "ours faster than the best peer at its longest length"). A deadline or a search's probe limit
+    holds here too."""
+    from harness.roles import OURS, PEERS
+
+    for model in dict.fromkeys(s.model for s in searches):
+        peers = [s for s in searches if s.model == model and exp.roles.get(s.variant) in PEERS]
+        if not peers or any(s.stopped for s in peers) or not any(s.longest for s in peers):
+            continue
+        length = max(s.longest for s in peers if s.longest)
+        for s in searches:
+            if s.model != model or exp.roles.get(s.variant) not in OURS:
+                continue
+            seen = outcomes(rows_of(), model, s.variant, code)
+            if length in seen or not any(n > length and st in TRAINS for n, st in seen.items()):
+                continue
+            if (deadline is not None and time.monotonic() > deadline) or \
+                    (max_probes is not None and len(s.probes) >= max_probes):
+                continue
+            one = experiment_mod.subset(exp, models=[model], variants=[s.variant])
+            run_point(dataclasses.replace(one, warmup_steps=probe_warmup, measured_steps=probe_steps,
+                                          seq_lens=[length]))
+            s.probes.append((length, outcomes(rows_of(), model, s.variant, code).get(length, "no row")))
+
+
 def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: int, command: str = "",
         stop_after_s: float | None = None, progress: bool = True, probe_warmup: int = 1,
         probe_steps: int = 2, use_peaks: bool = True, max_probes: int | None = None,
@@ -190,4 +226,6 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
                               run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
                               probe_warmup=probe_warmup, probe_steps=probe_steps, use_peaks=use_peaks,
                               max_probes=max_probes))
+    meet(exp, out, run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
+         probe_warmup=probe_warmup, probe_steps=probe_steps, max_probes=max_probes)
     return out
