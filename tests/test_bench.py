@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,22 @@ def test_the_unsloth_runs_of_a_trainer_bench_share_one_weights_folder_removed_af
     seen.clear()
     bench_trainer.run("qwen3-0.6b-tiny", ["stock", "ours"], **kw)
     assert [f for _, f, _ in seen] == [None, None]  # no Unsloth run: no folder
+
+
+def test_a_killed_benchs_weights_folder_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from harness.bench import trainer as bench_trainer
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone, alive = (tmp_path / f"{bench_trainer.WEIGHTS_PREFIX}{p}-x" for p in (int(done.stdout), os.getpid()))
+    for folder in (gone, alive):
+        (folder / "m").mkdir(parents=True)
+    other = tmp_path / "packbench-weights-notapid"
+    other.mkdir()
+    bench_trainer._drop_stale_weights(str(tmp_path))
+    assert not gone.exists() and alive.is_dir() and other.is_dir()
 
 
 def test_the_unsloth_trainer_run_imports_it_before_torch_and_on_cpu_is_a_skipped_row(unsloth_stand_in):

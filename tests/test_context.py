@@ -102,13 +102,13 @@ def test_a_search_finds_the_longest_length_to_its_resolution_and_a_rerun_runs_no
     assert len(fake.runs) == len(set(fake.runs)) == len(s.probes)
     again = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **kw)
     assert again.probes == [] and again.longest == s.longest
-    # another code's rows do not count: that code's search starts over
+    # told to keep another code's rows (code None: any code's), a search goes on from them
     fake.code = "d"
-    other = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": "d"})
-    assert other.probes[0][0] == 64
-    # told to keep them (code None: any code's rows), a search goes on from both codes' probes
     kept = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": None})
     assert kept.probes == [] and kept.longest == s.longest
+    # else another code's rows do not count: that code's search starts over
+    other = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": "d"})
+    assert other.probes[0][0] == 64
 
 
 class _Limits(_Fake):
@@ -141,6 +141,17 @@ def test_ours_is_probed_at_the_best_peers_longest_once_the_peers_searches_finish
     # a peer's search stopped short (out of time, a probe limit): its longest is not known yet
     short = [context.Search("qwen3-0.6b-tiny", "stock", longest=17000, stopped="stopped: out of time"), ours]
     context.meet(exp, short, **kw)
+    assert len(fake.runs) == before + 1
+    # one that ended on a refusal or an error above its longest is as far as it goes: ours meets it
+    refused = context.Search("qwen3-0.6b-tiny", "stock", longest=17000,
+                             stopped="the probe at 18000 tokens ended 'skipped': see its row")
+    context.meet(exp, [refused, ours], **kw)
+    assert fake.runs[before + 1:] == [17000] and ours.probes[-1] == (17000, "ok")
+    # a meeting probe that failed (below ours' longest) does not end ours' search on a rerun
+    fake.rows.append({**fake.rows[-1], "seq_len": 12000, "status": "error", "message": "boom"})
+    rerun = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, max_len=1 << 20, resolution=1024, **kw)
+    assert not rerun.stopped and rerun.probes == [] and rerun.longest == ours.longest
+    before += 1
     # ours no longer than the peer, or the probe limit reached: nothing to meet
     context.meet(exp, [context.Search("qwen3-0.6b-tiny", "stock", longest=ours.longest + 1), ours], **kw)
     context.meet(exp, [context.Search("qwen3-0.6b-tiny", "stock", longest=1000), ours], max_probes=len(ours.probes),

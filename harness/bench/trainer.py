@@ -223,8 +223,11 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
         logging_steps = TrainingArguments.__dataclass_fields__["logging_steps"].default
     trainer_args = dict(sorted(trainer_args.items())) if trainer_args else None
     with contextlib.ExitStack() as stack:
-        weights_dir = (stack.enter_context(tempfile.TemporaryDirectory(prefix="packbench-weights-"))
-                       if any(n.startswith("unsloth") for n in runs) else None)
+        stack.enter_context(_sigterm_raises())  # SIGTERM between runs still removes the folder
+        weights_dir = None
+        if any(n.startswith("unsloth") for n in runs):
+            _drop_stale_weights()
+            weights_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}-"))
         for name in sorted(runs, key=RUNS.index):
             base = {"kind": "trainer", "model": model, "mode": name, "tokens": max_length, "doc_len": doc_len,
                     "lora_rank": lora_rank, "steps": steps, "warmup": warmup, "device_type": device,
@@ -241,6 +244,27 @@ def run(model: str, runs: list[str], *, max_length: int, doc_len: int, lora_rank
             if on_row is not None:
                 on_row(rows[-1], env)
     return rows
+
+
+WEIGHTS_PREFIX = "packbench-weights-"  # then the bench's pid: the temporary folder its Unsloth runs share
+
+
+def _drop_stale_weights(root: str | None = None) -> None:
+    """Remove the weights folders (``WEIGHTS_PREFIX``) of benches whose process is gone: one killed
+    outright (SIGKILL) leaves its folder, a 20B model's 40 GB, which would leave the next bench no
+    room to hand stock's weights over."""
+    import shutil
+
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{WEIGHTS_PREFIX}*"):
+        pid = folder.name.removeprefix(WEIGHTS_PREFIX).split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # gone
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _row(base: dict, r: dict, results: dict, warmup: int) -> dict:

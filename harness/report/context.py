@@ -237,10 +237,12 @@ def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
 
 
 def ratio_shown(o_len: int, p_len: int, p_up: float | None) -> tuple[str, str]:
-    """Ours' longest over the best peer's, and the peer's length, as the peers' probes bound it: one
-    figure ("2.00×", "32768") where the bracket the peer's search left does not move the ratio at two
-    decimals, else a range from the peer's upper bound to its longest trained ("1.60× to 2.00×",
-    "32768 to 40959"): a search stopped short of its resolution never reads as its best case."""
+    """Ours' longest trained over the peers' longest, and the peers' length, as their probes bound
+    it (``bounds``: at least ``p_len``, at most ``p_up``): one figure ("2.00×", "32768") where
+    that bracket does not move the ratio at two decimals, else a range from the peers' upper bound
+    to their longest trained ("1.60× to 2.00×", "32768 to 40959"), even for a search bisected to
+    its resolution, so the figure is never the peers' best case read as settled. Ours' own bracket
+    is left to the text beside it ("ours could go longer")."""
     high = fmt.times(o_len / p_len)
     low = fmt.times(o_len / p_up) if p_up and p_up != float("inf") else high
     if low == high:

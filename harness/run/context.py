@@ -137,12 +137,14 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
     while True:
         rows = rows_of()  # read once a probe: the outcomes and the peaks of the same rows
         seen = outcomes(rows, model, variant, code)
-        bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS}
+        trained = [n for n, st in seen.items() if st in TRAINS]
+        # a failure above every length that trained ends the search; one below (a probe at a peer's
+        # longest, ``meet``) says nothing of how far this variant goes
+        bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS and n > max(trained, default=0)}
         if bad:
             n = min(bad)
             s.stopped = f"the probe at {n} tokens ended {bad[n]!r}: see its row"
             break
-        trained = [n for n, st in seen.items() if st in TRAINS]
         predicted = predict(*peaks(rows, model, variant, code)) if use_peaks else None
         length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
                              predicted)
@@ -169,8 +171,9 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
 def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: str | None,
          deadline: float | None = None, probe_warmup: int = 1, probe_steps: int = 2,
          max_probes: int | None = None) -> None:
-    """Ours at the best peer's longest length: per model whose peers' searches here all finished
-    (each peer's longest known to the resolution, or trained at ``max_len``), one probe of each of
+    """Ours at the best peer's longest length: per model whose peers' searches here all ended
+    (bisected to the resolution, trained at ``max_len``, or stopped by a probe that failed
+    otherwise, a refusal or an error: none stopped on time or its probe limit), one probe of each of
     ours' variants (``harness.roles.OURS``) that trained at that length or longer but has no row
     there, appended to its search's probes. Ours' own search seldom lands on the peer's length, and
     without a row there the step times at the peer's limit cannot be set side by side (the target
@@ -180,7 +183,7 @@ def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: s
 
     for model in dict.fromkeys(s.model for s in searches):
         peers = [s for s in searches if s.model == model and exp.roles.get(s.variant) in PEERS]
-        if not peers or any(s.stopped for s in peers) or not any(s.longest for s in peers):
+        if not peers or any(s.stopped.startswith("stopped:") for s in peers) or not any(s.longest for s in peers):
             continue
         length = max(s.longest for s in peers if s.longest)
         for s in searches:

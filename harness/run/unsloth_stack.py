@@ -117,8 +117,10 @@ def saved_weights(spec, directory: Path, base) -> Path:
     _model_dir(spec, part, base)
     try:
         part.rename(done)
-    except OSError:  # another run put its copy in place first: the same weights
+    except OSError:
         shutil.rmtree(part, ignore_errors=True)
+        if not done.is_dir():  # not another run's copy put in place first (the same weights): a failure
+            raise
     return done
 
 
