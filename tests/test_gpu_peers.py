@@ -79,3 +79,30 @@ def test_the_profile_command_profiles_unsloth(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((tmp_path / "p" / "qwen3-0.6b-2048-unsloth.summary.json").read_text())
     assert summary["phases"]["backward"]["gpu_busy_ms"] > 0 and summary["top_kernels"]
+
+
+def test_the_trainer_benchs_unsloth_runs_train_stocks_weights_from_one_saved_copy(tmp_path):
+    # The Trainer bench hands stock's base weights to Unsloth's loader: the first Unsloth run saves
+    # them in the bench's folder, the second reads them; both first steps are stock's model (the
+    # adapters' lora_B at zero), so their losses agree with stock's within bf16 tolerance, and the
+    # folder is gone once the bench is.
+    import importlib.util
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from harness.bench import trainer as bench_trainer
+
+    if importlib.util.find_spec("unsloth") is None:
+        pytest.skip("the unsloth extra is not installed")
+    rows = bench_trainer.run("qwen3-0.6b", ["stock", "unsloth", "unsloth-nockpt"], max_length=2048, doc_len=1024,
+                             lora_rank=16, steps=4, warmup=1, device="cuda", attn_implementation="flex_attention",
+                             experts_implementation=None)
+    by = {r["mode"]: r for r in rows}
+    assert {m: r["status"] for m, r in by.items()} == dict.fromkeys(("stock", "unsloth", "unsloth-nockpt"), "ok"), \
+        {m: r.get("error") for m, r in by.items()}
+    first = by["stock"]["losses"][0]
+    for mode in ("unsloth", "unsloth-nockpt"):
+        assert by[mode]["weights"] == "stock", by[mode]["weights"]
+        assert abs(by[mode]["losses"][0] - first) <= 1e-2 * abs(first), (mode, by[mode]["losses"][0], first)
+    assert not list(Path(tempfile.gettempdir()).glob(f"{bench_trainer.WEIGHTS_PREFIX}{os.getpid()}-*"))
