@@ -356,16 +356,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="custom Ray resources each point's task asks for, e.g. one_per_host=1")
     p.set_defaults(func=cmd_sweep)
 
+    from harness.run import context as context_defaults
+
     p = sub.add_parser("context", help="the longest length each variant trains at: a search over sweep points, "
                                        "one process per probe, an OOM a row")
     p.add_argument("experiment", help="experiment TOML: its models, variants and [data]; its first seq_lens "
                                       "entry is where each search starts")
-    p.add_argument("--max-len", type=int, default=1 << 20, help="the longest length probed (default: 1048576)")
+    p.add_argument("--max-len", type=int, default=context_defaults.MAX_LEN,
+                   help=f"the longest length probed (default: {context_defaults.MAX_LEN})")
     p.add_argument("--start", type=argtypes.positive_int, metavar="N",
                    help="start each search at N tokens rather than the file's first length (a search whose "
                         "shorter lengths are known, or not wanted)")
-    p.add_argument("--resolution", type=int, default=1024,
-                   help="stop bisecting once the longest trainable length is known to this many tokens (default: 1024)")
+    p.add_argument("--resolution", type=int, default=context_defaults.RESOLUTION,
+                   help="stop bisecting once the longest trainable length is known to this many tokens "
+                        f"(default: {context_defaults.RESOLUTION})")
     p.add_argument("--results", default=DEFAULT_RESULTS, type=Path, help="results root (default: results/)")
     p.add_argument("--stop-after", type=argtypes.seconds_or_zero, metavar="S", help="start no probe once S seconds have passed; a rerun goes on")
     p.add_argument("--keep-older-rows", action="store_true",

@@ -116,10 +116,39 @@ def _groups(step: plan_file.Step, plan_dir: Path, results: Path, slug: str):
     return exp, [(pts, over) for pts, over in todo if pts]
 
 
+def _context_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[list, int]:
+    """What a context step's command would still probe on ``slug``, from its rows alone
+    (``context.left``: the searches not over, the meeting probes owed), and its searches in all, as
+    its arguments cut and bound them."""
+    import dataclasses
+
+    from harness.run import context
+
+    ap = argparse.ArgumentParser(add_help=False)
+    for flag in ("--models", "--variants"):
+        ap.add_argument(flag, nargs="+")
+    ap.add_argument("--start", type=int)
+    ap.add_argument("--max-len", type=int, default=context.MAX_LEN)
+    ap.add_argument("--resolution", type=int, default=context.RESOLUTION)
+    ap.add_argument("--keep-older-rows", action="store_true")
+    known, _ = ap.parse_known_args(step.args)
+    exp = experiment.subset(experiment.load(plan_dir / step.context), models=known.models, variants=known.variants)
+    if known.start:
+        exp = dataclasses.replace(exp, seq_lens=[known.start])
+    rows = res.read_rows(res.results_path(results, exp.name, slug))
+    todo = context.left(exp, rows, None if known.keep_older_rows else code_id(), max_len=known.max_len,
+                        resolution=known.resolution)
+    return todo, len(exp.models) * len(exp.variants)
+
+
 def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> tuple[int, int]:
     """(points without a finished row on ``slug``, points in all) of a sweep step (of a together
     step: the points its groups still run); a bench step is one point, done once the rows its
-    command wrote cover every model and length it names (``_covered``)."""
+    command wrote cover every model and length it names (``_covered``); a context step counts its
+    searches, one left while it is not over or owes its meeting probe (``_context_left``)."""
+    if step.context:
+        todo, n = _context_left(step, plan_dir, results, slug)
+        return len({(m, v) for m, v, _ in todo}), n
     if step.sweep and step.together:
         exp, todo = _groups(step, plan_dir, results, slug)
         return sum(len(pts) for pts, _ in todo), len(exp.points())
@@ -135,7 +164,10 @@ def points_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) 
 def seconds_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str) -> float:
     """What the step's work left on ``slug`` should take: each point as ``res.point_estimate_s``
     expects it (its own longest earlier wall time there, else a margin over its time on another GPU
-    type, else the step's ``estimate_s``); a pending bench its estimate_s."""
+    type, else the step's ``estimate_s``); a pending bench its estimate_s; a context step its
+    estimate_s a probe left, at the least (a search not over has one probe or more to go)."""
+    if step.context:
+        return step.estimate_s * len(_context_left(step, plan_dir, results, slug)[0])
     if not step.sweep:
         return step.estimate_s if pending(step, plan_dir, results, slug) else 0.0
     here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug)
@@ -201,7 +233,8 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
         totals[step.appendix][1] += n
         totals[step.appendix][2] += secs
         lines.append((step.label, "done" if not n_left else
-                      (f"{n_left} of {n} points left" if step.sweep else "bench not run") + f", ~{_minutes(secs)}"))
+                      (f"{n_left} of {n} points left" if step.sweep else f"{n_left} of {n} searches left"
+                       if step.context else "bench not run") + f", ~{_minutes(secs)}"))
     width = max(len(name) for name, _ in lines) if lines else 0
     print(f"{plan.path.name} on {slug}" + (f" ({gib:.0f} GiB)" if gib is not None else " (memory unknown: "
                                              "every step counted; --gpu-gib decides the large-GPU steps)"))
@@ -299,10 +332,14 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
             argv = [sys.executable, *argv, "--results", str(results)]
             if step.sweep:
                 argv += ["--deadline", f"{remaining:.0f}", "--point-estimate", f"{step.estimate_s:g}"]
+            if step.context:  # no probe starts that could end past the budget
+                argv += ["--stop-after", f"{remaining - step.estimate_s:.0f}"]
             print(f"run {step.name}: {' '.join(argv[1:])}", file=sys.stderr)
             if dry_run:
                 continue
             rc = subprocess.run(argv).returncode
+            if rc == 1 and step.context:  # a search ended on a probe that failed otherwise: its row says why
+                rc = 0
             if rc != 0:
                 print(f"error: {step.name} exited {rc}; its rows so far are kept, a rerun resumes", file=sys.stderr)
                 return 1

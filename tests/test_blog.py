@@ -24,10 +24,12 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
     p = plan.load(PLAN)
     assert set(p.sources) == {"user", "packing", "offload", "moe", "context", "scaling", "convergence"}
     for step in p.steps:
-        if step.sweep:
-            assert experiment.load(ROOT / "experiments" / step.sweep).points()
+        if step.sweep or step.context:
+            assert experiment.load(ROOT / "experiments" / (step.sweep or step.context)).points()
         else:
             assert (ROOT / "harness" / "bench" / f"{step.bench}.py").is_file()
+    # the long-context searches of the report's section, each resumable, with a probe's time limit
+    assert {s.context: s.estimate_s for s in p.steps if s.context} == {"context.toml": 600, "context-moe.toml": 600}
     # what does not fit in 80 GB runs on the H200 only
     assert {s.name for s in p.steps if s.min_gpu_gib > 80} >= {"user-moe qwen3-30b-a3b", "offload bench qwen3-32b 2048"}
     # the full ablation sweeps come last, after every step the report's figures read
@@ -700,3 +702,50 @@ def test_the_one_call_is_set_against_the_fastest_of_stock_stock_compiled_and_the
     assert p.over_fastest_peer() == (0.625, "stock-compiled")
     del p.rows["user"]
     assert p.over_fastest_peer() == (None, None)
+
+
+def test_a_context_step_is_left_while_a_search_is_not_over_or_owes_its_meeting_probe(tmp_path, write_toml, capsys):
+    from harness import results as res
+    from harness.measure.env import code_id
+
+    _tiny_experiment(tmp_path, "[variants.stock]\nrole = 'stock'\n[variants.user]\nrole = 'user'\n")
+    p = write_toml("[blog]\nsources = { context = 'e' }\n[[blog.steps]]\nname = 'ctx'\ncontext = 'e.toml'\n"
+                   "args = ['--max-len', '256', '--resolution', '64']\nestimate_s = 60\n", "plan.toml")
+    step = plan.load(p).steps[0]
+    assert step.argv(tmp_path)[:4] == ["-m", "harness", "context", str(tmp_path / "e.toml")]
+    path = res.results_path(tmp_path / "r", "e", "cpu")
+
+    def probe(variant, n, status, code=None):
+        res.append_row(path, {"kind": "step", "model": "qwen3-0.6b-tiny", "variant": variant, "seq_len": n,
+                              "status": status, "env": {"code_id": code or code_id()}})
+
+    assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (2, 2)  # nothing probed
+    probe("stock", 64, "ok"), probe("stock", 128, "oom")  # bisected to 64 tokens: over at 64
+    probe("user", 128, "ok"), probe("user", 256, "ok")  # at --max-len: over, but never at the peer's 64
+    assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (1, 2)  # the meeting probe
+    reproduce.status(p, "cpu", 80, results=tmp_path / "r")
+    assert "ctx  1 of 2 searches left, ~1 min" in capsys.readouterr().out
+    assert reproduce.run(p, results=tmp_path / "r", dry_run=True) == 0
+    cmd = capsys.readouterr().err
+    assert "run ctx: -m harness context" in cmd and "--stop-after" in cmd and "--resolution 64" in cmd, cmd
+    probe("user", 64, "ok")
+    assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (0, 2)
+    # another code's rows count only where the step keeps them
+    probe("stock", 64, "ok", "other")
+    kept = plan.Step(name="k", context="e.toml", args=("--keep-older-rows",))
+    fresh = tmp_path / "fresh"
+    res.append_row(res.results_path(fresh, "e", "cpu"), {"kind": "step", "model": "qwen3-0.6b-tiny", "variant": "stock",
+                                                         "seq_len": 64, "status": "oom", "env": {"code_id": "other"}})
+    assert reproduce.points_left(kept, tmp_path, fresh, "cpu")[0] == 1  # stock over at its first length; user not
+    assert reproduce.points_left(plan.Step(name="n", context="e.toml"), tmp_path, fresh, "cpu")[0] == 2
+
+
+def test_a_plan_step_is_one_of_a_sweep_a_bench_or_a_context_search(tmp_path, write_toml):
+    _tiny_experiment(tmp_path)
+    both = write_toml("[blog]\nsources = { context = 'e' }\n[[blog.steps]]\nsweep = 'e.toml'\ncontext = 'e.toml'\n",
+                      "p.toml")
+    with pytest.raises(experiment.ExperimentError, match="exactly one of sweep"):
+        plan.load(both)
+    missing = write_toml("[blog]\nsources = { context = 'e' }\n[[blog.steps]]\ncontext = 'nope.toml'\n", "q.toml")
+    with pytest.raises(experiment.ExperimentError, match="'nope.toml' is not a file beside the plan"):
+        plan.load(missing)

@@ -35,6 +35,7 @@ from harness.run import experiment as experiment_mod
 from harness.run.experiment import Experiment
 
 TRAINS, FAILS = ("ok",), ("oom", "timeout")
+MAX_LEN, RESOLUTION = 1 << 20, 1024  # the command's defaults: the longest length probed, the bisection's stop
 
 
 # Past the longest length that trained, with none above it failed yet, a predicted limit (``predict``)
@@ -124,6 +125,24 @@ class Search:
     stopped: str = ""  # why the search ended without an answer (an error row), or ""
 
 
+def state(exp: Experiment, model: str, variant: str, rows: list[dict], code: str | None, *, max_len: int,
+          resolution: int, use_peaks: bool = True) -> tuple[int | None, str]:
+    """Where a search stands on ``rows``: the length it probes next (None: it is over), and why it
+    ended early ("" where it did not: bisected to ``resolution``, at ``max_len``, or going on)."""
+    seen = outcomes(rows, model, variant, code)
+    trained = [n for n, st in seen.items() if st in TRAINS]
+    # a failure above every length that trained ends the search; one below (a probe at a peer's
+    # longest, ``meet``) says nothing of how far this variant goes
+    bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS and n > max(trained, default=0)}
+    if bad:
+        n = min(bad)
+        return None, f"the probe at {n} tokens ended {bad[n]!r}: see its row"
+    predicted = predict(*peaks(rows, model, variant, code)) if use_peaks else None
+    length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
+                         predicted)
+    return (None if length in seen else length), ""
+
+
 def search(exp: Experiment, model: str, variant: str, results_root: str | Path, *, max_len: int,
            resolution: int, run_point, rows_of, code: str | None, deadline: float | None = None,
            probe_warmup: int = 1, probe_steps: int = 2, use_peaks: bool = True,
@@ -135,20 +154,9 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
                               warmup_steps=probe_warmup, measured_steps=probe_steps)
     s = Search(model, variant)
     while True:
-        rows = rows_of()  # read once a probe: the outcomes and the peaks of the same rows
-        seen = outcomes(rows, model, variant, code)
-        trained = [n for n, st in seen.items() if st in TRAINS]
-        # a failure above every length that trained ends the search; one below (a probe at a peer's
-        # longest, ``meet``) says nothing of how far this variant goes
-        bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS and n > max(trained, default=0)}
-        if bad:
-            n = min(bad)
-            s.stopped = f"the probe at {n} tokens ended {bad[n]!r}: see its row"
-            break
-        predicted = predict(*peaks(rows, model, variant, code)) if use_peaks else None
-        length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
-                             predicted)
-        if length is None or length in seen:
+        length, s.stopped = state(exp, model, variant, rows_of(), code, max_len=max_len, resolution=resolution,
+                                  use_peaks=use_peaks)
+        if length is None:
             break
         if deadline is not None and time.monotonic() > deadline:
             s.stopped = "stopped: out of time (a rerun goes on)"
@@ -179,8 +187,21 @@ def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: s
     without a row there the step times at the peer's limit cannot be set side by side (the target
     "ours faster than the best peer at its longest length"). A deadline or a search's probe limit
     holds here too."""
+    rows = rows_of()
+    for s, length in meetings(exp, searches, rows, code):
+        if (deadline is not None and time.monotonic() > deadline) or \
+                (max_probes is not None and len(s.probes) >= max_probes):
+            continue
+        one = experiment_mod.subset(exp, models=[s.model], variants=[s.variant])
+        run_point(dataclasses.replace(one, warmup_steps=probe_warmup, measured_steps=probe_steps, seq_lens=[length]))
+        s.probes.append((length, outcomes(rows_of(), s.model, s.variant, code).get(length, "no row")))
+
+
+def meetings(exp: Experiment, searches: list[Search], rows: list[dict], code: str | None) -> list[tuple[Search, int]]:
+    """The probes ``meet`` runs on ``rows``: (ours' search, the best peer's longest length)."""
     from harness.roles import OURS, PEERS
 
+    out = []
     for model in dict.fromkeys(s.model for s in searches):
         peers = [s for s in searches if s.model == model and exp.roles.get(s.variant) in PEERS]
         if not peers or any(s.stopped.startswith("stopped:") for s in peers) or not any(s.longest for s in peers):
@@ -189,16 +210,27 @@ def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: s
         for s in searches:
             if s.model != model or exp.roles.get(s.variant) not in OURS:
                 continue
-            seen = outcomes(rows_of(), model, s.variant, code)
-            if length in seen or not any(n > length and st in TRAINS for n, st in seen.items()):
-                continue
-            if (deadline is not None and time.monotonic() > deadline) or \
-                    (max_probes is not None and len(s.probes) >= max_probes):
-                continue
-            one = experiment_mod.subset(exp, models=[model], variants=[s.variant])
-            run_point(dataclasses.replace(one, warmup_steps=probe_warmup, measured_steps=probe_steps,
-                                          seq_lens=[length]))
-            s.probes.append((length, outcomes(rows_of(), model, s.variant, code).get(length, "no row")))
+            seen = outcomes(rows, model, s.variant, code)
+            if length not in seen and any(n > length and st in TRAINS for n, st in seen.items()):
+                out.append((s, length))
+    return out
+
+
+def left(exp: Experiment, rows: list[dict], code: str | None, *, max_len: int = MAX_LEN,
+         resolution: int = RESOLUTION) -> list[tuple[str, str, int | None]]:
+    """What a run of ``exp`` would still probe on ``rows``, read from them alone: (model, variant,
+    None) per search not over, (model, variant, length) per probe ``meet`` owes."""
+    out, searches = [], []
+    for model in exp.models:
+        for variant in exp.variants:
+            length, why = state(exp, model, variant, rows, code, max_len=max_len, resolution=resolution)
+            trained = [n for n, st in outcomes(rows, model, variant, code).items() if st in TRAINS]
+            # a search not over holds back the meeting, as one stopped on time does
+            searches.append(Search(model, variant, longest=max(trained, default=None),
+                                   stopped=why or ("stopped: not over" if length is not None else "")))
+            if length is not None:
+                out.append((model, variant, None))
+    return out + [(s.model, s.variant, n) for s, n in meetings(exp, searches, rows, code)]
 
 
 def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: int, command: str = "",

@@ -16,10 +16,12 @@ from harness.run.experiment import ExperimentError
 @dataclass(frozen=True)
 class Step:
     """One run of the reproduction: a sweep of an experiment file (optionally cut to some models,
-    lengths or variants) or a microbenchmark module writing rows for an experiment."""
+    lengths or variants), a microbenchmark module writing rows for an experiment, or the context
+    search of an experiment file (``python -m harness context``)."""
     name: str
     sweep: str | None = None  # experiment file, relative to the plan's folder
     bench: str | None = None  # harness.bench.<bench>
+    context: str | None = None  # experiment file searched by ``python -m harness context``
     args: tuple[str, ...] = ()
     experiment: str | None = None  # the bench's --experiment
     min_gpu_gib: float = 0.0  # skipped on GPUs with less memory (Qwen3-32B needs the H200)
@@ -49,6 +51,8 @@ class Step:
     def argv(self, plan_dir: Path) -> list[str]:
         if self.sweep:
             return ["-m", "harness", "sweep", str(plan_dir / self.sweep), "--no-report", *self.args]
+        if self.context:
+            return ["-m", "harness", "context", str(plan_dir / self.context), "--quiet", *self.args]
         return ["-m", f"harness.bench.{self.bench}", "--experiment", str(self.experiment), *self.args]
 
 
@@ -110,14 +114,16 @@ def load(path: Path | str) -> Plan:
     steps, seen = [], set()
     for i, s in enumerate(blog.get("steps") or []):
         key = f"blog.steps[{i}]"
-        if not isinstance(s, dict) or (("sweep" in s) == ("bench" in s)):
-            raise ExperimentError(path, key, "needs exactly one of sweep = \"<file>.toml\" or bench = \"<module>\"")
-        extra = set(s) - {"name", "sweep", "bench", "args", "experiment", "min_gpu_gib", "estimate_s", "appendix",
-                          "together"}
+        if not isinstance(s, dict) or sum(k in s for k in ("sweep", "bench", "context")) != 1:
+            raise ExperimentError(path, key, "needs exactly one of sweep = \"<file>.toml\", bench = \"<module>\" or "
+                                             "context = \"<file>.toml\"")
+        extra = set(s) - {"name", "sweep", "bench", "context", "args", "experiment", "min_gpu_gib", "estimate_s",
+                          "appendix", "together"}
         if extra:
             raise ExperimentError(path, key, f"unknown keys {sorted(extra)}")
-        if "sweep" in s and not (path.parent / s["sweep"]).is_file():
-            raise ExperimentError(path, f"{key}.sweep", f"{s['sweep']!r} is not a file beside the plan")
+        for kind in ("sweep", "context"):
+            if kind in s and not (path.parent / str(s[kind])).is_file():
+                raise ExperimentError(path, f"{key}.{kind}", f"{s[kind]!r} is not a file beside the plan")
         if "bench" in s and not s.get("experiment"):
             raise ExperimentError(path, f"{key}.experiment", "missing: the experiment whose results the bench writes")
         args = s.get("args", [])
@@ -128,11 +134,12 @@ def load(path: Path | str) -> Plan:
                 raise ExperimentError(path, f"{key}.{flag}", f"must be true or false, not {s[flag]!r}")
         if s.get("together") and "sweep" not in s:
             raise ExperimentError(path, f"{key}.together", "applies to a sweep step only")
-        name = str(s.get("name") or s.get("sweep") or s.get("bench"))
+        name = str(s.get("name") or s.get("sweep") or s.get("bench") or s.get("context"))
         if name in seen:
             raise ExperimentError(path, f"{key}.name", f"{name!r} names two steps: give each a distinct name")
         seen.add(name)
-        steps.append(Step(name=name, sweep=s.get("sweep"), bench=s.get("bench"), args=tuple(map(str, args)),
+        steps.append(Step(name=name, sweep=s.get("sweep"), bench=s.get("bench"), context=s.get("context"),
+                          args=tuple(map(str, args)),
                           experiment=s.get("experiment"), min_gpu_gib=float(s.get("min_gpu_gib", 0)),
                           estimate_s=float(s.get("estimate_s", 300)), appendix=s.get("appendix", False),
                           together=s.get("together", False)))
