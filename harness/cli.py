@@ -71,7 +71,10 @@ def cmd_context(args) -> int:
         probes = ", ".join(f"{n} {st}" for n, st in s.probes) or "none run"
         print(f"{s.model} {s.variant}: longest trained {s.longest or '-'} tokens (probes this run: {probes})"
               + (f"; {s.stopped}" if s.stopped else ""))
-    return 1 if any(s.stopped and not s.stopped.startswith("stopped:") for s in found) else 0
+    ended = [s.stopped for s in found if s.stopped and not s.stopped.startswith("stopped:")]
+    if any(not why.startswith(context.FAILED_PROBE) for why in ended):
+        return 1  # a probe that left no row: the file or the harness is at fault
+    return context.ENDED_ON_A_FAILED_PROBE if ended else 0
 
 
 def cmd_sweep(args) -> int:

@@ -6,7 +6,9 @@ by itself and is told to start no point that would end past the budget by its es
 (``results.point_estimate_s``: the point's own longest earlier wall time on this GPU type where it
 has one, else half as long again as on another, else the step's ``estimate_s``). A bench step is done
 when its experiment's results on this GPU hold rows its command wrote, for every model and length
-it names. A step whose
+it names. A context step (``python -m harness context``) is done when each of its searches is over
+and ours has its probe at the best peer's longest length, read from its rows (``context.left``);
+it is told to start no probe that could end past the budget. A step whose
 ``min_gpu_gib`` is above this GPU's memory is skipped, and says so. Rerun the same command until
 it prints "done"; each call ends within about ``--minutes``. ``--status SLUG`` says what is left
 on a GPU type from the rows alone, on any machine; ``--step NAME`` (repeatable) runs only those
@@ -26,6 +28,7 @@ from harness import roles
 from harness.measure.env import code_id
 from harness.report import runs
 from harness.report.blog import plan as plan_file
+from harness.run import context as context_cli
 from harness.run import experiment
 
 
@@ -122,21 +125,19 @@ def _context_left(step: plan_file.Step, plan_dir: Path, results: Path, slug: str
     its arguments cut and bound them."""
     import dataclasses
 
-    from harness.run import context
-
     ap = argparse.ArgumentParser(add_help=False)
     for flag in ("--models", "--variants"):
         ap.add_argument(flag, nargs="+")
     ap.add_argument("--start", type=int)
-    ap.add_argument("--max-len", type=int, default=context.MAX_LEN)
-    ap.add_argument("--resolution", type=int, default=context.RESOLUTION)
+    ap.add_argument("--max-len", type=int, default=context_cli.MAX_LEN)
+    ap.add_argument("--resolution", type=int, default=context_cli.RESOLUTION)
     ap.add_argument("--keep-older-rows", action="store_true")
     known, _ = ap.parse_known_args(step.args)
     exp = experiment.subset(experiment.load(plan_dir / step.context), models=known.models, variants=known.variants)
     if known.start:
         exp = dataclasses.replace(exp, seq_lens=[known.start])
     rows = res.read_rows(res.results_path(results, exp.name, slug))
-    todo = context.left(exp, rows, None if known.keep_older_rows else code_id(), max_len=known.max_len,
+    todo = context_cli.left(exp, rows, None if known.keep_older_rows else code_id(), max_len=known.max_len,
                         resolution=known.resolution)
     return todo, len(exp.models) * len(exp.variants)
 
@@ -223,18 +224,20 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
                 if isinstance(m := (r.get("env") or {}).get("memory_total_gib"), (int, float))]
         gib = max(mems) if mems else None
     lines, totals = [], {False: [0, 0, 0.0], True: [0, 0, 0.0]}  # per appendix: [left, all, seconds]
+    searches = [0, 0, 0.0]  # the context steps': [left, all, seconds at the least]
     for step in plan.steps:
         if step.min_gpu_gib and gib is not None and gib < step.min_gpu_gib:
             lines.append((step.label, f"skipped: needs {step.min_gpu_gib:g} GiB, {slug} has {gib:.0f}"))
             continue
         n_left, n = points_left(step, plan_dir, results, slug)
         secs = seconds_left(step, plan_dir, results, slug) if n_left else 0.0
-        totals[step.appendix][0] += n_left
-        totals[step.appendix][1] += n
-        totals[step.appendix][2] += secs
+        tally = searches if step.context else totals[step.appendix]
+        tally[0] += n_left
+        tally[1] += n
+        tally[2] += secs
         lines.append((step.label, "done" if not n_left else
-                      (f"{n_left} of {n} points left" if step.sweep else f"{n_left} of {n} searches left"
-                       if step.context else "bench not run") + f", ~{_minutes(secs)}"))
+                      f"{n_left} of {n} searches left, at least ~{_minutes(secs)}" if step.context else
+                      (f"{n_left} of {n} points left" if step.sweep else "bench not run") + f", ~{_minutes(secs)}"))
     width = max(len(name) for name, _ in lines) if lines else 0
     print(f"{plan.path.name} on {slug}" + (f" ({gib:.0f} GiB)" if gib is not None else " (memory unknown: "
                                              "every step counted; --gpu-gib decides the large-GPU steps)"))
@@ -244,10 +247,14 @@ def status(plan_path: Path | str, slug: str, gib: float | None = None, results: 
         n_left, n, secs = totals[appendix]
         if n:
             print(f"  {what}: " + (f"{n_left} of {n} points left, ~{_minutes(secs)} of GPU time" if n_left else "done"))
+    if searches[1]:
+        print("  the long-context searches: " + (f"{searches[0]} of {searches[1]} left, at least ~{_minutes(searches[2])} "
+                                                 "of GPU time (one probe each, at its step's estimate_s; a search "
+                                                 "takes several)" if searches[0] else "done"))
     if totals[False][0] + totals[True][0]:
         print("  (~: each point's own longest wall time on this GPU type, else half as long again as on another "
               "(at most its step's estimate_s), else its step's estimate_s, the longest any of its points takes)")
-    return 0 if not totals[False][0] + totals[True][0] else 3
+    return 0 if not totals[False][0] + totals[True][0] + searches[0] else 3
 
 
 def _ran(step: plan_file.Step, command: str) -> bool:
@@ -326,8 +333,14 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
             continue
         here, elsewhere = res.wall_history(results, _cut(step, plan_dir).name, slug) if step.sweep else ({}, {})
         for argv, pts in work(step, plan_dir, results, slug):
-            remaining = budget - (time.monotonic() - start) - (_START_S if step.sweep else 0.0)
-            if remaining < _needs(step, pts, here, elsewhere, budget):
+            start_s = _START_S if step.sweep or step.context else 0.0
+            remaining = budget - (time.monotonic() - start) - start_s
+            needs = _needs(step, pts, here, elsewhere, budget)
+            if needs > budget - start_s:  # no call of this length would ever start it
+                print(f"skip {step.name}: it needs {needs:.0f} s to start, more than --minutes {minutes:g} gives; "
+                      f"run with --minutes {(needs + start_s) / 60 + 1:.0f} or more", file=sys.stderr)
+                continue
+            if remaining < needs:
                 continue
             argv = [sys.executable, *argv, "--results", str(results)]
             if step.sweep:
@@ -338,7 +351,7 @@ def run(plan_path: Path | str, *, minutes: float = 9.0, results: Path | str = "r
             if dry_run:
                 continue
             rc = subprocess.run(argv).returncode
-            if rc == 1 and step.context:  # a search ended on a probe that failed otherwise: its row says why
+            if rc == context_cli.ENDED_ON_A_FAILED_PROBE and step.context:  # a refusal or failure: its row says why
                 rc = 0
             if rc != 0:
                 print(f"error: {step.name} exited {rc}; its rows so far are kept, a rerun resumes", file=sys.stderr)

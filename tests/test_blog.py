@@ -28,8 +28,13 @@ def test_the_shipped_plan_parses_and_its_steps_name_real_files():
             assert experiment.load(ROOT / "experiments" / (step.sweep or step.context)).points()
         else:
             assert (ROOT / "harness" / "bench" / f"{step.bench}.py").is_file()
-    # the long-context searches of the report's section, each resumable, with a probe's time limit
-    assert {s.context: s.estimate_s for s in p.steps if s.context} == {"context.toml": 600, "context-moe.toml": 600}
+    # the report's long-context searches, each estimated at no more than its file's probe time limit;
+    # gpt-oss-20b's fits a call of the default --minutes (9), beside the command's start
+    ctx = {s.context: s for s in p.steps if s.context}
+    assert set(ctx) == {"context.toml", "context-moe.toml"}
+    for name, step in ctx.items():
+        assert step.estimate_s <= experiment.load(ROOT / "experiments" / name).timeout_s
+    assert ctx["context-moe.toml"].estimate_s + reproduce._START_S <= 9 * 60
     # what does not fit in 80 GB runs on the H200 only
     assert {s.name for s in p.steps if s.min_gpu_gib > 80} >= {"user-moe qwen3-30b-a3b", "offload bench qwen3-32b 2048"}
     # the full ablation sweeps come last, after every step the report's figures read
@@ -724,10 +729,16 @@ def test_a_context_step_is_left_while_a_search_is_not_over_or_owes_its_meeting_p
     probe("user", 128, "ok"), probe("user", 256, "ok")  # at --max-len: over, but never at the peer's 64
     assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (1, 2)  # the meeting probe
     reproduce.status(p, "cpu", 80, results=tmp_path / "r")
-    assert "ctx  1 of 2 searches left, ~1 min" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ctx  1 of 2 searches left, at least ~1 min" in out  # apart from the points' totals
+    assert "the long-context searches: 1 of 2 left, at least ~1 min" in out and "points left" not in out
     assert reproduce.run(p, results=tmp_path / "r", dry_run=True) == 0
     cmd = capsys.readouterr().err
     assert "run ctx: -m harness context" in cmd and "--stop-after" in cmd and "--resolution 64" in cmd, cmd
+    # a call too short for one probe says so, rather than leaving the step for ever
+    assert reproduce.run(p, minutes=0.5, results=tmp_path / "r", dry_run=True) == 0
+    assert "skip ctx: it needs 60 s to start, more than --minutes 0.5 gives; run with --minutes 2" in \
+        capsys.readouterr().err
     probe("user", 64, "ok")
     assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (0, 2)
     # another code's rows count only where the step keeps them
@@ -740,8 +751,28 @@ def test_a_context_step_is_left_while_a_search_is_not_over_or_owes_its_meeting_p
     assert reproduce.points_left(plan.Step(name="n", context="e.toml"), tmp_path, fresh, "cpu")[0] == 2
 
 
+def test_a_context_steps_search_that_ended_on_a_refused_probe_is_no_failure_of_the_plan(tmp_path, write_toml,
+                                                                                         monkeypatch):
+    import subprocess
+
+    from harness.run import context
+
+    _tiny_experiment(tmp_path, "[variants.stock]\nrole = 'stock'\n[variants.user]\nrole = 'user'\n")
+    p = write_toml("[blog]\nsources = { context = 'e' }\n[[blog.steps]]\nname = 'ctx'\ncontext = 'e.toml'\n"
+                   "estimate_s = 60\n", "plan.toml")
+    monkeypatch.setattr(reproduce, "_gpu", lambda: ("GPU X", 80.0))
+    ran = []
+    for rc, want in ((context.ENDED_ON_A_FAILED_PROBE, 3), (1, 1)):  # left for the next call; a crash
+        monkeypatch.setattr(subprocess, "run", lambda argv, rc=rc: ran.append(argv) or subprocess.CompletedProcess(argv, rc))
+        assert reproduce.run(p, results=tmp_path / "r") == want
+    assert len(ran) == 2 and ran[0][1:4] == ["-m", "harness", "context"]
+
+
 def test_a_plan_step_is_one_of_a_sweep_a_bench_or_a_context_search(tmp_path, write_toml):
     _tiny_experiment(tmp_path)
+    none = write_toml("[blog]\nsources = { context = 'e' }\n[[blog.steps]]\nname = 'x'\n", "n.toml")
+    with pytest.raises(experiment.ExperimentError, match="exactly one of sweep"):
+        plan.load(none)
     both = write_toml("[blog]\nsources = { context = 'e' }\n[[blog.steps]]\nsweep = 'e.toml'\ncontext = 'e.toml'\n",
                       "p.toml")
     with pytest.raises(experiment.ExperimentError, match="exactly one of sweep"):

@@ -210,6 +210,14 @@ def test_the_cli_searches_each_variant_with_real_points_and_writes_their_rows(tm
     rows = res.read_rows(res.results_path(tmp_path / "results", "ctx", "cpu"))
     assert sorted((r["variant"], r["seq_len"], r["status"]) for r in rows) == [
         ("stock", 64, "ok"), ("stock", 128, "ok"), ("user", 64, "ok"), ("user", 128, "ok")]
+    # a peer that cannot run here ends its search on a refused probe: the command says so apart (4)
+    refused = tmp_path / "refused.toml"
+    refused.write_text(EXP.replace("[variants.user]\nrole = \"user\"", "[variants.unsloth]\nstack = \"unsloth\""))
+    done4 = subprocess.run([sys.executable, "-m", "harness", "context", str(refused), "--max-len", "128",
+                            "--variants", "unsloth", "--results", str(tmp_path / "results4"), "--quiet"],
+                           capture_output=True, text=True)
+    assert done4.returncode == context.ENDED_ON_A_FAILED_PROBE, (done4.stdout, done4.stderr[-2000:])
+    assert "the probe at 64 tokens ended 'skipped'" in done4.stdout
     # the same rows as another code's: --keep-older-rows goes on from them, so nothing runs again
     path_rows = res.results_path(tmp_path / "results", "ctx", "cpu")
     path_rows.write_text("".join(json.dumps(r | {"env": r["env"] | {"code_id": "older"}}) + "\n" for r in rows))

@@ -36,6 +36,8 @@ from harness.run.experiment import Experiment
 
 TRAINS, FAILS = ("ok",), ("oom", "timeout")
 MAX_LEN, RESOLUTION = 1 << 20, 1024  # the command's defaults: the longest length probed, the bisection's stop
+FAILED_PROBE = "the probe at "  # how a search that ended on a refused or failed probe says so
+ENDED_ON_A_FAILED_PROBE = 4  # the command's exit code when one did (and nothing worse happened): its row says why
 
 
 # Past the longest length that trained, with none above it failed yet, a predicted limit (``predict``)
@@ -136,7 +138,7 @@ def state(exp: Experiment, model: str, variant: str, rows: list[dict], code: str
     bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS and n > max(trained, default=0)}
     if bad:
         n = min(bad)
-        return None, f"the probe at {n} tokens ended {bad[n]!r}: see its row"
+        return None, f"{FAILED_PROBE}{n} tokens ended {bad[n]!r}: see its row"
     predicted = predict(*peaks(rows, model, variant, code)) if use_peaks else None
     length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
                          predicted)
@@ -194,7 +196,11 @@ def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: s
             continue
         one = experiment_mod.subset(exp, models=[s.model], variants=[s.variant])
         run_point(dataclasses.replace(one, warmup_steps=probe_warmup, measured_steps=probe_steps, seq_lens=[length]))
-        s.probes.append((length, outcomes(rows_of(), s.model, s.variant, code).get(length, "no row")))
+        status = outcomes(rows_of(), s.model, s.variant, code).get(length)
+        if status is None:  # as in ``search``: the file has no such point, or the row names no code
+            s.stopped = f"no row of this code at {length} tokens after its meeting probe"
+            continue
+        s.probes.append((length, status))
 
 
 def meetings(exp: Experiment, searches: list[Search], rows: list[dict], code: str | None) -> list[tuple[Search, int]]:
