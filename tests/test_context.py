@@ -184,6 +184,34 @@ def test_a_search_with_peaks_jumps_to_where_the_card_fills_and_probes_less(tmp_p
     assert len(with_peaks.runs) < len(doubling.runs) and max(with_peaks.runs) < max(doubling.runs) == 131072
 
 
+def test_unsloths_search_goes_up_to_the_models_positions_and_no_further(tmp_path):
+    """Past a model's positions Unsloth rescales RoPE (another model), so its probe there is refused:
+    its search stops at the window, probing it, rather than jumping past it to a refusal that would
+    end the search below the window. A refusal left above the window by an earlier search does not
+    end it; llama3 RoPE, which Unsloth keeps, has no cap."""
+    path = tmp_path / "ctx.toml"
+    path.write_text(EXP + '\n[variants.unsloth]\nstack = "unsloth"\n')
+    exp = experiment.load(path)
+    window = 40960  # qwen3-0.6b-tiny's max_position_embeddings
+    assert context.length_cap(exp, "qwen3-0.6b-tiny", "unsloth") == window
+    assert context.length_cap(exp, "qwen3-0.6b-tiny", "user") is None
+    assert context.length_cap(exp, "llama-3.1-8b-tiny", "unsloth") is None
+    fake = _Fake(limit=1 << 20)
+    fake.rows.append({"kind": "step", "model": "qwen3-0.6b-tiny", "variant": "unsloth", "seq_len": 217088,
+                      "status": "skipped", "message": "past the positions", "env": {"code_id": "c"}})
+    kw = dict(max_len=1 << 20, resolution=1024, run_point=fake.run_point, rows_of=lambda: fake.rows, code="c")
+    s = context.search(exp, "qwen3-0.6b-tiny", "unsloth", tmp_path, **kw)
+    assert s.longest == window and not s.stopped and max(fake.runs) == window, (s, fake.runs)
+    assert context.state(exp, "qwen3-0.6b-tiny", "unsloth", fake.rows, "c", max_len=1 << 20,
+                         resolution=1024) == (None, "")
+    # the cap holds below a bound of its own: the command's --max-len, where it is shorter
+    assert context.state(exp, "qwen3-0.6b-tiny", "unsloth", [], "c", max_len=64, resolution=1024)[0] == 64
+    # another stack on the same model goes past the window, to where its memory ends
+    fake.limit = 50000
+    user = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **kw)
+    assert user.longest > window
+
+
 def test_an_error_ends_the_variants_search_and_says_where(tmp_path):
     exp, fake = _exp(tmp_path), _Fake(limit=1 << 20, fail_at=256)
     s = context.search(exp, "qwen3-0.6b-tiny", "stock", tmp_path, max_len=1 << 20, resolution=64,

@@ -12,7 +12,9 @@ bisects between the longest length that trained and the shortest that did not, t
 tokens. Once two lengths have trained, their peaks predict where the card fills (a line through
 them, ``predict``), and the search goes there rather than doubling past it: a long probe costs
 minutes (attention's time grows with the square of the length), so fewer of them. A point that fails otherwise (another ``error``, ``skipped``) ends that variant's search:
-its row says why.
+its row says why. Unsloth's search goes no further than the model's positions where its loader
+would rescale RoPE past them (``length_cap``): it probes the window itself, not a length past it
+that it would refuse.
 
 Once every peer's search of a model has finished, each of ours' variants that trained longer is
 probed once at the best peer's longest length too (``meet``), so the two step times there stand
@@ -127,15 +129,32 @@ class Search:
     stopped: str = ""  # why the search ended without an answer (an error row), or ""
 
 
+def length_cap(exp: Experiment, model: str, variant: str) -> int | None:
+    """The longest length a variant's stack trains ``model`` at as the stacks beside it do (None:
+    no limit): for Unsloth, the model's positions where its loader would rescale RoPE past them
+    (``unsloth_stack.longest_length``), so its search probes up to that window, not past it to a
+    refusal that would end the search below the window."""
+    if exp.variant_stack.get(variant) != "unsloth":
+        return None
+    from harness.run import unsloth_stack
+    from harness.workload import models
+
+    return unsloth_stack.longest_length(models.get(model).config())
+
+
 def state(exp: Experiment, model: str, variant: str, rows: list[dict], code: str | None, *, max_len: int,
           resolution: int, use_peaks: bool = True) -> tuple[int | None, str]:
     """Where a search stands on ``rows``: the length it probes next (None: it is over), and why it
-    ended early ("" where it did not: bisected to ``resolution``, at ``max_len``, or going on)."""
+    ended early ("" where it did not: bisected to ``resolution``, at ``max_len`` or the stack's
+    ``length_cap``, or going on)."""
+    max_len = min(max_len, length_cap(exp, model, variant) or max_len)
     seen = outcomes(rows, model, variant, code)
     trained = [n for n, st in seen.items() if st in TRAINS]
     # a failure above every length that trained ends the search; one below (a probe at a peer's
-    # longest, ``meet``) says nothing of how far this variant goes
-    bad = {n: st for n, st in seen.items() if st not in TRAINS + FAILS and n > max(trained, default=0)}
+    # longest, ``meet``) says nothing of how far this variant goes, nor one past ``max_len``,
+    # where the search no longer goes (a row from before the cap)
+    bad = {n: st for n, st in seen.items()
+           if st not in TRAINS + FAILS and max(trained, default=0) < n <= max_len}
     if bad:
         n = min(bad)
         return None, f"{FAILED_PROBE}{n} tokens ended {bad[n]!r}: see its row"

@@ -162,9 +162,8 @@ def check(spec, *, device, lora_rank: int | None, batch_size: int = 1, max_seq_l
         raise PeerUnavailable(f"Unsloth cannot run here: {why}")
     if not lora_rank:
         raise PeerUnavailable("the Unsloth stack trains LoRA adapters; this point sets no lora_rank")
-    window = getattr(spec.config(), "max_position_embeddings", None)
-    # Unsloth's loader (_extended_rope_scaling) keeps native llama3 RoPE past the window, else linear
-    if max_seq_length and window and max_seq_length > window and rope(spec.config())["rope_type"] != "llama3":
+    window = longest_length(spec.config())
+    if max_seq_length and window and max_seq_length > window:
         raise PeerUnavailable(f"{max_seq_length} tokens is past {spec.name}'s {window} positions: Unsloth would rescale "
                               "its RoPE, and train another model than the stacks beside it")
     if batch_size != 1:
@@ -238,6 +237,15 @@ def _numel(shapes: Counter) -> int:
     import math
 
     return sum(math.prod(s) * n for s, n in shapes.items())
+
+
+def longest_length(config) -> int | None:
+    """The longest length Unsloth trains the model of ``config`` at as the other stacks do: its
+    ``max_position_embeddings``, past which Unsloth's loader (``_extended_rope_scaling``) puts
+    linear RoPE scaling on it; None (no limit) for llama3 RoPE, which it keeps, only widening the
+    window, or a config without a window."""
+    window = getattr(config, "max_position_embeddings", None)
+    return window if window and rope(config)["rope_type"] != "llama3" else None
 
 
 def rope(config) -> dict:
