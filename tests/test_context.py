@@ -563,6 +563,9 @@ def test_an_unbounded_longest_is_projected_from_two_peaks_and_says_what_offload_
     assert report.projected(rows[:2], rows[1]) == n
     assert report.projected(rows[2:], rows[3]) is None  # bounded: its out-of-memory probe says where
     assert report.projected(rows[:1], rows[0]) is None  # one peak draws no line
+    # a probe above that was refused (Unsloth past the model's positions): no line goes past it
+    refused = [*rows[2:4], _row("unsloth", "unsloth", 217088, "skipped")]
+    assert report.projected(refused, refused[1]) is None
     # a stack that keeps what memory allows is near the card at every length: no line extends it
     full = [ok("user", "user", 65536, 67.6), ok("user", "user", 131072, 71.6)]
     assert report.projected(full, full[1]) is None

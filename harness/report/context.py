@@ -108,14 +108,17 @@ def projected(rows: list[dict], row: dict | None) -> int | None:
     at which the line through the peaks of its two longest lengths that trained, measured by the
     code of ``row``, fills ``HEADROOM`` of the card (``harness.run.context.predict``, where its
     search would probe next). A projection, not a measurement; None where it is bounded, two
-    peaks are lacking, a probe above it failed otherwise (an error, not a timeout), or the longest
+    peaks are lacking, a probe above it failed otherwise (an error, not a timeout) or was refused
+    (skipped), or the longest
     already held ``FILLED`` of the card: a stack that keeps what
     memory allows (``recompute="auto"``) fills the card at every length, and no line extends it."""
     if row is None or _oom_above(rows, int(row["seq_len"])) is not None:
         return None
     seen = outcomes(rows, row.get("model"), row.get("variant"), None)
-    if any(st == "error" for n, st in seen.items() if n > int(row["seq_len"])):
-        return None  # a probe above died (killed, crashed): no line goes past it, bound or not
+    if any(st in ("error", "skipped") for n, st in seen.items() if n > int(row["seq_len"])):
+        # a probe above died (killed, crashed) or was refused (Unsloth past the model's positions):
+        # no line goes past it, bound or not
+        return None
     code = (row.get("env") or {}).get("code_id")
     got, capacity = peaks(rows, row.get("model"), row.get("variant"), code)
     if capacity and got.get(int(row["seq_len"]), 0) >= FILLED * capacity:
