@@ -710,7 +710,10 @@ def test_the_one_call_is_set_against_the_fastest_of_stock_stock_compiled_and_the
 
 
 def test_a_context_step_is_left_while_a_search_is_not_over_or_owes_its_meeting_probe(tmp_path, write_toml, capsys):
+    import dataclasses
+
     from harness import results as res
+    from harness import row
     from harness.measure.env import code_id
 
     _tiny_experiment(tmp_path, "[variants.stock]\nrole = 'stock'\n[variants.user]\nrole = 'user'\n")
@@ -720,9 +723,15 @@ def test_a_context_step_is_left_while_a_search_is_not_over_or_owes_its_meeting_p
     assert step.argv(tmp_path)[:4] == ["-m", "harness", "context", str(tmp_path / "e.toml")]
     path = res.results_path(tmp_path / "r", "e", "cpu")
 
+    exp = experiment.load(tmp_path / "e.toml")
+
+    def identity(variant):  # the probe's point as the file defines it
+        (point,) = [pt for pt in exp.points() if pt.variant == variant][:1]
+        return row.identity(dataclasses.asdict(point))
+
     def probe(variant, n, status, code=None):
-        res.append_row(path, {"kind": "step", "model": "qwen3-0.6b-tiny", "variant": variant, "seq_len": n,
-                              "status": status, "env": {"code_id": code or code_id()}})
+        res.append_row(path, {**identity(variant), "kind": "step", "seq_len": n, "status": status,
+                              "env": {"code_id": code or code_id()}})
 
     assert reproduce.points_left(step, tmp_path, tmp_path / "r", "cpu") == (2, 2)  # nothing probed
     probe("stock", 64, "ok"), probe("stock", 128, "oom")  # bisected to 64 tokens: over at 64
@@ -745,8 +754,8 @@ def test_a_context_step_is_left_while_a_search_is_not_over_or_owes_its_meeting_p
     probe("stock", 64, "ok", "other")
     kept = plan.Step(name="k", context="e.toml", args=("--keep-older-rows",))
     fresh = tmp_path / "fresh"
-    res.append_row(res.results_path(fresh, "e", "cpu"), {"kind": "step", "model": "qwen3-0.6b-tiny", "variant": "stock",
-                                                         "seq_len": 64, "status": "oom", "env": {"code_id": "other"}})
+    res.append_row(res.results_path(fresh, "e", "cpu"), {**identity("stock"), "kind": "step", "seq_len": 64,
+                                                         "status": "oom", "env": {"code_id": "other"}})
     assert reproduce.points_left(kept, tmp_path, fresh, "cpu")[0] == 1  # stock over at its first length; user not
     assert reproduce.points_left(plan.Step(name="n", context="e.toml"), tmp_path, fresh, "cpu")[0] == 2
 

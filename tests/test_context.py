@@ -1,5 +1,6 @@
 """harness.run.context: the longest trainable length per variant, searched over sweep points."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from harness import results as res
+from harness import row as rowmod
 from harness.run import context, experiment
 from harness.run.context import next_length
 
@@ -83,8 +85,14 @@ class _Fake:
         (point,) = exp.points()
         self.runs.append(point.seq_len)
         status = "error" if point.seq_len == self.fail_at else "ok" if point.seq_len <= self.limit else "oom"
-        self.rows.append({"kind": "step", "model": point.model, "variant": point.variant, "seq_len": point.seq_len,
-                          "status": status, "message": "boom" if status == "error" else "", "env": {"code_id": self.code}})
+        self.rows.append({**rowmod.identity(dataclasses.asdict(point)), "kind": "step", "status": status,
+                          "message": "boom" if status == "error" else "", "env": {"code_id": self.code}})
+
+
+def _probe_row(exp, model, variant, n, status, **extra):
+    """A row of ``variant``'s probe at ``n`` tokens as ``exp`` defines the variant."""
+    (point,) = [p for p in exp.points() if p.model == model and p.variant == variant][:1]
+    return {**rowmod.identity(dataclasses.asdict(point)), "kind": "step", "seq_len": n, "status": status, **extra}
 
 
 def _exp(tmp_path):
@@ -109,6 +117,26 @@ def test_a_search_finds_the_longest_length_to_its_resolution_and_a_rerun_runs_no
     # else another code's rows do not count: that code's search starts over
     other = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **{**kw, "code": "d"})
     assert other.probes[0][0] == 64
+
+
+def test_probes_of_the_variant_as_the_file_defined_it_before_count_for_nothing(tmp_path):
+    """An edited file (another LoRA rank) makes other points: their probes do not resume the search,
+    as a sweep point of another identity resumes nothing; other probe settings do not matter."""
+    exp, fake = _exp(tmp_path), _Fake(limit=23000)
+    kw = dict(max_len=1 << 20, resolution=1024)
+    s = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, run_point=fake.run_point, rows_of=lambda: fake.rows,
+                       code="c", **kw)
+    assert context.state(exp, "qwen3-0.6b-tiny", "user", fake.rows, "c", **kw) == (None, "")
+    path = tmp_path / "rank8.toml"
+    path.write_text(EXP.replace("lora_rank = 4", "lora_rank = 8"))
+    rank8 = experiment.load(path)
+    assert context.state(rank8, "qwen3-0.6b-tiny", "user", fake.rows, "c", **kw) == (64, "")
+    assert context.left(rank8, fake.rows, "c", **kw)[:2] == [("qwen3-0.6b-tiny", "stock", None),
+                                                              ("qwen3-0.6b-tiny", "user", None)]
+    probes = dataclasses.replace(exp, warmup_steps=0, measured_steps=1)  # --probe-warmup 0 --probe-steps 1
+    assert context.state(probes, "qwen3-0.6b-tiny", "user", fake.rows, "c", **kw) == (None, "")
+    assert s.longest and context.search(probes, "qwen3-0.6b-tiny", "user", tmp_path, run_point=fake.run_point,
+                                        rows_of=lambda: fake.rows, code="c", **kw).longest == s.longest
 
 
 class _Limits(_Fake):
@@ -197,8 +225,8 @@ def test_unsloths_search_goes_up_to_the_models_positions_and_no_further(tmp_path
     assert context.length_cap(exp, "qwen3-0.6b-tiny", "user") is None
     assert context.length_cap(exp, "llama-3.1-8b-tiny", "unsloth") is None
     fake = _Fake(limit=1 << 20)
-    fake.rows.append({"kind": "step", "model": "qwen3-0.6b-tiny", "variant": "unsloth", "seq_len": 217088,
-                      "status": "skipped", "message": "past the positions", "env": {"code_id": "c"}})
+    fake.rows.append(_probe_row(exp, "qwen3-0.6b-tiny", "unsloth", 217088, "skipped", message="past the positions",
+                                env={"code_id": "c"}))
     kw = dict(max_len=1 << 20, resolution=1024, run_point=fake.run_point, rows_of=lambda: fake.rows, code="c")
     s = context.search(exp, "qwen3-0.6b-tiny", "unsloth", tmp_path, **kw)
     assert s.longest == window and not s.stopped and max(fake.runs) == window, (s, fake.runs)

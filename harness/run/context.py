@@ -21,22 +21,25 @@ probed once at the best peer's longest length too (``meet``), so the two step ti
 side by side.
 
 The rows are the sweep's, in ``results/<experiment>/<gpu>.jsonl``, each point identified by its
-length as any sweep point is. A rerun reads the rows this code measured and goes on where the
-search stopped; ``stop_after_s`` starts no probe past that many seconds.
+length as any sweep point is. A rerun reads the rows this code measured of the variant as the file
+defines it now (``as_defined``) and goes on where the search stopped; ``stop_after_s`` starts no probe past that many seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import results as res
+from harness import row as rowmod
 from harness.run import experiment as experiment_mod
 from harness.run.experiment import Experiment
 
 TRAINS, FAILS = ("ok",), ("oom", "timeout")
+PROBE_FIELDS = ("seq_len", "warmup_steps", "measured_steps")  # what one search's probes differ in
 MAX_LEN, RESOLUTION = 1 << 20, 1024  # the command's defaults: the longest length probed, the bisection's stop
 FAILED_PROBE = "the probe at "  # how a search that ended on a refused or failed probe says so
 ENDED_ON_A_FAILED_PROBE = 4  # the command's exit code when one did (and nothing worse happened): its row says why
@@ -91,6 +94,27 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
         return None
     mid = (low + hi) // 2 // resolution * resolution
     return mid if mid > low and mid >= resolution else None
+
+
+def setting(fields: dict) -> str:
+    """A row's or a point's identity (``harness.row.identity``) less ``PROBE_FIELDS``: what every
+    probe of one search shares (the variant's switches, the LoRA rank, dtype, data, ...)."""
+    ident = rowmod.identity(fields)
+    for k in PROBE_FIELDS:
+        ident.pop(k, None)
+    return json.dumps(ident, sort_keys=True, default=str)
+
+
+def as_defined(exp: Experiment, model: str, variant: str, rows: list[dict]) -> list[dict]:
+    """The rows of ``model`` and ``variant`` measured as ``exp`` defines that variant now: a probe
+    of an edited file (another LoRA rank, other switches) says nothing of this search, as a sweep
+    point of another identity resumes nothing. The probe settings (``--probe-warmup``,
+    ``--probe-steps``) may differ: a length trains or not whatever they are."""
+    points = [p for p in exp.points() if p.model == model and p.variant == variant]
+    if not points:
+        return []
+    want = setting(dataclasses.asdict(points[0]))
+    return [r for r in rows if r.get("model") == model and r.get("variant") == variant and setting(r) == want]
 
 
 def outcomes(rows: list[dict], model: str, variant: str, code: str | None) -> dict[int, str]:
@@ -148,6 +172,7 @@ def state(exp: Experiment, model: str, variant: str, rows: list[dict], code: str
     ended early ("" where it did not: bisected to ``resolution``, at ``max_len`` or the stack's
     ``length_cap``, or going on)."""
     max_len = min(max_len, length_cap(exp, model, variant) or max_len)
+    rows = as_defined(exp, model, variant, rows)
     seen = outcomes(rows, model, variant, code)
     trained = [n for n, st in seen.items() if st in TRAINS]
     # a failure above every length that trained ends the search; one below (a probe at a peer's
@@ -186,13 +211,13 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
             s.stopped = f"stopped: {max_probes} probe(s) run, the limit (a rerun goes on)"
             break
         run_point(dataclasses.replace(one, seq_lens=[length]))
-        status = outcomes(rows_of(), model, variant, code).get(length)
+        status = outcomes(as_defined(exp, model, variant, rows_of()), model, variant, code).get(length)
         if status is None:  # the file limits this variant to other models or lengths, or the row is another code's
             s.stopped = (f"no row of this code at {length} tokens after its probe: the experiment file has no such "
                          "point for this variant, or the row does not say which code measured it")
             break
         s.probes.append((length, status))
-    seen = outcomes(rows_of(), model, variant, code)
+    seen = outcomes(as_defined(exp, model, variant, rows_of()), model, variant, code)
     s.longest = max((n for n, st in seen.items() if st in TRAINS), default=None)
     return s
 
@@ -215,7 +240,7 @@ def meet(exp: Experiment, searches: list[Search], *, run_point, rows_of, code: s
             continue
         one = experiment_mod.subset(exp, models=[s.model], variants=[s.variant])
         run_point(dataclasses.replace(one, warmup_steps=probe_warmup, measured_steps=probe_steps, seq_lens=[length]))
-        status = outcomes(rows_of(), s.model, s.variant, code).get(length)
+        status = outcomes(as_defined(exp, s.model, s.variant, rows_of()), s.model, s.variant, code).get(length)
         if status is None:  # as in ``search``: the file has no such point, or the row names no code
             s.stopped = f"no row of this code at {length} tokens after its meeting probe"
             continue
@@ -235,7 +260,7 @@ def meetings(exp: Experiment, searches: list[Search], rows: list[dict], code: st
         for s in searches:
             if s.model != model or exp.roles.get(s.variant) not in OURS:
                 continue
-            seen = outcomes(rows, model, s.variant, code)
+            seen = outcomes(as_defined(exp, model, s.variant, rows), model, s.variant, code)
             if length not in seen and any(n > length and st in TRAINS for n, st in seen.items()):
                 out.append((s, length))
     return out
@@ -249,7 +274,8 @@ def left(exp: Experiment, rows: list[dict], code: str | None, *, max_len: int = 
     for model in exp.models:
         for variant in exp.variants:
             length, why = state(exp, model, variant, rows, code, max_len=max_len, resolution=resolution)
-            trained = [n for n, st in outcomes(rows, model, variant, code).items() if st in TRAINS]
+            trained = [n for n, st in outcomes(as_defined(exp, model, variant, rows), model, variant, code).items()
+                       if st in TRAINS]
             # a search not over holds back the meeting, as one stopped on time does
             searches.append(Search(model, variant, longest=max(trained, default=None),
                                    stopped=why or ("stopped: not over" if length is not None else "")))
