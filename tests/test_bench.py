@@ -11,6 +11,7 @@ import torch
 
 from harness import results as res
 from harness.bench import packing as bench_packing
+from harness.report import fmt
 
 
 def test_measure_m_splits_host_time_from_device_time():
@@ -125,12 +126,20 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
     # Liger-Kernel's Triton kernels need CUDA: a skipped row that says so, not an error
     assert rows["liger"]["status"] == "skipped" and "CUDA" in rows["liger"]["error"]
     assert rows["ours"]["optim"]["optim.loss"]["fused_loss"] is True
+    # each step's host time, begin to end callback; on CPU it holds the step's clock marks within it
+    for mode in ("stock", "compiled", "ours"):
+        r = rows[mode]
+        assert len(r["issue_ms_samples"]) == len(r["ms_samples"]) == 2 and r["issue_ms"] >= r["ms"] > 0, r
     assert {r["logging_steps"] for r in rows.values()} == {500}  # Trainer's default: no log, no sync, per step
     assert {json.dumps(r["trainer_args"]) for r in rows.values()} == {'{"logging_nan_inf_filter": false}'}
     text = build_report(tmp_path, "t", tmp_path / "reports").read_text()
     assert "#### transformers.Trainer" in text and "| Trainer after optim.enable(model) |" in text
     assert "| stock Trainer, decoder layers compiled |" in text and "| Trainer(use_liger_kernel=True) | skipped:" in text
     assert "Trainer logging every 500 steps, TrainingArguments logging_nan_inf_filter=False" in text
+    # the host's time per step beside the step time; a skipped row has none
+    assert "| run | ms/step | host ms | × stock |" in text
+    ours = next(line for line in text.splitlines() if line.startswith("| Trainer after optim.enable(model) |"))
+    assert ours.split(" | ")[2] == fmt.ms(rows["ours"]["issue_ms"]), ours
 
 
 def test_a_profiled_trainer_bench_writes_trainer_phases_and_stores_no_rows(tmp_path, capsys):

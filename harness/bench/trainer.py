@@ -88,7 +88,8 @@ def _one(cfg: dict) -> dict:
                 r = trainer_run(model, ours=True, rows=1, graphed=name == "graphed", **kw)
         except PeerUnavailable as e:
             return {"status": "skipped", "error": str(e)}
-    return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"], "peak_gib": r["peak_gib"],
+    return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"],
+            "issue_ms_all": r.get("issue_ms_all"), "peak_gib": r["peak_gib"],
             "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats"),
             "gradient_checkpointing": r.get("gradient_checkpointing"),
             "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
@@ -281,10 +282,15 @@ def _row(base: dict, r: dict, results: dict, warmup: int) -> dict:
     diff = None
     if ref is not None and len(ref["losses"]) == len(r["losses"]):
         diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], ref["losses"])), default=None)
-    print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  peak "
-          f"{r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}", flush=True)
+    issue = percentiles(r["issue_ms_all"][warmup:]) if r.get("issue_ms_all") else None
+    print(f"{model} {name:8s} {p['p50']:8.1f} ms [{p['p20']:.1f}-{p['p80']:.1f}]  "
+          + (f"host {issue['p50']:.1f} ms  " if issue else "")
+          + f"peak {r['peak_gib'] or 0:.2f} GiB  loss diff vs stock {diff if diff is not None else '-'}", flush=True)
     return {**base, "status": "ok", "ms": p["p50"], "ms_p20": p["p20"], "ms_p80": p["p80"],
-            "ms_samples": p["samples"], "peak_gib": r["peak_gib"], "losses": r["losses"],
+            "ms_samples": p["samples"],
+            # the host's time per step, begin to end callback: a step time that follows it is host-bound
+            "issue_ms": issue["p50"] if issue else None, "issue_ms_samples": issue["samples"] if issue else None,
+            "peak_gib": r["peak_gib"], "losses": r["losses"],
             "host_used_peak_gib": r.get("host_used_peak_gib"),
             "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),
             "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),

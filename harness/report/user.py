@@ -377,7 +377,9 @@ def trainer_tables(rows: list[dict]) -> str:
     parts = ["#### transformers.Trainer",
              ("Optimizer-step time of `transformers.Trainer` on the same documents and seed "
               "(`python -m harness.bench.trainer`): median [p20–p80] after warm-up, CUDA events in a "
-              "Trainer callback; × fastest peer = the fastest of the peer rows shown (stock, stock "
+              "Trainer callback; host ms = the host's time per step from the step's begin to its end callback "
+              "(median; a step time that follows it is host-bound, or waits on a host sync); "
+              "× fastest peer = the fastest of the peer rows shown (stock, stock "
               "with its decoder layers compiled, Liger-Kernel through `use_liger_kernel`, Unsloth's "
               "model with its own offloaded checkpointing under Trainer and under TRL's SFTTrainer as "
               "Unsloth runs it, batching its own choice, each with checkpointing and without) over "
@@ -414,12 +416,13 @@ def trainer_tables(rows: list[dict]) -> str:
             if ms is None:
                 status = r.get("status", "ok")
                 cell = f"{status}: {r['error']}" if r.get("error") else "no time recorded"
-                body.append([label, cell if status != "ok" else "no time recorded", DASH, DASH, DASH, DASH, DASH])
+                body.append([label, cell if status != "ok" else "no time recorded", DASH, DASH, DASH, DASH, DASH, DASH])
                 continue
             diff = loss_diff(r, stock_row)
             drawn = str(r.get("mode")).startswith("unsloth") and r.get("weights") != "stock"
             other_draw |= drawn and diff is not None
             body.append([label, f"{fmt.ms(ms)} [{fmt.ms(r.get('ms_p20'))}–{fmt.ms(r.get('ms_p80'))}]",
+                         fmt.ms(r["issue_ms"]) if r.get("issue_ms") else DASH,
                          fmt.times(stock / ms) if stock else DASH,
                          fmt.times(peer_ms[fastest] / ms) if fastest else DASH, _gib(r.get("peak_gib")),
                          DASH if diff is None else f"{diff:.1e}" + (" ‡" if drawn else ""),
@@ -432,7 +435,7 @@ def trainer_tables(rows: list[dict]) -> str:
                 else f"Trainer logging every {logging} steps") + (f", TrainingArguments {extra}" if extra else "")
         parts.append(f"**{model}**{card}: {tokens} tokens per step, LoRA r={rank}, {logs}{peers_note}"
                      + ("" if from_one_run(group) is not False else " (the modes' newest rows come from different runs)"))
-        parts.append(fmt.table(["run", "ms/step", "× stock", "× fastest peer", "peak GiB", "loss diff", "steps"],
+        parts.append(fmt.table(["run", "ms/step", "host ms", "× stock", "× fastest peer", "peak GiB", "loss diff", "steps"],
                                body))
     if other_draw:
         parts.append("‡ Unsloth drew its own random weights (a row from before its loader read stock's, or "

@@ -35,20 +35,25 @@ def documents(n: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[
 
 class StepTimer:
     """A TrainerCallback timing each optimizer step with CUDA events (wall clock on CPU); read
-    once training ends, so timing adds no sync to the loop."""
+    once training ends, so timing adds no sync to the loop. It also keeps each step's host time,
+    from its begin to its end callback (``issue_ms``): where a step is host-bound, or waits on a
+    sync, the step time follows it; where the GPU is the limit, it is shorter."""
 
     def __init__(self):
         from transformers import TrainerCallback
 
         timer = self
         self.marks: list = []
+        self.host: list = []
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
+                timer.host.append([time.perf_counter(), None])
                 timer.marks.append([timer._mark(), None])
 
             def on_step_end(self, args, state, control, **kw):
                 timer.marks[-1][1] = timer._mark()
+                timer.host[-1][1] = time.perf_counter()
 
         self.callback = _Callback()
 
@@ -65,6 +70,10 @@ class StepTimer:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) for a, b in self.marks]
         return [(b - a) * 1e3 for a, b in self.marks]
+
+    def issue_ms(self) -> list[float]:
+        """Each step's host time, from its begin callback to its end callback, in ms."""
+        return [(b - a) * 1e3 for a, b in self.host]
 
 
 class StepLosses:
@@ -153,7 +162,8 @@ def _summary(trainer, timer: StepTimer, warmup: int, losses: StepLosses | None =
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     logged = _losses(trainer)
     return {"losses": losses.losses() if losses is not None else logged, "logged_losses": logged,
-            "step_ms": statistics.median(ms) if ms else None, "step_ms_all": timer.ms(), "peak_gib": peak}
+            "step_ms": statistics.median(ms) if ms else None, "step_ms_all": timer.ms(),
+            "issue_ms_all": timer.issue_ms(), "peak_gib": peak}
 
 
 def _one_device(args, data_parallel: bool):
