@@ -233,11 +233,30 @@ def test_unsloths_search_goes_up_to_the_models_positions_and_no_further(tmp_path
     assert context.state(exp, "qwen3-0.6b-tiny", "unsloth", fake.rows, "c", max_len=1 << 20,
                          resolution=1024) == (None, "")
     # the cap holds below a bound of its own: the command's --max-len, where it is shorter
-    assert context.state(exp, "qwen3-0.6b-tiny", "unsloth", [], "c", max_len=64, resolution=1024)[0] == 64
+    at64 = [_probe_row(exp, "qwen3-0.6b-tiny", "unsloth", 64, "ok", env={"code_id": "c"})]
+    assert context.state(exp, "qwen3-0.6b-tiny", "unsloth", at64, "c", max_len=96, resolution=16)[0] == 96
+    # a --start past the window starts at the window; a failure past it (a row from before the cap)
+    # bounds nothing below it
+    far = dataclasses.replace(exp, seq_lens=[65536])
+    assert context.state(far, "qwen3-0.6b-tiny", "unsloth", [], "c", max_len=1 << 20, resolution=1024)[0] == window
+    before = [_probe_row(exp, "qwen3-0.6b-tiny", "unsloth", n, st, env={"code_id": "c"})
+              for n, st in ((32768, "ok"), (131072, "oom"))]
+    assert context.state(exp, "qwen3-0.6b-tiny", "unsloth", before, "c", max_len=1 << 20, resolution=1024)[0] == window
     # another stack on the same model goes past the window, to where its memory ends
     fake.limit = 50000
     user = context.search(exp, "qwen3-0.6b-tiny", "user", tmp_path, **kw)
     assert user.longest > window
+
+
+def test_a_variant_limited_to_some_models_has_no_search_for_the_others(tmp_path):
+    path = tmp_path / "two.toml"
+    path.write_text(EXP.replace('models = ["qwen3-0.6b-tiny"]', 'models = ["qwen3-0.6b-tiny", "llama-3.2-1b-tiny"]')
+                    .replace('[variants.user]\nrole = "user"', '[variants.user]\nrole = "user"\nmodels = ["qwen3-0.6b-tiny"]'))
+    exp = experiment.load(path)
+    assert context.pairs(exp) == [("qwen3-0.6b-tiny", "stock"), ("qwen3-0.6b-tiny", "user"),
+                                  ("llama-3.2-1b-tiny", "stock")]
+    left = context.left(exp, [], "c")
+    assert ("llama-3.2-1b-tiny", "user", None) not in left and len(left) == 3, left
 
 
 def test_an_error_ends_the_variants_search_and_says_where(tmp_path):
@@ -427,6 +446,32 @@ def test_a_peer_that_never_ran_bounds_nothing_and_a_skipped_probe_is_shown():
     assert "| m | user-long | ours | 16384 | 32768 (skipped) |" in text
 
 
+def test_a_peer_that_trained_at_the_models_positions_is_bounded_there():
+    """Unsloth's search stops at the model's positions (131072 for gpt-oss-20b): trained there, it
+    is as long as it goes, so ours past it settles the verdicts; short of it, it could go on."""
+    from harness.report import context as report
+
+    def row(variant, role, n, status, ms=None, **extra):
+        return _row(variant, role, n, status, ms) | {"model": "gpt-oss-20b", **extra}
+
+    ours = [row("user-long", "ours", 131072, "ok", 30000.0), row("user-long", "ours", 262144, "ok", 90000.0)]
+    at_cap = [row("unsloth", "unsloth", 65536, "ok", 10000.0, stack="unsloth"),
+              row("unsloth", "unsloth", 131072, "ok", 40000.0, stack="unsloth")]
+    groups = report.by_variant(at_cap + ours)
+    assert report.bounds(groups, [("g", "gpt-oss-20b", "unsloth")]) == (131072, 131072)
+    assert report.bounds(groups, [("g", "gpt-oss-20b", "user-long")]) == (262144, float("inf"))
+    short = report.by_variant(at_cap[:1])  # not yet at its limit: no bound
+    assert report.bounds(short, [("g", "gpt-oss-20b", "unsloth")]) == (65536, float("inf"))
+    rows = at_cap + ours + [row(f"short-{r}", r, n, st, 10.0 if st == "ok" else None)
+                            for r in ("stock", "stock-compiled", "peer") for n, st in ((1024, "ok"), (2048, "oom"))]
+    text = report.lead(rows, rows, {"targets": [{"model": "gpt-oss-20b", "min_over_best_peer": 1.5,
+                                                 "faster_at_peer_longest": True}]})
+    assert "| ours' longest ≥ 1.5× the best peer's, gpt-oss-20b (g) | 2.00× (262144 `user-long` vs 131072 `unsloth`)" \
+           in text and "the peers' could go longer" not in text, text
+    assert "| ours faster than the best peer at its longest length, gpt-oss-20b (g) | 30000.0 vs 40000.0 ms at 131072 | yes |" \
+           in text, text
+
+
 def test_ours_out_of_memory_at_its_first_length_does_not_fit():
     from harness.report import context as report
 
@@ -594,6 +639,13 @@ def test_an_unbounded_longest_is_projected_from_two_peaks_and_says_what_offload_
     # a probe above that was refused (Unsloth past the model's positions): no line goes past it
     refused = [*rows[2:4], _row("unsloth", "unsloth", 217088, "skipped")]
     assert report.projected(refused, refused[1]) is None
+    # nor past the model's positions, where Unsloth's search stops (gpt-oss-20b: 131072), nor from there
+    capped = [{**r, "model": "gpt-oss-20b", "stack": "unsloth"} for r in rows[2:4]]
+    assert report.projected(capped[:1] + [{**capped[0], "seq_len": 98304, "peak_allocated_gib": 30.0}],
+                            capped[0] | {"seq_len": 98304}) is None
+    assert report.projected(capped, capped[1]) is None
+    uncapped = [{**r, "model": "gpt-oss-20b"} for r in rows[:2]]  # ours: no stack limit
+    assert report.projected(uncapped, uncapped[1]) == n
     # a stack that keeps what memory allows is near the card at every length: no line extends it
     full = [ok("user", "user", 65536, 67.6), ok("user", "user", 131072, 71.6)]
     assert report.projected(full, full[1]) is None

@@ -33,7 +33,7 @@ from matplotlib.ticker import FuncFormatter
 from harness.report import fmt, plots
 from harness.report.palette import ROLE_COLOR, ROLE_LABEL
 from harness.roles import OURS, role_of
-from harness.run.context import FAILS, HEADROOM, TRAINS, outcomes, peaks, predict
+from harness.run.context import FAILS, HEADROOM, TRAINS, outcomes, peaks, predict, stack_cap
 
 PEER_ROLES = ("stock", "stock-compiled", "peer", "unsloth")
 DASH_NOT_REACHED = "none probed"
@@ -109,7 +109,7 @@ def projected(rows: list[dict], row: dict | None) -> int | None:
     code of ``row``, fills ``HEADROOM`` of the card (``harness.run.context.predict``, where its
     search would probe next). A projection, not a measurement; None where it is bounded, two
     peaks are lacking, a probe above it failed otherwise (an error, not a timeout) or was refused
-    (skipped), or the longest
+    (skipped), the projection is past its stack's limit (``stack_cap``), or the longest
     already held ``FILLED`` of the card: a stack that keeps what
     memory allows (``recompute="auto"``) fills the card at every length, and no line extends it."""
     if row is None or _oom_above(rows, int(row["seq_len"])) is not None:
@@ -124,6 +124,9 @@ def projected(rows: list[dict], row: dict | None) -> int | None:
     if capacity and got.get(int(row["seq_len"]), 0) >= FILLED * capacity:
         return None
     n = predict(got, capacity)
+    cap = _cap(rows)
+    if cap is not None and n is not None and n > cap:
+        return None  # its stack stops at the model's positions before the card fills
     return n if n is not None and n > int(row["seq_len"]) else None
 
 
@@ -222,7 +225,8 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
 def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
     """What the probes of these variants prove about the longest of them: at least the longest
     length one trained, and at most one under the shortest length above it that ran out of memory
-    (``_oom_above``), infinite where a variant has no such probe (unfinished, stopped at
+    (``_oom_above``), or its stack's limit where it trained there (Unsloth at the model's
+    positions: ``stack_cap``), infinite where a variant has neither (unfinished, stopped at
     ``max_len``, or by timed-out, skipped or failed probes: a lower bound only, or none). Variants
     that neither trained, ran out of memory nor timed out (unavailable, refused) bound nothing;
     (None, None) where none is left."""
@@ -235,8 +239,20 @@ def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
             continue
         if best is not None:
             lo = max(lo or 0, best)
-        up = max(up or 0, oom - 1 if oom is not None else float("inf"))
+        cap = _cap(groups[k])
+        if oom is not None:
+            bound = oom - 1
+        elif cap is not None and best is not None and best >= cap:
+            bound = cap  # trained at its stack's limit, the model's positions (``stack_cap``): as far as it goes
+        else:
+            bound = float("inf")
+        up = max(up or 0, bound)
     return lo, up
+
+
+def _cap(rows: list[dict]) -> int | None:
+    """The stack's limit on the length of one variant's probes (``harness.run.context.stack_cap``)."""
+    return stack_cap(rows[0].get("model"), rows[0].get("stack"))
 
 
 def ratio_shown(o_len: int, p_len: int, p_up: float | None) -> tuple[str, str]:

@@ -153,17 +153,32 @@ class Search:
     stopped: str = ""  # why the search ended without an answer (an error row), or ""
 
 
-def length_cap(exp: Experiment, model: str, variant: str) -> int | None:
-    """The longest length a variant's stack trains ``model`` at as the stacks beside it do (None:
-    no limit): for Unsloth, the model's positions where its loader would rescale RoPE past them
-    (``unsloth_stack.longest_length``), so its search probes up to that window, not past it to a
-    refusal that would end the search below the window."""
-    if exp.variant_stack.get(variant) != "unsloth":
+def stack_cap(model: str, stack: str | None) -> int | None:
+    """The longest length ``stack`` trains ``model`` at as the stacks beside it do (None: no limit):
+    for Unsloth, the model's positions where its loader would rescale RoPE past them
+    (``unsloth_stack.longest_length``). A search stops there, and a variant that trained there is
+    as long as it goes (``harness.report.context.bounds``)."""
+    if stack != "unsloth":
         return None
     from harness.run import unsloth_stack
     from harness.workload import models
 
-    return unsloth_stack.longest_length(models.get(model).config())
+    try:
+        return unsloth_stack.longest_length(models.get(model).config())
+    except KeyError:  # a row of a model the registry no longer has
+        return None
+
+
+def length_cap(exp: Experiment, model: str, variant: str) -> int | None:
+    """``stack_cap`` of the variant's stack: its search probes up to that window, not past it to a
+    refusal that would end the search below the window."""
+    return stack_cap(model, exp.variant_stack.get(variant))
+
+
+def pairs(exp: Experiment) -> list[tuple[str, str]]:
+    """The (model, variant) pairs ``exp`` has points for, in its order (a variant limited to some
+    models has no search for the others)."""
+    return list(dict.fromkeys((p.model, p.variant) for p in exp.points()))
 
 
 def state(exp: Experiment, model: str, variant: str, rows: list[dict], code: str | None, *, max_len: int,
@@ -184,8 +199,9 @@ def state(exp: Experiment, model: str, variant: str, rows: list[dict], code: str
         n = min(bad)
         return None, f"{FAILED_PROBE}{n} tokens ended {bad[n]!r}: see its row"
     predicted = predict(*peaks(rows, model, variant, code)) if use_peaks else None
-    length = next_length(trained, [n for n, st in seen.items() if st in FAILS], exp.seq_lens[0], max_len, resolution,
-                         predicted)
+    # probes past max_len (a row from before a cap or a shorter --max-len) neither start nor bound it
+    length = next_length(trained, [n for n, st in seen.items() if st in FAILS and n <= max_len],
+                         min(exp.seq_lens[0], max_len), max_len, resolution, predicted)
     return (None if length in seen else length), ""
 
 
@@ -214,7 +230,8 @@ def search(exp: Experiment, model: str, variant: str, results_root: str | Path, 
         status = outcomes(as_defined(exp, model, variant, rows_of()), model, variant, code).get(length)
         if status is None:  # the file limits this variant to other models or lengths, or the row is another code's
             s.stopped = (f"no row of this code at {length} tokens after its probe: the experiment file has no such "
-                         "point for this variant, or the row does not say which code measured it")
+                         "point for this variant, the row does not say which code measured it, or it is of another "
+                         "setting (an OPTIM_* variable of another value)")
             break
         s.probes.append((length, status))
     seen = outcomes(as_defined(exp, model, variant, rows_of()), model, variant, code)
@@ -271,16 +288,15 @@ def left(exp: Experiment, rows: list[dict], code: str | None, *, max_len: int = 
     """What a run of ``exp`` would still probe on ``rows``, read from them alone: (model, variant,
     None) per search not over, (model, variant, length) per probe ``meet`` owes."""
     out, searches = [], []
-    for model in exp.models:
-        for variant in exp.variants:
-            length, why = state(exp, model, variant, rows, code, max_len=max_len, resolution=resolution)
-            trained = [n for n, st in outcomes(as_defined(exp, model, variant, rows), model, variant, code).items()
-                       if st in TRAINS]
-            # a search not over holds back the meeting, as one stopped on time does
-            searches.append(Search(model, variant, longest=max(trained, default=None),
-                                   stopped=why or ("stopped: not over" if length is not None else "")))
-            if length is not None:
-                out.append((model, variant, None))
+    for model, variant in pairs(exp):
+        length, why = state(exp, model, variant, rows, code, max_len=max_len, resolution=resolution)
+        trained = [n for n, st in outcomes(as_defined(exp, model, variant, rows), model, variant, code).items()
+                   if st in TRAINS]
+        # a search not over holds back the meeting, as one stopped on time does
+        searches.append(Search(model, variant, longest=max(trained, default=None),
+                               stopped=why or ("stopped: not over" if length is not None else "")))
+        if length is not None:
+            out.append((model, variant, None))
     return out + [(s.model, s.variant, n) for s, n in meetings(exp, searches, rows, code)]
 
 
@@ -306,12 +322,11 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
         sweep.run(one, results_root, progress=progress, command=command)
 
     out = []
-    for model in exp.models:
-        for variant in exp.variants:
-            out.append(search(exp, model, variant, results_root, max_len=max_len, resolution=resolution,
-                              run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
-                              probe_warmup=probe_warmup, probe_steps=probe_steps, use_peaks=use_peaks,
-                              max_probes=max_probes))
+    for model, variant in pairs(exp):
+        out.append(search(exp, model, variant, results_root, max_len=max_len, resolution=resolution,
+                          run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
+                          probe_warmup=probe_warmup, probe_steps=probe_steps, use_peaks=use_peaks,
+                          max_probes=max_probes))
     meet(exp, out, run_point=run_point, rows_of=lambda: res.read_rows(path), code=code, deadline=deadline,
          probe_warmup=probe_warmup, probe_steps=probe_steps, max_probes=max_probes)
     return out
