@@ -162,6 +162,32 @@ def test_a_profiled_trainer_bench_writes_trainer_phases_and_stores_no_rows(tmp_p
     assert "rows not stored" in capsys.readouterr().out
 
 
+def test_a_host_profiled_trainer_bench_writes_each_runs_python_per_step_and_stores_no_rows(tmp_path, capsys):
+    import pstats
+
+    from harness.bench import trainer as bench_trainer
+
+    prof = tmp_path / "prof"
+    args = ["--results", str(tmp_path), "--experiment", "t", "--model", "qwen3-0.6b-tiny", "--runs", "stock", "ours",
+            "--max-length", "64", "--doc-len", "32", "--lora-rank", "4", "--steps", "4", "--warmup", "1",
+            "--attn-implementation", "sdpa"]
+    for bad in (["--host"], ["--profile", str(prof), "--host", "--trace"]):  # --host needs --profile; no trace
+        with pytest.raises(SystemExit):
+            bench_trainer.main([*args, *bad])
+    assert bench_trainer.main([*args, "--profile", str(prof), "--profile-steps", "2", "--host"]) == 0
+    assert not list(tmp_path.rglob("*.jsonl"))
+    for run in ("stock", "ours"):
+        s = json.loads((prof / f"trainer-qwen3-0.6b-tiny-64-{run}.summary.json").read_text())
+        assert s["steps"] == 2 and 0 < s["host_ms_per_step_profiled"] and 0 < s["wall_ms_per_step_profiled"], s
+        text = (prof / f"trainer-qwen3-0.6b-tiny-64-{run}.host.txt").read_text()
+        # the profiled steps hold Trainer's own step (its training_step), and only the two asked for
+        assert "ms per step over 2 step(s)" in text and "training_step" in text, text[:500]
+        stats = pstats.Stats(str(prof / f"trainer-qwen3-0.6b-tiny-64-{run}.host.txt.pstats")).stats
+        calls = [v[1] for (f, _, fn), v in stats.items() if fn == "training_step" and f.endswith("transformers/trainer.py")]
+        assert calls == [2], calls
+    assert "rows not stored" in capsys.readouterr().out
+
+
 def test_each_trainer_peer_also_runs_without_checkpointing_and_trains_the_same_model(tmp_path):
     from harness.bench import trainer as bench_trainer
     from harness.report.user import trainer_tables

@@ -115,12 +115,12 @@ def _step(model, opt, ids, labels, pos, kw) -> None:
 
 def _host_profile(path: str, step) -> None:
     """cProfile of one step's host work, up to its last queued kernel: where a host-bound step's
-    time goes, by Python function (own time and cumulative)."""
+    time goes, by Python function (own time and cumulative; ``harness.measure.hostprofile``)."""
     import cProfile
-    import io
-    import pstats
 
     import torch
+
+    from harness.measure import hostprofile
 
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -128,33 +128,7 @@ def _host_profile(path: str, step) -> None:
     step()
     prof.disable()
     torch.cuda.synchronize()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.dump_stats(path + ".pstats")
-    total = sum(v[2] for v in stats.stats.values())
-    out.write(f"## own time by package ({total * 1e3:.1f} ms in all, profiled)\n")
-    for bucket, t in sorted(_by_package(stats).items(), key=lambda kv: -kv[1]):
-        out.write(f"{t * 1e3:9.1f} ms  {100 * t / total:5.1f} %  {bucket}\n")
-    out.write("\n## by own time\n")
-    stats.sort_stats("tottime").print_stats(40)
-    out.write("\n## by cumulative time\n")
-    stats.sort_stats("cumulative").print_stats(60)
-    Path(path).write_text(out.getvalue())
-
-
-def _by_package(stats) -> dict[str, float]:
-    """Own time summed by where the function lives: a package path two levels deep (torch/_dynamo,
-    peft/tuners), or the C function a builtin calls (the dispatcher's ops and kernel launches)."""
-    out: dict[str, float] = {}
-    for (file, _line, name), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():
-        if file == "~":
-            bucket = "builtin: torch (C++ ops and launches)" if "torch" in name else "builtin: other"
-        else:
-            parts = Path(file).parts
-            tail = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-3:]
-            bucket = "/".join(p for p in tail[:2] if not p.endswith(".py")) or tail[0]
-        out[bucket] = out.get(bucket, 0.0) + tottime
-    return out
+    hostprofile.write(prof, path, steps=1, title="own loop: one step")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def _profile(cfg: dict) -> dict | None:
     stem = profile_stem(cfg["model"], cfg["max_length"], cfg["name"])
     summary = {"model": cfg["model"], "seq_len": cfg["max_length"], "variant": f"Trainer {cfg['name']}"}
     return {"out_dir": p["out"], "stem": stem, "start": cfg["warmup"], "steps": p["steps"],
-            "trace": p.get("trace", False), "summary": summary}
+            "trace": p.get("trace", False), "host": p.get("host", False), "summary": summary}
 
 
 def child(cfg_path: str, out_path: str) -> int:
@@ -339,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                          "rows: the profiler slows the steps it records")
     ap.add_argument("--profile-steps", type=int, default=3, help="optimizer steps profiled (default: 3)")
     ap.add_argument("--trace", action="store_true", help="with --profile, also write each run's chrome trace")
+    ap.add_argument("--host", action="store_true",
+                    help="with --profile, profile the host side with cProfile instead (<run>.host.txt: Python "
+                         "functions' own and cumulative time per step, a wait on a sync in the call that waits), "
+                         "to read beside tools/user_loop.py --host-profile")
     args = ap.parse_args(argv)
     trainer_args = {}
     for item in args.trainer_arg:
@@ -359,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the graphed run needs CUDA")
     if args.profile is not None and (args.profile_steps < 1 or args.warmup + args.profile_steps > args.steps):
         ap.error(f"--profile-steps must be 1..{args.steps - args.warmup} (the steps after --warmup {args.warmup})")
+    if (args.trace or args.host) and args.profile is None:
+        ap.error("--trace and --host go with --profile DIR")
+    if args.trace and args.host:
+        ap.error("--trace is torch.profiler's; --host profiles with cProfile, which writes no trace")
     profile = None if args.profile is None else {"out": str(args.profile.resolve()), "steps": args.profile_steps,
-                                                 "trace": args.trace}
+                                                 "trace": args.trace, "host": args.host}
     paths = set()
     on_row = None if profile else (lambda row, env: paths.add(store(args, [row], env, "harness.bench.trainer", argv)))
     rows = run(args.model, args.runs, max_length=args.max_length, doc_len=args.doc_len, lora_rank=args.lora_rank,

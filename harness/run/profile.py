@@ -221,6 +221,58 @@ def trainer_profiler(out_dir: Path, stem: str, *, start: int, steps: int, summar
     return _Profile()
 
 
+def trainer_host_profiler(out_dir: Path, stem: str, *, start: int, steps: int, summary: dict):
+    """A ``TrainerCallback`` that runs cProfile over Trainer's optimizer steps ``start`` .. ``start +
+    steps - 1`` (0-based), from the first's begin callback to the last's end callback, and writes
+    ``<stem>.host.txt`` (``harness.measure.hostprofile``) and ``<stem>.summary.json``: where a
+    host-bound Trainer step's time goes, beside ``tools/user_loop.py --host-profile``'s own loop. A
+    host sync inside the steps shows as time in the call that waits. The GPU is waited for before
+    the first profiled step, so no earlier step's kernels are waited on inside it."""
+    import cProfile
+    import time
+
+    import torch
+    from transformers import TrainerCallback
+
+    from harness.measure import hostprofile
+
+    cuda = torch.cuda.is_available()
+    state = {"prof": None, "done": False, "t0": 0.0}
+
+    class _HostProfile(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            if state["done"] or state["prof"] is not None or st.global_step < start:
+                return
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"], state["t0"] = cProfile.Profile(), time.perf_counter()
+            state["prof"].enable()
+
+        def on_step_end(self, args, st, control, **kw):
+            if state["prof"] is not None and not state["done"] and st.global_step >= start + steps:
+                finish(steps)
+
+        def on_train_end(self, args, st, control, **kw):
+            if state["prof"] is not None and not state["done"]:  # training ended first: what it holds
+                finish(max(1, st.global_step - start))
+
+    def finish(done_steps: int) -> None:
+        state["prof"].disable()
+        wall_ms = (time.perf_counter() - state["t0"]) * 1e3 / done_steps
+        state["done"] = True
+        out_dir.mkdir(parents=True, exist_ok=True)
+        title = f"{summary.get('variant', stem)}: {done_steps} optimizer step(s) after {start}"
+        per_step = hostprofile.write(state["prof"], out_dir / f"{stem}.host.txt", steps=done_steps, title=title)
+        info = {**summary, "steps": done_steps, "profiled": "Trainer optimizer steps, host side (cProfile)",
+                "host_ms_per_step_profiled": round(per_step, 1), "wall_ms_per_step_profiled": round(wall_ms, 1),
+                "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+        (out_dir / f"{stem}.summary.json").write_text(json.dumps(info, indent=1))
+        print(f"host profile of {title}: {per_step:.1f} ms per step in Python functions, {wall_ms:.1f} ms wall "
+              f"(both under cProfile) in {out_dir / (stem + '.host.txt')}", flush=True)
+
+    return _HostProfile()
+
+
 @contextlib.contextmanager
 def _without_profiler_chatter():
     """The profiler's C++ side writes its start and stop to the process's stderr ("USDT: ...

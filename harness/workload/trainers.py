@@ -217,8 +217,11 @@ def _profiler(profile: dict | None) -> list:
         return []
     from pathlib import Path
 
-    from harness.run.profile import trainer_profiler
+    from harness.run.profile import trainer_host_profiler, trainer_profiler
 
+    if profile.get("host"):  # cProfile of the host side, not torch.profiler
+        return [trainer_host_profiler(Path(profile["out_dir"]), profile["stem"], start=profile["start"],
+                                      steps=profile["steps"], summary=profile["summary"])]
     return [trainer_profiler(Path(profile["out_dir"]), profile["stem"], start=profile["start"],
                              steps=profile["steps"], summary=profile["summary"], trace=profile.get("trace", False))]
 
