@@ -55,10 +55,12 @@ def cmd_context(args) -> int:
 
     exp = experiment.subset(experiment.load(Path(args.experiment)), models=args.models, variants=args.variants)
     experiment.check_requires(exp)
-    if args.start:  # where the searches start, in place of the file's first length
-        import dataclasses
+    import dataclasses
 
+    if args.start:  # where the searches start, in place of the file's first length
         exp = dataclasses.replace(exp, seq_lens=[args.start])
+    if args.probe_timeout:  # each probe's time limit, in place of the file's timeout_s
+        exp = dataclasses.replace(exp, timeout_s=args.probe_timeout)
     try:
         found = context.run(exp, args.results, max_len=args.max_len, resolution=args.resolution,
                             command=args.command, stop_after_s=args.stop_after, progress=not args.quiet,
@@ -382,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run at most N probes in each search; a rerun goes on (with --start N: one probe at N)")
     p.add_argument("--probe-warmup", type=int, default=1, help="warm-up steps of each probe (default: 1)")
     p.add_argument("--probe-steps", type=int, default=2, help="measured steps of each probe (default: 2)")
+    p.add_argument("--probe-timeout", type=argtypes.seconds, metavar="S",
+                   help="each probe's time limit in place of the file's timeout_s (a machine lent in calls of a "
+                        "few minutes): a probe past it is a timed-out row, the harness's limit, not the card's, "
+                        "so the search bisects below it and the report bounds nothing with it; a probe killed "
+                        "with its call leaves no row and runs again")
     p.add_argument("--models", nargs="+", help="search only these of the file's models")
     p.add_argument("--variants", nargs="+", help="search only these of the file's variants")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

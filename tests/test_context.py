@@ -338,6 +338,19 @@ def test_the_cli_starts_where_it_is_told(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--start", "0"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--start" in bad.stderr
+    # --probe-timeout in place of the file's 300 s: a probe past it is a timed-out row, which the
+    # search reads as not training (its process alone takes longer than 0.5 s to start)
+    quick = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--probe-timeout", "0.5",
+                            "--variants", "user", "--results", str(tmp_path / "quick"), "--quiet"],
+                           capture_output=True, text=True)
+    assert quick.returncode == 0, quick.stderr[-2000:]
+    assert "qwen3-0.6b-tiny user: longest trained - tokens (probes this run: 64 timeout)" in quick.stdout, quick.stdout
+    (row,) = res.read_rows(res.results_path(tmp_path / "quick", "ctx", "cpu"))
+    assert row["status"] == "error" and row["message"].startswith("timed out"), row
+    for bad_s in ("0", "inf"):
+        refused = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--probe-timeout", bad_s],
+                                 capture_output=True, text=True)
+        assert refused.returncode == 2 and "--probe-timeout" in refused.stderr
 
 
 def _row(variant, role, n, status, ms=None):
