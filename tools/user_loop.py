@@ -45,7 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--host-profile", metavar="PATH", default=None,
                     help="also profile the host side of one more step with cProfile (forward, backward and "
                          "optimizer issue; the GPU is waited for after it) and write the top functions to PATH")
+    ap.add_argument("--trainer-extras", nargs="+", default=None, metavar="SET",
+                    help="time these sets of Trainer's per-step additions side by side (see above), "
+                         "e.g. plain autocast clip walks h2d autocast+clip+walks+h2d")
+    ap.add_argument("--rounds", type=int, default=3, help="with --trainer-extras: interleaved blocks per set")
     args = ap.parse_args(argv)
+    sets = [_extras(x) for x in args.trainer_extras] if args.trainer_extras else None
     switches = dict(kv.split("=", 1) for kv in args.set)
 
     import torch
@@ -70,6 +75,9 @@ def main(argv=None) -> int:
     pos = meta.position_ids().cuda()
     labels = ids.masked_fill(pos == 0, -100)
     kw = optim.packing.packed_kwargs(meta) if args.stack == "user" else {}
+    if sets is not None:
+        _compare(args, sets, model, opt, ids, labels, pos, kw, lengths)
+        return 0
     step_ms, fwd_ms, bwd_ms, issue_ms, first_s = [], [], [], [], None
     for i in range(args.warmup + args.steps):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -111,6 +119,76 @@ def _step(model, opt, ids, labels, pos, kw) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+EXTRAS = ("autocast", "clip", "walks", "h2d", "batch")
+
+
+def _extras(spec: str) -> frozenset:
+    parts = frozenset() if spec == "plain" else frozenset(spec.split("+"))
+    bad = sorted(parts - set(EXTRAS))
+    if bad:
+        raise SystemExit(f"unknown Trainer extra(s) {bad} in {spec!r} (valid: plain, {', '.join(EXTRAS)})")
+    return parts
+
+
+def _extra_step(model, opt, batch, kw, extras, lengths) -> None:
+    """One step of the plain loop with ``extras``, Trainer's per-step additions, in Trainer's order."""
+    import contextlib
+
+    import torch
+
+    import optim.packing
+
+    if "batch" in extras and kw:
+        kw = optim.packing.packed_kwargs(optim.packing.PackedMetadata.from_lengths([lengths]))
+
+    if "h2d" in extras:
+        batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
+    if "walks" in extras:
+        model.train()
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if "autocast" in extras else contextlib.nullcontext()
+    with ctx:
+        loss = model(**batch, use_cache=False, **kw).loss
+    loss.backward()
+    if "clip" in extras:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    if "walks" in extras:
+        model.num_parameters(exclude_embeddings=True)  # Trainer's FLOPs count, each step
+        model.zero_grad(set_to_none=True)
+    else:
+        opt.zero_grad(set_to_none=True)
+
+
+def _compare(args, sets, model, opt, ids, labels, pos, kw, lengths) -> None:
+    """Each set of extras warmed up once, then ``rounds`` interleaved blocks of ``steps`` timed
+    steps; one JSON line per set."""
+    import torch
+
+    gpu = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    host = {k: v.cpu().pin_memory() for k, v in gpu.items()}
+    times = {s: ([], []) for s in sets}
+    for rnd in range(args.rounds + 1):  # round 0 warms each set up (autocast compiles its own graphs)
+        for extras in sets:
+            for _ in range(args.warmup if rnd == 0 else args.steps):
+                batch = host if "h2d" in extras else gpu
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                _extra_step(model, opt, batch, kw, extras, lengths)
+                end.record()
+                issued = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                if rnd:
+                    times[extras][0].append(start.elapsed_time(end))
+                    times[extras][1].append(issued * 1e3)
+    for extras, (step_ms, issue_ms) in times.items():
+        print(json.dumps({"label": args.label, "model": args.model, "seq_len": args.seq_len, "stack": args.stack,
+                          "trainer_extras": "+".join(sorted(extras)) or "plain",
+                          "step_ms_p50": round(statistics.median(step_ms), 1),
+                          "step_ms_p20": round(_pct(step_ms, 0.2), 1), "step_ms_p80": round(_pct(step_ms, 0.8), 1),
+                          "issue_ms_p50": round(statistics.median(issue_ms), 1), "steps": len(step_ms)}), flush=True)
 
 
 def _host_profile(path: str, step) -> None:
