@@ -481,6 +481,15 @@ def test_a_peer_that_trained_at_the_models_positions_is_bounded_there():
                                                  "faster_at_peer_longest": True}]})
     assert "| ours' longest ≥ 1.5× the best peer's, gpt-oss-20b (g) | 2.00× (262144 `user-long` vs 131072 `unsloth`)" \
            in text and "the peers' could go longer" not in text, text
+    # what that ratio compares is said beside it, and in the table: Unsloth's limit, not a full card
+    note = ("`unsloth` stops at the model's 131072 positions (its loader would rescale RoPE past them), not at a "
+            "full card; ours trains past them with the model's RoPE as configured")
+    assert note in text, text
+    assert "| gpt-oss-20b | unsloth | unsloth | 131072 | none: its limit, the model's 131072 positions |" in text, text
+    # short of its limit, or ours no longer than it: no such note
+    for part in (at_cap[:1] + ours, at_cap + ours[:1]):
+        g = report.by_variant(part)
+        assert report.window_note(g, [("g", "gpt-oss-20b", "unsloth")], [("g", "gpt-oss-20b", "user-long")]) == ""
     assert "| ours faster than the best peer at its longest length, gpt-oss-20b (g) | 30000.0 vs 40000.0 ms at 131072 | yes |" \
            in text, text
 

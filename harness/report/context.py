@@ -83,11 +83,15 @@ def _host_cell(row: dict | None) -> str:
     return f"{held:.2f}" + (f" of {total:.1f}" if total else "")
 
 
-def _above_cell(rows: list[dict], above: int | None, why: str) -> str:
+def _above_cell(rows: list[dict], above: int | None, why: str, best: dict | None = None) -> str:
     """The shortest length above the longest that did not train, and why: ``oom, host`` where the
     kernel's OOM killer ended the probe (``memory_bound``), with the host's memory in use at its
     sampled peak (every process's, read every ``harness.measure.host.INTERVAL_S``: the last moment
-    before the kill may be missed)."""
+    before the kill may be missed). A variant that trained at its stack's limit (``stack_cap``)
+    goes no further whatever its probes past it say: that limit is the cell."""
+    cap = _cap(rows)
+    if best is not None and cap is not None and int(best["seq_len"]) >= cap:
+        return f"none: its limit, the model's {cap} positions"
     if above is None:
         return DASH_NOT_REACHED
     row = _failed_at(rows, above)
@@ -200,7 +204,7 @@ def lead(steps: list[dict], rows: list[dict], spec: dict, out_dir: Path | None =
             if (n := projected(rs, row)) is not None:
                 projections.append((model, variant, row, n))
             body.append([model, variant, role_of(rs[0]), row["seq_len"] if row else "none",
-                         _above_cell(rs, above, why),
+                         _above_cell(rs, above, why, row),
                          f"{n:,} (projected)" if n is not None else fmt.DASH, fmt.ms(fmt.stat(row, "step_ms")),
                          fmt.num((row or {}).get("tokens_per_s"), ",.0f") if row else fmt.DASH,
                          fmt.num((row or {}).get("peak_allocated_gib"), ".2f") if row else fmt.DASH,
@@ -253,6 +257,23 @@ def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
 def _cap(rows: list[dict]) -> int | None:
     """The stack's limit on the length of one variant's probes (``harness.run.context.stack_cap``)."""
     return stack_cap(rows[0].get("model"), rows[0].get("stack"))
+
+
+def window_note(groups: dict, peers: list[tuple], ours: list[tuple]) -> str:
+    """Where the best of ``peers`` trained at its stack's limit (Unsloth at the model's positions,
+    past which its loader rescales RoPE: ``stack_cap``) and ours trained past it, what that ratio
+    compares: a stack's refusal against ours' memory, not two full cards. "" otherwise."""
+    capped = sorted({_cap(groups[k]) for k in peers
+                     if (row := longest(groups[k])[0]) is not None and _cap(groups[k]) is not None
+                     and int(row["seq_len"]) >= _cap(groups[k])})
+    lengths = [int(row["seq_len"]) for k in peers if (row := longest(groups[k])[0]) is not None]
+    o_len = max((int(row["seq_len"]) for k in ours if (row := longest(groups[k])[0]) is not None), default=0)
+    if not capped or max(lengths) > capped[-1] or o_len <= capped[-1]:
+        return ""
+    names = sorted(f"`{k[2]}`" for k in peers if (row := longest(groups[k])[0]) is not None
+                   and _cap(groups[k]) is not None and int(row["seq_len"]) >= _cap(groups[k]))
+    return (f"{', '.join(names)} stops at the model's {capped[-1]} positions (its loader would rescale RoPE "
+            "past them), not at a full card; ours trains past them with the model's RoPE as configured")
 
 
 def ratio_shown(o_len: int, p_len: int, p_up: float | None) -> tuple[str, str]:
@@ -320,6 +341,9 @@ def targets_md(groups: dict, targets: list[dict]) -> str:
                 if ratio and timed:
                     shown += f" (timed out, the point's time limit: {', '.join(timed)})"
                 verdict = _verdict(o_len / p_up if o_len and p_up else None, o_up / p_len, goal) if ratio else fmt.DASH
+                note = window_note(groups, [(slug, model, v) for v in peers], [(slug, model, v) for v in ours])
+                if ratio and note:
+                    shown += f"; {note}"
                 if ratio and missing:  # a peer not searched can only raise the best peer's length
                     shown += unsearched
                     verdict = verdict if verdict == fmt.met(False) else "not yet known"

@@ -26,7 +26,9 @@ def _claim(groups: dict, slug: str, model: str) -> str | None:
     missing = [ROLE_LABEL.get(r, r) for r in report.PEER_ROLES if r not in searched]
     times, peer_len = report.ratio_shown(o_len, p_len, p_up)
     peer = f"the best peer's {peer_len} ({times})"
+    note = report.window_note(groups, peers, ours)
     return (f"{model}: ours {o_len} tokens vs {peer}"
+            + (f"; {note}" if note else "")
             + (f"; {' and '.join(open_)} not yet bounded" if open_ else "")
             + (f"; not searched: {', '.join(missing)}" if missing else ""))
 
