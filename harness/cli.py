@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the longest length probed (default: {context_defaults.MAX_LEN})")
     p.add_argument("--start", type=argtypes.positive_int, metavar="N",
                    help="start each search at N tokens rather than the file's first length (a search whose "
-                        "shorter lengths are known, or not wanted)")
+                        "shorter lengths are known, or not wanted); a search with rows probes N first where N is "
+                        "still open (above what trained, below what failed)")
     p.add_argument("--resolution", type=int, default=context_defaults.RESOLUTION,
                    help="stop bisecting once the longest trainable length is known to this many tokens "
                         f"(default: {context_defaults.RESOLUTION})")

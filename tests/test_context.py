@@ -53,6 +53,13 @@ def test_next_length_doubles_until_a_failure_then_bisects_to_the_resolution():
     assert next_length([], [4096], 4096, 1 << 20, 1024) == 2048  # the first probe failed: halve
     assert next_length([], [1024], 4096, 1 << 20, 1024) is None  # below the resolution: nothing trains
     assert next_length([8192], [4096, 16384], 4096, 1 << 20, 1024) == 12288  # a failure below a success is noise
+    # a start still open is probed first (--start on a search with rows): above what trained, below what failed
+    assert next_length([65536], [], 131072, 1 << 20, 4096, predicted=353475) == 131072
+    assert next_length([65536], [196608], 131072, 1 << 20, 4096) == 131072
+    assert next_length([65536], [131072], 131072, 1 << 20, 4096) == 98304  # probed and failed: bisect
+    assert next_length([65536], [], 32768, 1 << 20, 4096) == 131072  # below what trained: the search's own step
+    assert next_length([28672], [29696], 29000, 1 << 20, 1024) is None  # the search is over: nothing more
+    assert next_length([1 << 20], [], 1 << 21, 1 << 20, 1024) is None  # past max_len
 
 
 def test_two_peaks_predict_where_the_card_fills_and_the_search_goes_there():
@@ -711,3 +718,14 @@ def test_a_probe_the_host_ran_out_of_memory_for_bounds_the_search_and_says_so():
     assert ("the peers' could go longer: no probe above ran out of memory (a probe above died, which bounds "
             "nothing: `unsloth` at 294912: killed by SIGKILL (host out of memory?))") in text
     assert "| not yet known |" in text
+
+
+def test_a_context_experiment_of_several_gpu_counts_is_refused(tmp_path):
+    """A search matches each probe's row by the point's identity, one GPU count's: a file of two
+    counts gets one clear error, before any probe runs."""
+    path = tmp_path / "ctx.toml"
+    path.write_text(EXP.replace("[experiment]\n", "[experiment]\ngpus = [1, 2]\nparallel = \"fsdp2\"\n", 1))
+    out = subprocess.run([sys.executable, "-m", "harness", "context", str(path), "--results", str(tmp_path / "r"),
+                          "--quiet"], capture_output=True, text=True)
+    assert out.returncode == 2 and "experiment.gpus is [1, 2]" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "r").exists()

@@ -74,10 +74,15 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
     a ``predicted`` limit past the longest that trained, it goes there instead (rounded down to
     ``resolution``, at most ``MAX_JUMP`` times the length: doubling past the line would probe where
     the card is predicted full, the slowest probe of all), and with one at or below that length, a
-    sixteenth of it up, so a failure bounds the search soon."""
+    sixteenth of it up, so a failure bounds the search soon. A ``start`` still open (above every
+    length that trained, below the failure above them, the search not over) is probed first: the
+    length a rerun was told to start at (``--start``) is where it goes on."""
     lo = max(trained, default=None)
     hi = min((f for f in failed if lo is None or f > lo), default=None)
     if lo is None and hi is None:
+        return start
+    over = (hi is not None and hi - (lo or 0) <= resolution) or (hi is None and lo >= max_len)
+    if not over and (lo is None or start > lo) and (hi is None or start < hi) and start <= max_len:
         return start
     if hi is None:
         if lo >= max_len:
@@ -313,6 +318,9 @@ def run(exp: Experiment, results_root: str | Path, *, max_len: int, resolution: 
     if resolution < 1 or max_len < exp.seq_lens[0] or probe_warmup < 0 or probe_steps < 1 or (max_probes is not None and max_probes < 1):
         raise ValueError(f"resolution, probe_steps and probes must be at least 1, probe_warmup at least 0, and "
                          f"max_len at least the first length {exp.seq_lens[0]}")
+    if len(exp.gpus) != 1:  # each probe's row is matched to its search by the point's identity, one count's
+        raise ValueError(f"a context search finds one card's longest length: experiment.gpus is {exp.gpus}; "
+                         "give one count (a search per count is a file per count)")
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
     slug = res.gpu_slug(sweep.detect_device_name(exp.device))
     path = res.results_path(results_root, exp.name, slug)

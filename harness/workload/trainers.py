@@ -37,7 +37,8 @@ class StepTimer:
     """A TrainerCallback timing each optimizer step with CUDA events (wall clock on CPU); read
     once training ends, so timing adds no sync to the loop. It also keeps each step's host time,
     from its begin to its end callback (``issue_ms``): where a step is host-bound, or waits on a
-    sync, the step time follows it; where the GPU is the limit, it is shorter."""
+    sync, the step time follows it; where the GPU is the limit and nothing in the step waits for
+    it, it is shorter."""
 
     def __init__(self):
         from transformers import TrainerCallback
