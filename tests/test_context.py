@@ -55,11 +55,12 @@ def test_next_length_doubles_until_a_failure_then_bisects_to_the_resolution():
     assert next_length([8192], [4096, 16384], 4096, 1 << 20, 1024) == 12288  # a failure below a success is noise
     # a start still open is probed first (--start on a search with rows): above what trained, below what failed
     assert next_length([65536], [], 131072, 1 << 20, 4096, predicted=353475) == 131072
-    assert next_length([65536], [196608], 131072, 1 << 20, 4096) == 131072
+    assert next_length([65536], [196608], 163840, 1 << 20, 4096) == 163840  # not the midpoint, 131072
     assert next_length([65536], [131072], 131072, 1 << 20, 4096) == 98304  # probed and failed: bisect
     assert next_length([65536], [], 32768, 1 << 20, 4096) == 131072  # below what trained: the search's own step
     assert next_length([28672], [29696], 29000, 1 << 20, 1024) is None  # the search is over: nothing more
-    assert next_length([1 << 20], [], 1 << 21, 1 << 20, 1024) is None  # past max_len
+    assert next_length([65536], [], 1 << 21, 1 << 20, 1024) == 131072  # past max_len: the search's own step
+    assert next_length([65536], [69632], 67000, 1 << 20, 4096) is None  # no grid point left between: over
 
 
 def test_two_peaks_predict_where_the_card_fills_and_the_search_goes_there():
@@ -490,13 +491,25 @@ def test_a_peer_that_trained_at_the_models_positions_is_bounded_there():
            in text and "the peers' could go longer" not in text, text
     # what that ratio compares is said beside it, and in the table: Unsloth's limit, not a full card
     note = ("`unsloth` stops at the model's 131072 positions (its loader would rescale RoPE past them), not at a "
-            "full card; ours trains past them with the model's RoPE as configured")
+            "full card; ours trains past the model's context window, its RoPE as configured")
     assert note in text, text
     assert "| gpt-oss-20b | unsloth | unsloth | 131072 | none: its limit, the model's 131072 positions |" in text, text
     # short of its limit, or ours no longer than it: no such note
     for part in (at_cap[:1] + ours, at_cap + ours[:1]):
         g = report.by_variant(part)
         assert report.window_note(g, [("g", "gpt-oss-20b", "unsloth")], [("g", "gpt-oss-20b", "user-long")]) == ""
+    # another peer trained past the limit: the ratio is against a full card, so no note either
+    longer = [row("stock", "stock", 196608, "ok", 1.0)]
+    g = report.by_variant(at_cap + ours + longer)
+    keys = [("g", "gpt-oss-20b", "unsloth"), ("g", "gpt-oss-20b", "stock")]
+    assert report.window_note(g, keys, [("g", "gpt-oss-20b", "user-long")]) == ""
+    assert report.window_note(g, keys[:1], [("g", "gpt-oss-20b", "user-long")]) == note
+    # an older out-of-memory row past the limit moves neither the bound nor the cell
+    stale = at_cap + ours + [row("unsloth", "unsloth", 262144, "oom", stack="unsloth")]
+    g = report.by_variant(stale)
+    assert report.bounds(g, [("g", "gpt-oss-20b", "unsloth")]) == (131072, 131072)
+    stale_text = report.lead(stale, stale, {})
+    assert "| gpt-oss-20b | unsloth | unsloth | 131072 | none: its limit, the model's 131072 positions |" in stale_text
     assert "| ours faster than the best peer at its longest length, gpt-oss-20b (g) | 30000.0 vs 40000.0 ms at 131072 | yes |" \
            in text, text
 

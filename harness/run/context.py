@@ -81,9 +81,15 @@ def next_length(trained: list[int], failed: list[int], start: int, max_len: int,
     hi = min((f for f in failed if lo is None or f > lo), default=None)
     if lo is None and hi is None:
         return start
-    over = (hi is not None and hi - (lo or 0) <= resolution) or (hi is None and lo >= max_len)
-    if not over and (lo is None or start > lo) and (hi is None or start < hi) and start <= max_len:
+    own = _next(lo, hi, max_len, resolution, predicted)
+    if own is not None and (lo is None or start > lo) and (hi is None or start < hi) and start <= max_len:
         return start
+    return own
+
+
+def _next(lo: int | None, hi: int | None, max_len: int, resolution: int, predicted: int | None) -> int | None:
+    """``next_length``'s own step from the longest that trained (``lo``) and the shortest failure
+    above it (``hi``), one of them known."""
     if hi is None:
         if lo >= max_len:
             return None
