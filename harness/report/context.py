@@ -244,10 +244,10 @@ def bounds(groups: dict, keys: list[tuple]) -> tuple[int | None, float | None]:
         if best is not None:
             lo = max(lo or 0, best)
         cap = _cap(groups[k])
-        if oom is not None:
-            bound = oom - 1
-        elif cap is not None and best is not None and best >= cap:
+        if cap is not None and best is not None and best >= cap:
             bound = cap  # trained at its stack's limit, the model's positions (``stack_cap``): as far as it goes
+        elif oom is not None:
+            bound = oom - 1
         else:
             bound = float("inf")
         up = max(up or 0, bound)
@@ -272,8 +272,9 @@ def window_note(groups: dict, peers: list[tuple], ours: list[tuple]) -> str:
         return ""
     names = sorted(f"`{k[2]}`" for k in peers if (row := longest(groups[k])[0]) is not None
                    and _cap(groups[k]) is not None and int(row["seq_len"]) >= _cap(groups[k]))
-    return (f"{', '.join(names)} stops at the model's {capped[-1]} positions (its loader would rescale RoPE "
-            "past them), not at a full card; ours trains past them with the model's RoPE as configured")
+    verb = "stops" if len(names) == 1 else "stop"
+    return (f"{', '.join(names)} {verb} at the model's {capped[-1]} positions (its loader would rescale RoPE "
+            "past them), not at a full card; ours trains past the model's context window, its RoPE as configured")
 
 
 def ratio_shown(o_len: int, p_len: int, p_up: float | None) -> tuple[str, str]:
