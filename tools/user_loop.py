@@ -45,12 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--host-profile", metavar="PATH", default=None,
                     help="also profile the host side of one more step with cProfile (forward, backward and "
                          "optimizer issue; the GPU is waited for after it) and write the top functions to PATH")
-    ap.add_argument("--trainer-extras", nargs="+", default=None, metavar="SET",
-                    help="time these sets of Trainer's per-step additions side by side (see above), "
-                         "e.g. plain autocast clip walks h2d autocast+clip+walks+h2d")
+    ap.add_argument("--trainer-extras", nargs="+", default=None, metavar="SET", help=EXTRAS_HELP)
     ap.add_argument("--rounds", type=int, default=3, help="with --trainer-extras: interleaved blocks per set")
     args = ap.parse_args(argv)
-    sets = [_extras(x) for x in args.trainer_extras] if args.trainer_extras else None
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
+        ap.error("--steps and --rounds must be at least 1, --warmup at least 0")
+    sets = list(dict.fromkeys(_extras(x, args.stack) for x in args.trainer_extras)) if args.trainer_extras else None
     switches = dict(kv.split("=", 1) for kv in args.set)
 
     import torch
@@ -75,8 +75,11 @@ def main(argv=None) -> int:
     pos = meta.position_ids().cuda()
     labels = ids.masked_fill(pos == 0, -100)
     kw = optim.packing.packed_kwargs(meta) if args.stack == "user" else {}
+    common = {"label": args.label, "model": args.model, "seq_len": T, "stack": args.stack, "switches": switches,
+              "checkpointing": not args.no_checkpointing,
+              "optim_from": str(Path(optim.__file__).resolve().parent.parent)}
     if sets is not None:
-        _compare(args, sets, model, opt, ids, labels, pos, kw, lengths)
+        _compare(args, sets, model, opt, ids, labels, pos, kw, lengths, common)
         return 0
     step_ms, fwd_ms, bwd_ms, issue_ms, first_s = [], [], [], [], None
     for i in range(args.warmup + args.steps):
@@ -101,10 +104,7 @@ def main(argv=None) -> int:
             issue_ms.append(issued * 1e3)
     if args.host_profile:
         _host_profile(args.host_profile, lambda: _step(model, opt, ids, labels, pos, kw))
-    out = {"label": args.label, "model": args.model, "seq_len": T, "stack": args.stack, "switches": switches,
-           "checkpointing": not args.no_checkpointing,
-           "optim_from": str(Path(optim.__file__).resolve().parent.parent),
-           "step_ms_p50": round(statistics.median(step_ms), 1), "step_ms_p20": round(_pct(step_ms, 0.2), 1),
+    out = {**common, "step_ms_p50": round(statistics.median(step_ms), 1), "step_ms_p20": round(_pct(step_ms, 0.2), 1),
            "step_ms_p80": round(_pct(step_ms, 0.8), 1), "forward_ms_p50": round(statistics.median(fwd_ms), 1),
            "backward_ms_p50": round(statistics.median(bwd_ms), 1),
            "issue_ms_p50": round(statistics.median(issue_ms), 1), "first_step_s": round(first_s, 1),
@@ -121,36 +121,61 @@ def _step(model, opt, ids, labels, pos, kw) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-EXTRAS = ("autocast", "clip", "walks", "h2d", "batch")
+EXTRAS = ("autocast", "clip", "walks", "nan", "h2d", "batch")
+EXTRAS_HELP = (
+    "time these sets of transformers.Trainer's per-step additions side by side in this process, one set "
+    "per word, '+' joining extras ('plain': none): autocast (bf16=True: the forward under autocast to bf16, "
+    "its outputs cast to fp32 as accelerate does), clip (max_grad_norm: clip_grad_norm_ over "
+    "model.parameters()), walks (model.train(), the FLOPs count's num_parameters() and model.zero_grad(), "
+    "each a walk of the module tree), nan (logging_nan_inf_filter: a host read of the loss after the "
+    "backward), h2d (the batch copied from pinned host memory, as Trainer's loader does before the step "
+    "begins: outside the step's events), batch (user stack only: the packing metadata made anew for "
+    "each step, before it begins, as a collator makes it, so the attention structures are built in "
+    "each step). Each set is warmed up once, then timed in --rounds interleaved blocks of --steps, each "
+    "block after one untimed step, so a drift of the machine reaches every set alike")
 
 
-def _extras(spec: str) -> frozenset:
+def _extras(spec: str, stack: str) -> frozenset:
     parts = frozenset() if spec == "plain" else frozenset(spec.split("+"))
     bad = sorted(parts - set(EXTRAS))
     if bad:
         raise SystemExit(f"unknown Trainer extra(s) {bad} in {spec!r} (valid: plain, {', '.join(EXTRAS)})")
+    if "batch" in parts and stack != "user":
+        raise SystemExit("the batch extra makes optim's packing metadata anew: it needs --stack user")
     return parts
 
 
-def _extra_step(model, opt, batch, kw, extras, lengths) -> None:
+def _before_step(batch, kw, extras, lengths):
+    """What Trainer does for a step before its begin callback: its loader copies the batch to the
+    GPU (blocking, accelerate's default) from the collator's pinned tensors and metadata."""
+    import optim.packing
+
+    if "batch" in extras:
+        kw = optim.packing.packed_kwargs(optim.packing.PackedMetadata.from_lengths([lengths]))
+    if "h2d" in extras:
+        batch = {k: v.to("cuda") for k, v in batch.items()}
+    return batch, kw
+
+
+def _extra_step(model, opt, batch, kw, extras) -> None:
     """One step of the plain loop with ``extras``, Trainer's per-step additions, in Trainer's order."""
     import contextlib
 
     import torch
 
-    import optim.packing
-
-    if "batch" in extras and kw:
-        kw = optim.packing.packed_kwargs(optim.packing.PackedMetadata.from_lengths([lengths]))
-
-    if "h2d" in extras:
-        batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
     if "walks" in extras:
         model.train()
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if "autocast" in extras else contextlib.nullcontext()
     with ctx:
-        loss = model(**batch, use_cache=False, **kw).loss
+        out = model(**batch, use_cache=False, **kw)
+    if "autocast" in extras:
+        from accelerate.utils import convert_to_fp32
+
+        out = convert_to_fp32(out)
+    loss = out.loss
     loss.backward()
+    if "nan" in extras and (torch.isnan(loss) or torch.isinf(loss)):
+        pass  # Trainer skips the step's loss in its log; the read is the cost
     if "clip" in extras:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -161,9 +186,9 @@ def _extra_step(model, opt, batch, kw, extras, lengths) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def _compare(args, sets, model, opt, ids, labels, pos, kw, lengths) -> None:
+def _compare(args, sets, model, opt, ids, labels, pos, kw, lengths, common: dict) -> None:
     """Each set of extras warmed up once, then ``rounds`` interleaved blocks of ``steps`` timed
-    steps; one JSON line per set."""
+    steps, each block after one untimed step; one JSON line per set."""
     import torch
 
     gpu = {"input_ids": ids, "labels": labels, "position_ids": pos}
@@ -171,21 +196,20 @@ def _compare(args, sets, model, opt, ids, labels, pos, kw, lengths) -> None:
     times = {s: ([], []) for s in sets}
     for rnd in range(args.rounds + 1):  # round 0 warms each set up (autocast compiles its own graphs)
         for extras in sets:
-            for _ in range(args.warmup if rnd == 0 else args.steps):
-                batch = host if "h2d" in extras else gpu
+            for k in range(args.warmup if rnd == 0 else args.steps + 1):
+                batch, step_kw = _before_step(host if "h2d" in extras else gpu, kw, extras, lengths)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
                 start.record()
-                _extra_step(model, opt, batch, kw, extras, lengths)
+                _extra_step(model, opt, batch, step_kw, extras)
                 end.record()
                 issued = time.perf_counter() - t0
                 torch.cuda.synchronize()
-                if rnd:
+                if rnd and k:  # the block's first step follows another set's: untimed
                     times[extras][0].append(start.elapsed_time(end))
                     times[extras][1].append(issued * 1e3)
     for extras, (step_ms, issue_ms) in times.items():
-        print(json.dumps({"label": args.label, "model": args.model, "seq_len": args.seq_len, "stack": args.stack,
-                          "trainer_extras": "+".join(sorted(extras)) or "plain",
+        print(json.dumps({**common, "trainer_extras": "+".join(sorted(extras)) or "plain",
                           "step_ms_p50": round(statistics.median(step_ms), 1),
                           "step_ms_p20": round(_pct(step_ms, 0.2), 1), "step_ms_p80": round(_pct(step_ms, 0.8), 1),
                           "issue_ms_p50": round(statistics.median(issue_ms), 1), "steps": len(step_ms)}), flush=True)
