@@ -263,17 +263,18 @@ def window_note(groups: dict, peers: list[tuple], ours: list[tuple]) -> str:
     """Where the best of ``peers`` trained at its stack's limit (Unsloth at the model's positions,
     past which its loader rescales RoPE: ``stack_cap``) and ours trained past it, what that ratio
     compares: a stack's refusal against ours' memory, not two full cards. "" otherwise."""
-    capped = sorted({_cap(groups[k]) for k in peers
-                     if (row := longest(groups[k])[0]) is not None and _cap(groups[k]) is not None
-                     and int(row["seq_len"]) >= _cap(groups[k])})
-    lengths = [int(row["seq_len"]) for k in peers if (row := longest(groups[k])[0]) is not None]
-    o_len = max((int(row["seq_len"]) for k in ours if (row := longest(groups[k])[0]) is not None), default=0)
-    if not capped or max(lengths) > capped[-1] or o_len <= capped[-1]:
+    def reach(keys):  # (variant, longest trained, its stack's limit) of each variant that trained
+        return [(k[2], int(row["seq_len"]), _cap(groups[k])) for k in keys if (row := longest(groups[k])[0])]
+
+    peer_reach = reach(peers)
+    at_cap = [(v, cap) for v, n, cap in peer_reach if cap is not None and n >= cap]
+    limit = max((cap for _, cap in at_cap), default=None)
+    o_len = max((n for _, n, _ in reach(ours)), default=0)
+    if limit is None or max(n for _, n, _ in peer_reach) > limit or o_len <= limit:
         return ""
-    names = sorted(f"`{k[2]}`" for k in peers if (row := longest(groups[k])[0]) is not None
-                   and _cap(groups[k]) is not None and int(row["seq_len"]) >= _cap(groups[k]))
+    names = sorted(f"`{v}`" for v, _ in at_cap)
     verb = "stops" if len(names) == 1 else "stop"
-    return (f"{', '.join(names)} {verb} at the model's {capped[-1]} positions (its loader would rescale RoPE "
+    return (f"{', '.join(names)} {verb} at the model's {limit} positions (its loader would rescale RoPE "
             "past them), not at a full card; ours trains past the model's context window, its RoPE as configured")
 
 
