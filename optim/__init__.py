@@ -25,6 +25,9 @@
   so ``model(..., labels=...)`` never holds the full fp32 logits (``fused_loss``).
 - ``optim.regional``: each decoder layer through torch.compile, one graph shared by all layers
   (``compile_layers``); cuts the kernel launches of host-bound steps.
+- ``optim.collector``: Python's cycle collector kept out of the step: its young threshold raised
+  so a step's objects die before a collection walks them (``gc_threshold``); process-wide, only
+  ever raised, put back when the last enabled model is disabled.
 - ``optim.graphs``: not a model switch but a training-loop tool: ``GraphedStep`` captures a whole
   step (forward with the loss, backward, optimizer) as CUDA graphs and replays it, so a
   host-bound step runs at the GPU's pace.
@@ -47,7 +50,7 @@ __all__ = ["Switch", "SWITCHES", "MODULES", "disable", "enable", "enabled", "res
 
 # The order ``enable`` applies them in; regional last: it compiles the layers as the others left them.
 MODULES = ("optim.packing", "optim.moe", "optim.lora", "optim.mlp", "optim.norm", "optim.offload", "optim.recompute",
-           "optim.loss", "optim.regional")
+           "optim.loss", "optim.regional", "optim.collector")
 
 
 def _modules():

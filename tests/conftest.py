@@ -137,13 +137,14 @@ def _loggers() -> dict:
 
 @pytest.fixture(autouse=True)
 def _process_as_found(request):
-    """Every test leaves the process as it found it: environment, loggers, grad mode and default
-    dtype; on a GPU also the allocator (cache emptied), CUDA's peak statistics (reset before, so no
+    """Every test leaves the process as it found it: environment, loggers, grad mode, default
+    dtype and the cycle collector's thresholds (optim.collector raises them); on a GPU also the allocator (cache emptied), CUDA's peak statistics (reset before, so no
     test reads another's peak) and optim's packing cache and counters."""
     import torch
 
     env, loggers, disabled_below = dict(os.environ), _loggers(), logging.root.manager.disable
     grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    thresholds = gc.get_threshold()
     gpu = "gpu" in request.keywords and torch.cuda.is_available()
     if gpu:
         gc.collect()
@@ -162,6 +163,7 @@ def _process_as_found(request):
         lg.propagate, lg.disabled = propagate, disabled
     torch.set_grad_enabled(grad)
     torch.set_default_dtype(dtype)
+    gc.set_threshold(*thresholds)
     if "optim.packing" in sys.modules:
         sys.modules["optim.packing"].release()
         sys.modules["optim.packing"].reset_counters()

@@ -7,7 +7,8 @@
 One line of JSON per run: the step's median and p20-p80 from CUDA events (forward, backward and
 optimizer), the forward and backward medians, and the host's issue time per step (from the step's
 start until its last kernel is queued, before any wait): where the step is host-bound, the step
-time follows the issue time. Run each configuration in a fresh process.
+time follows the issue time, and Python's cycle collections in the timed steps (count by
+generation, and their time). Run each configuration in a fresh process.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def main(argv=None) -> int:
         _compare(args, sets, model, opt, ids, labels, pos, kw, lengths, common)
         return 0
     step_ms, fwd_ms, bwd_ms, issue_ms, first_s = [], [], [], [], None
+    collector = _Collections()
     for i in range(args.warmup + args.steps):
+        collector.step_begins(timed=i >= args.warmup)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         t0 = time.perf_counter()
         ev[0].record()
@@ -109,9 +112,48 @@ def main(argv=None) -> int:
            "backward_ms_p50": round(statistics.median(bwd_ms), 1),
            "issue_ms_p50": round(statistics.median(issue_ms), 1), "first_step_s": round(first_s, 1),
            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "step_ms": [round(x, 1) for x in step_ms], "issue_ms": [round(x, 1) for x in issue_ms]}
+           "step_ms": [round(x, 1) for x in step_ms], "issue_ms": [round(x, 1) for x in issue_ms],
+           **collector.summary()}
     print(json.dumps(out), flush=True)
     return 0
+
+
+class _Collections:
+    """Python's cycle collections in each timed step, by generation, and the time they took
+    (``gc.callbacks``): what the collector costs the step where it runs as the process left it."""
+
+    def __init__(self):
+        import gc
+
+        self.steps: list[list[float]] = []  # per timed step: [gen0, gen1, gen2 count, ms]
+        self._t0 = 0.0
+        self._cur = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if self._cur is None:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self._cur[info["generation"]] += 1
+            self._cur[3] += (time.perf_counter() - self._t0) * 1e3
+
+    def step_begins(self, timed: bool) -> None:
+        self._cur = [0, 0, 0, 0.0] if timed else None
+        if timed:
+            self.steps.append(self._cur)
+
+    def summary(self) -> dict:
+        import gc
+
+        if not self.steps:
+            return {}
+        n = len(self.steps)
+        return {"gc_threshold": list(gc.get_threshold()),
+                "gc_collections_per_step": [round(sum(s[g] for s in self.steps) / n, 2) for g in range(3)],
+                "gc_ms_per_step_mean": round(sum(s[3] for s in self.steps) / n, 2),
+                "gc_ms": [round(s[3], 1) for s in self.steps]}
 
 
 def _step(model, opt, ids, labels, pos, kw) -> None:

@@ -1,0 +1,145 @@
+"""optim.collector: the cycle collector's young threshold raised while a model is enabled, only
+ever raised, put back by the last model to let go; and in a real training loop, the collections
+it keeps out of a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+import optim
+import optim.collector as C
+from harness.workload import models
+
+DEFAULT = C.SWITCHES["gc_threshold"].default
+
+
+@pytest.fixture(autouse=True)
+def _collector_as_found(monkeypatch):
+    """CPython's own thresholds, and no model of an earlier test holding a raise."""
+    before, on = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(700, 10, 10)
+    monkeypatch.setattr(C, "_held", {})
+    monkeypatch.setattr(C, "_found", None)
+    monkeypatch.setattr(C, "_raised_to", None)
+    yield
+    gc.set_threshold(*before)
+    (gc.enable if on else gc.disable)()
+
+
+def _model(name="qwen3-0.6b-tiny"):
+    return models.build(models.get(name), device="cpu", dtype=torch.float32, lora_rank=4)
+
+
+def test_enable_raises_the_young_threshold_and_disable_puts_it_back():
+    m = _model()
+    optim.enable(m, only=("collector",))
+    assert gc.get_threshold() == (DEFAULT, 10, 10)
+    d = optim.enabled(m)["optim.collector"]
+    assert d["gc_threshold"] == DEFAULT and "raised from (700, 10, 10)" in d["collector"]
+    optim.disable(m)
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_switch_off_and_its_environment_variable_leave_the_collector(monkeypatch):
+    m = _model()
+    optim.enable(m, only=("collector",), gc_threshold="off")
+    assert gc.get_threshold() == (700, 10, 10)
+    assert "gc_threshold=off" in optim.enabled(m)["optim.collector"]["collector"]
+    monkeypatch.setenv("OPTIM_GC_THRESHOLD", "off")
+    optim.enable(m, only=("collector",))
+    assert gc.get_threshold() == (700, 10, 10)
+    monkeypatch.setenv("OPTIM_GC_THRESHOLD", "20000")
+    optim.enable(m, only=("collector",))
+    assert gc.get_threshold() == (20000, 10, 10)
+    with pytest.raises(ValueError, match="gc_threshold=12345"):
+        optim.enable(m, gc_threshold=12345)
+
+
+def test_a_larger_threshold_or_a_disabled_collector_is_the_process_own():
+    m = _model()
+    gc.set_threshold(10 * DEFAULT, 5, 5)
+    optim.enable(m, only=("collector",))
+    assert gc.get_threshold() == (10 * DEFAULT, 5, 5)
+    assert "left as they are" in optim.enabled(m)["optim.collector"]["collector"]
+    optim.disable(m)
+    assert gc.get_threshold() == (10 * DEFAULT, 5, 5)
+    gc.set_threshold(700, 10, 10)
+    gc.disable()
+    optim.enable(m, only=("collector",))
+    assert gc.get_threshold() == (700, 10, 10) and not gc.isenabled()
+    assert "disabled" in optim.enabled(m)["optim.collector"]["collector"]
+
+
+def test_the_last_of_two_models_puts_it_back_and_a_setting_made_since_stays():
+    a, b = _model(), _model("gpt-oss-20b-tiny")
+    optim.enable(a, only=("collector",))
+    optim.enable(b, only=("collector",), gc_threshold=2 * DEFAULT)
+    assert gc.get_threshold()[0] == 2 * DEFAULT
+    optim.disable(a)
+    assert gc.get_threshold()[0] == 2 * DEFAULT  # b still holds it
+    optim.disable(b)
+    assert gc.get_threshold() == (700, 10, 10)
+    optim.enable(a, only=("collector",))
+    gc.set_threshold(5000, 10, 10)  # the process changes it while a holds the raise
+    optim.disable(a)
+    assert gc.get_threshold() == (5000, 10, 10)
+
+
+def test_a_model_collected_without_disable_lets_go():
+    m = _model()
+    optim.enable(m, only=("collector",))
+    assert gc.get_threshold()[0] == DEFAULT
+    del m
+    gc.collect()
+    assert gc.get_threshold() == (700, 10, 10)
+    n = _model()  # a second model in the same process raises it again
+    optim.enable(n, only=("collector",))
+    assert gc.get_threshold()[0] == DEFAULT
+
+
+def _collections_per_step(gc_threshold, steps=4):
+    """Young and full collections in each step of a real training loop after the first: a
+    gpt-oss-shaped model (8 layers, 32 experts, top 4) with checkpointing, LoRA, optim.enable."""
+    tiny = models.get("gpt-oss-20b-tiny")
+    extra = dict(tiny.extra, num_local_experts=32, num_experts_per_tok=4,
+                 layer_types=["sliding_attention", "full_attention"] * 4)
+    spec = dataclasses.replace(tiny, num_hidden_layers=8, extra=extra)
+    torch.manual_seed(0)
+    model = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=True)
+    optim.enable(model, gc_threshold=gc_threshold)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    meta = optim.packing.PackedMetadata.from_lengths([[96, 160]])
+    ids = torch.randint(0, spec.vocab_size, (1, 256))
+    pos = meta.position_ids()
+    kw = optim.packing.packed_kwargs(meta)
+    seen = []
+    cb = lambda phase, info: seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(cb)
+    try:
+        per_step = []
+        for i in range(steps + 1):
+            seen.clear()
+            loss = model(input_ids=ids, labels=ids.masked_fill(pos == 0, -100), position_ids=pos,
+                         use_cache=False, **kw).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i:
+                per_step.append([seen.count(g) for g in range(3)])
+    finally:
+        gc.callbacks.remove(cb)
+        optim.disable(model)
+    return per_step
+
+
+def test_a_training_step_runs_without_collections_where_the_collector_would_run_dozens(one_thread):
+    stock = _collections_per_step("off")
+    ours = _collections_per_step(DEFAULT)
+    assert gc.get_threshold() == (700, 10, 10)
+    assert all(young >= 10 for young, _, _ in stock), stock  # the loop this measures does collect
+    assert sum(young for young, _, _ in ours) <= len(ours), ours  # at most one young one a step
+    assert sum(full for _, _, full in ours) == 0, ours
