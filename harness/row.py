@@ -24,6 +24,10 @@ STACKS = ("user", "liger", "compiled", "unsloth")
 # How a point spreads over its GPUs (``gpus``): "" one process, "fsdp2" one process per GPU with
 # the model sharded (harness.run.distributed).
 PARALLEL = ("", "fsdp2")
+# Python's cycle collector in a point's measured steps: "" the harness's protocol (collected, frozen
+# and disabled: no pause in the timed region, for every stack alike); "as_run" as the stack leaves
+# it, so the step pays what it pays in a user's own loop (optim.enable raises its young threshold).
+COLLECTORS = ("", "as_run")
 STATUSES = ("ok", "oom", "error", "skipped")  # skipped: a peer that cannot run on that machine
 
 
@@ -88,6 +92,9 @@ class Point:
                         identity="when set")
     parallel: str = _field("", doc="\"\" one process, \"fsdp2\" one per GPU, the model sharded (PARALLEL)",
                            identity="when set")
+    collector: str = _field("", doc="Python's cycle collector in the measured steps: \"\" collected, frozen and "
+                                    "disabled (the harness's protocol); \"as_run\" as the stack leaves it, as "
+                                    "the user's own loop runs it (COLLECTORS)", identity="when set")
     env_switches: dict = _field(doc="the OPTIM_<NAME> variables set where the sweep ran, as set: they fill "
                                     "the switches the variant leaves out", identity="when set", factory=dict)
     baseline_variant: str = _field("", doc="the variant the report compares against")
@@ -192,6 +199,7 @@ MEASURED = {
     "host_used_peak_gib": "the host's memory in use (MemTotal - MemAvailable, every process's) at its peak while the point ran, sampled by the sweep process (harness.measure.host)",
     "recompute_stats": "optim.recompute's decisions: layers that skipped their recompute, what the first step measured",
     "mlp_stats": "optim.mlp's chunked MLPs and how many of their calls ran in chunks",
+    "gc_collections": "Python's cycle collections over the measured steps, by generation (gc.get_stats)",
     "norm_stats": "optim.norm's chunked final norms, the norms it left alone, and how many calls ran in chunks",
 }
 # Fields of earlier rows, kept readable: no code writes them now.

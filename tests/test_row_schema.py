@@ -25,7 +25,7 @@ def test_identity_read_from_row_keeps_every_committed_point_id():
     assert row.IDENTITY == ("experiment", "model", "seq_len", "batch_size", "variant", "switches", "gpus",
                             "warmup_steps", "measured_steps", "lora_rank", "lora_dtype", "dtype", "device",
                             "data", "pin_cpu", "loss_mode", "cuda_graph")
-    assert row.OPTIONAL_IDENTITY == ("stack", "parallel", "env_switches")
+    assert row.OPTIONAL_IDENTITY == ("stack", "parallel", "collector", "env_switches")
     rows = list(_committed_steps())
     assert len(rows) > 100
     wrong = [(p.name, r["point_id"]) for p, r in rows if row.point_id(r) != r["point_id"]]

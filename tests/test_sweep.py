@@ -496,3 +496,30 @@ def test_a_forked_point_whose_server_initialized_cuda_runs_as_a_fresh_process(tm
     assert launchers.FRESH_NOTE in done.stderr
     row = json.loads(out.read_text())
     assert row["status"] == "ok" and row["variant"] == "good" and row["step_ms"]["p50"] > 0
+
+
+def test_the_collector_is_kept_out_of_measured_steps_unless_the_file_says_as_run(tmp_path, write_toml):
+    """The harness's protocol freezes and disables the cycle collector for the measured steps;
+    ``collector = "as_run"`` leaves it as the stack left it, a point of its own, its collections
+    counted in the row; the report's methodology says which."""
+    from harness.report import sections
+
+    base = EXP.split("[variants.good]")[0].replace('seq_lens = [32]', 'seq_lens = [64]\nwarmup_steps = 3\nmeasured_steps = 10')
+    body = '[variants.good]\nattn_implementation = "sdpa"\n'
+    rows = {}
+    for mode in ("frozen", "as_run"):
+        text = base.replace("bandwidth = false", f'bandwidth = false\ncollector = "{mode}"', 1) + body
+        sweep.run(experiment.load(write_toml(text, f"{mode}.toml")), tmp_path / mode, progress=False)
+        (rows[mode],) = res.read_rows(res.results_path(tmp_path / mode, "iso", "cpu"))
+    frozen, as_run = rows["frozen"], rows["as_run"]
+    assert frozen["status"] == as_run["status"] == "ok"
+    assert frozen["collector"] == "" and as_run["collector"] == "as_run"
+    assert frozen["point_id"] != as_run["point_id"]
+    assert frozen["gc_collections"] == [0, 0, 0]
+    assert as_run["gc_collections"][0] > 0  # a stock step allocates past CPython's young threshold
+    assert "frozen and disabled" in sections._collector_sentence([frozen])
+    assert "as each stack leaves it" in sections._collector_sentence([as_run])
+    assert "in 1 of 2 step rows" in sections._collector_sentence([frozen, as_run])
+    with pytest.raises(experiment.ExperimentError, match="experiment.collector"):
+        experiment.load(write_toml(base.replace("bandwidth = false", 'bandwidth = false\ncollector = "off"', 1) + body,
+                                   "bad.toml"))

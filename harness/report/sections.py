@@ -194,11 +194,24 @@ def section_methodology(df_steps, df_bw, rows, out_dir) -> str:
         f"LoRA rank {fmt.distinct(r.get('lora_rank') for r in steps)}, adapters in "
         f"{fmt.distinct(r.get('lora_dtype', 'fp32') for r in steps)} (fp32: peft's default upcast).",
         f"Statistic: {STATISTIC}.",
-        "The Python garbage collector is collected, frozen and disabled for the measured steps.",
+        _collector_sentence(steps),
         "Speedups are ratios of medians measured side by side in one run, on the same "
         + ("CPU: they check the pipeline, not GPU speed." if on_cpu else "GPU type."),
     ]
     return "### Methodology\n\n" + " ".join(parts)
+
+
+def _collector_sentence(steps) -> str:
+    """What Python's cycle collector did in the measured steps, from the rows' ``collector``."""
+    as_run = sum(1 for r in steps if r.get("collector") == "as_run")
+    if not as_run:
+        return "The Python garbage collector is collected, frozen and disabled for the measured steps."
+    said = ("The Python garbage collector runs in the measured steps as each stack leaves it, as in a user's "
+            "own loop (`collector = \"as_run\"`; `optim.enable` raises its young threshold)")
+    if as_run == len(steps):
+        return said + "."
+    return (f"{said} in {as_run} of {len(steps)} step rows; in the others it is collected, frozen and disabled "
+            "for the measured steps.")
 
 
 def spread_points(rows) -> tuple[list[dict], dict[bool, list[float]], list[str]]:

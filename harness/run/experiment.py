@@ -109,6 +109,7 @@ class Experiment:
     launcher: str
     timeout_s: float
     bandwidth: bool
+    collector: str = ""  # the measured steps' cycle collector (harness.row.COLLECTORS)
     data: DataSpec = field(default_factory=DataSpec)
     pin_cpu: bool = False
     loss: str = "full"
@@ -166,6 +167,7 @@ class Experiment:
                                 timeout_s=self.timeout_s,
                                 baseline_variant=self.baseline_variant,
                                 pin_cpu=self.pin_cpu,
+                                collector=self.collector,
                                 loss_mode=self.variant_loss.get(vname, self.loss),
                                 lora_dtype=self.variant_lora_dtype.get(vname, self.lora_dtype),
                                 cuda_graph=self.variant_cuda_graph.get(vname, False),
@@ -182,7 +184,7 @@ _TOP_KEYS = {"experiment", "data", "variants", "report", "gate"}
 _EXPERIMENT_KEYS = {
     "name", "description", "models", "seq_lens", "batch_size", "gpus", "warmup_steps",
     "measured_steps", "repeats", "lora_rank", "dtype", "device", "launcher", "timeout_s",
-    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype", "requires", "parallel",
+    "baseline", "bandwidth", "pin_cpu", "loss", "lora_dtype", "requires", "parallel", "collector",
 }
 _DATA_KEYS = {"distribution", "median_doc_len", "sigma", "min_doc_len", "seed"}
 
@@ -256,6 +258,9 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
     # fp32: peft's default, adapter weights (and so their grads and AdamW states) upcast to
     # float32; model: adapters in the model's dtype (bf16 on GPU), half the trainable state
     lora_dtype = choice(path, "experiment.lora_dtype", exp.get("lora_dtype", "fp32"), LORA_DTYPES)
+    # frozen: the harness's protocol; as_run: the collector as the stack leaves it (a user's loop)
+    collector = {"frozen": "", "as_run": "as_run"}[
+        choice(path, "experiment.collector", exp.get("collector", "frozen"), ("frozen", "as_run"))]
     bandwidth = exp.get("bandwidth", True)
     if not isinstance(bandwidth, bool):
         raise ExperimentError(path, "experiment.bandwidth", f"must be true or false, got {bandwidth!r}")
@@ -394,7 +399,7 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
         seq_lens=seq_lens, batch_size=batch_size, gpus=gpus, parallel=parallel, variants=variants,
         baseline_variant=baseline, warmup_steps=warmup, measured_steps=measured, repeats=repeats,
         lora_rank=lora_rank, dtype=dtype, device=device, launcher=launcher,
-        timeout_s=float(timeout_s), bandwidth=bandwidth, data=data, pin_cpu=pin_cpu, loss=loss,
+        timeout_s=float(timeout_s), bandwidth=bandwidth, collector=collector, data=data, pin_cpu=pin_cpu, loss=loss,
         variant_loss=variant_loss, lora_dtype=lora_dtype, variant_lora_dtype=variant_lora_dtype,
         variant_cuda_graph=variant_cuda_graph, variant_stack=variant_stack, roles=roles, report=report,
         requires=requires, variant_models=variant_models, variant_seq_lens=variant_seq_lens, gate=gate,

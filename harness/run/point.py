@@ -307,6 +307,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     graphed = None
     compiles: list[int] = []  # graphs torch.compile made in each measured step
     compiled_before_measured = None
+    collections_before = [g["collections"] for g in gc.get_stats()]
     for i in range(n_steps):
         if i == point.warmup_steps:
             if device.type == "cuda":
@@ -325,11 +326,14 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
                 from optim import packing
 
                 packing.reset_counters()  # counted over the measured steps only
-            # A gen-2 collection in a host-bound step stalls the GPU queue for ~0.2 s; keep
-            # the collector out of the measured region, as pyperf and timeit do.
-            gc.collect()
-            gc.freeze()
-            gc.disable()
+            if not point.collector:
+                # A gen-2 collection in a host-bound step stalls the GPU queue for ~0.2 s; keep
+                # the collector out of the measured region, as pyperf and timeit do. "as_run"
+                # leaves it as the stack left it: what a user's own loop pays.
+                gc.collect()
+                gc.freeze()
+                gc.disable()
+            collections_before = [g["collections"] for g in gc.get_stats()]
             compiled_before_measured = compiled_graphs()
         before = compiled_graphs()
         losses.append(graphed(i, timer) if graphed is not None else run.step(point, i, timer))
@@ -338,8 +342,10 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         last_end = _report_progress(i, n_steps, timer, last_end)
 
     times = timer.results_ms()
-    gc.enable()
-    gc.unfreeze()
+    gc_collections = [g["collections"] - b for g, b in zip(gc.get_stats(), collections_before)]
+    if not point.collector:
+        gc.enable()
+        gc.unfreeze()
     optim_stats = record.optim_stats(model, optim_applied)
     losses_f = torch.stack(losses).float().cpu().tolist()
     measured = batches[point.warmup_steps:]
@@ -370,6 +376,7 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
         # step that compiles is timed with its compile: its median is not the steady state)
         "compiled_graphs_warmup": compiled_before_measured,
         "compiled_graphs_per_step": compiles,
+        "gc_collections": gc_collections,
         # what the peaks span: the measured steps, or (graphed) the capture and the replays
         "peak_scope": "capture and replays" if graphed is not None else "measured steps",
         "warmup_losses": warmup_losses,  # the first step's loss included: numerics from the first step
