@@ -4,6 +4,7 @@ it keeps out of a step."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 
@@ -18,16 +19,30 @@ DEFAULT = C.SWITCHES["gc_threshold"].default
 
 
 @pytest.fixture(autouse=True)
-def _collector_as_found(monkeypatch):
-    """CPython's own thresholds, and no model of an earlier test holding a raise."""
+def _collector_as_found():
+    """CPython's usual thresholds, and no model of an earlier test holding a raise (their holds set
+    aside, and put back after); a hold this test's models leave is detached, not leaked."""
     before, on = gc.get_threshold(), gc.isenabled()
+    others, found, set_ = dict(C._held), C._found, C._set
+    C._held.clear()
+    C._found = C._set = None
     gc.set_threshold(700, 10, 10)
-    monkeypatch.setattr(C, "_held", {})
-    monkeypatch.setattr(C, "_found", None)
-    monkeypatch.setattr(C, "_raised_to", None)
     yield
+    for fin, _ in C._held.values():
+        fin.detach()
+    C._held.clear()
+    C._held.update(others)
+    C._found, C._set = found, set_
     gc.set_threshold(*before)
     (gc.enable if on else gc.disable)()
+
+
+def _base():
+    return gc.get_threshold()  # as the fixture set it, as this interpreter reads it back
+
+
+def _raised(young):
+    return (young, *_base()[1:])
 
 
 def _model(name="qwen3-0.6b-tiny"):
@@ -35,26 +50,28 @@ def _model(name="qwen3-0.6b-tiny"):
 
 
 def test_enable_raises_the_young_threshold_and_disable_puts_it_back():
-    m = _model()
+    base, m = _base(), _model()
     optim.enable(m, only=("collector",))
-    assert gc.get_threshold() == (DEFAULT, 10, 10)
+    assert gc.get_threshold() == _raised(DEFAULT)
     d = optim.enabled(m)["optim.collector"]
-    assert d["gc_threshold"] == DEFAULT and "raised from (700, 10, 10)" in d["collector"]
+    assert d["gc_threshold"] == DEFAULT and f"raised from {base}" in d["collector"]
+    optim.enable(m, only=("collector",), gc_threshold=20000)  # a second enable replaces the first's request
+    assert gc.get_threshold() == _raised(20000)
     optim.disable(m)
-    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_threshold() == base and not C._held
 
 
 def test_the_switch_off_and_its_environment_variable_leave_the_collector(monkeypatch):
-    m = _model()
+    base, m = _base(), _model()
     optim.enable(m, only=("collector",), gc_threshold="off")
-    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_threshold() == base
     assert "gc_threshold=off" in optim.enabled(m)["optim.collector"]["collector"]
     monkeypatch.setenv("OPTIM_GC_THRESHOLD", "off")
     optim.enable(m, only=("collector",))
-    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_threshold() == base
     monkeypatch.setenv("OPTIM_GC_THRESHOLD", "20000")
     optim.enable(m, only=("collector",))
-    assert gc.get_threshold() == (20000, 10, 10)
+    assert gc.get_threshold() == _raised(20000)
     with pytest.raises(ValueError, match="gc_threshold=12345"):
         optim.enable(m, gc_threshold=12345)
 
@@ -62,43 +79,59 @@ def test_the_switch_off_and_its_environment_variable_leave_the_collector(monkeyp
 def test_a_larger_threshold_or_a_disabled_collector_is_the_process_own():
     m = _model()
     gc.set_threshold(10 * DEFAULT, 5, 5)
+    mine = gc.get_threshold()
     optim.enable(m, only=("collector",))
-    assert gc.get_threshold() == (10 * DEFAULT, 5, 5)
+    assert gc.get_threshold() == mine
     assert "left as they are" in optim.enabled(m)["optim.collector"]["collector"]
     optim.disable(m)
-    assert gc.get_threshold() == (10 * DEFAULT, 5, 5)
-    gc.set_threshold(700, 10, 10)
-    gc.disable()
-    optim.enable(m, only=("collector",))
-    assert gc.get_threshold() == (700, 10, 10) and not gc.isenabled()
-    assert "disabled" in optim.enabled(m)["optim.collector"]["collector"]
+    assert gc.get_threshold() == mine
+    for off in ("disable", "threshold 0"):
+        gc.set_threshold(700, 10, 10)
+        if off == "disable":
+            gc.disable()
+        else:
+            gc.set_threshold(0)  # automatic collection off, though gc.isenabled() stays True
+        was = gc.get_threshold()
+        optim.enable(m, only=("collector",))
+        assert gc.get_threshold() == was and gc.isenabled() == (off != "disable"), off
+        assert "disabled by the process" in optim.enabled(m)["optim.collector"]["collector"]
+        optim.disable(m)
+        gc.enable()
 
 
 def test_the_last_of_two_models_puts_it_back_and_a_setting_made_since_stays():
-    a, b = _model(), _model("gpt-oss-20b-tiny")
+    base, a, b = _base(), _model(), _model("gpt-oss-20b-tiny")
     optim.enable(a, only=("collector",))
-    optim.enable(b, only=("collector",), gc_threshold=2 * DEFAULT)
-    assert gc.get_threshold()[0] == 2 * DEFAULT
+    optim.enable(optim.owner(b), only=("collector",), gc_threshold=2 * DEFAULT)  # the base model, not its peft wrapper
+    assert gc.get_threshold() == _raised(2 * DEFAULT)  # the larger request holds
+    optim.disable(b)  # through the wrapper: the same model
+    assert gc.get_threshold() == _raised(DEFAULT)  # a's own request
     optim.disable(a)
-    assert gc.get_threshold()[0] == 2 * DEFAULT  # b still holds it
+    assert gc.get_threshold() == base
+    optim.enable(a, only=("collector",))
+    gc.set_threshold(DEFAULT, 50, 50)  # the process changes the older generations while a holds
+    mine = gc.get_threshold()
+    optim.enable(b, only=("collector",))
+    gc.set_threshold(5000, 10, 10)  # and then the young one
     optim.disable(b)
-    assert gc.get_threshold() == (700, 10, 10)
-    optim.enable(a, only=("collector",))
-    gc.set_threshold(5000, 10, 10)  # the process changes it while a holds the raise
     optim.disable(a)
-    assert gc.get_threshold() == (5000, 10, 10)
+    assert gc.get_threshold() == (5000, *base[1:])  # its last setting stays, never one from before it
+    assert mine != gc.get_threshold()
 
 
-def test_a_model_collected_without_disable_lets_go():
-    m = _model()
+def test_a_model_collected_without_disable_lets_go_and_a_deep_copy_holds_nothing_of_its_own():
+    base, m = _base(), _model()
     optim.enable(m, only=("collector",))
-    assert gc.get_threshold()[0] == DEFAULT
+    copy_ = copy.deepcopy(m)
+    assert "holds no raise" in optim.enabled(copy_)["optim.collector"]["collector"]
     del m
     gc.collect()
-    assert gc.get_threshold() == (700, 10, 10)
-    n = _model()  # a second model in the same process raises it again
-    optim.enable(n, only=("collector",))
-    assert gc.get_threshold()[0] == DEFAULT
+    assert gc.get_threshold() == base and not C._held
+    optim.enable(copy_, only=("collector",))  # the copy, enabled, holds it like any model
+    assert gc.get_threshold() == _raised(DEFAULT)
+    del copy_
+    gc.collect()
+    assert gc.get_threshold() == base
 
 
 def _collections_per_step(gc_threshold, steps=4):
@@ -137,9 +170,9 @@ def _collections_per_step(gc_threshold, steps=4):
 
 
 def test_a_training_step_runs_without_collections_where_the_collector_would_run_dozens(one_thread):
+    base = _base()
     stock = _collections_per_step("off")
     ours = _collections_per_step(DEFAULT)
-    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_threshold() == base
     assert all(young >= 10 for young, _, _ in stock), stock  # the loop this measures does collect
-    assert sum(young for young, _, _ in ours) <= len(ours), ours  # at most one young one a step
-    assert sum(full for _, _, full in ours) == 0, ours
+    assert all(young <= 1 and full == 0 for young, _, full in ours), ours
