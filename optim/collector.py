@@ -1,6 +1,6 @@
 """Python's cycle collector kept out of the training step (switch ``gc_threshold``).
 
-A training step of a Hugging Face model makes tens of thousands of objects that CPython's cycle
+A training step of a Hugging Face model makes many thousands of objects that CPython's cycle
 collector tracks: the tensors, the dicts and tuples of every module call, and, under non-reentrant
 checkpointing, a holder, a weak reference and a dict for each tensor a layer saves. CPython starts a
 young collection every ``gc.get_threshold()[0]`` net allocations (700 by default through 3.13), so a
