@@ -89,11 +89,18 @@ def _one(cfg: dict) -> dict:
         except PeerUnavailable as e:
             return {"status": "skipped", "error": str(e)}
     return {"status": "ok", "losses": r["losses"], "step_ms_all": r["step_ms_all"],
-            "issue_ms_all": r.get("issue_ms_all"), "peak_gib": r["peak_gib"],
+            "issue_ms_all": r.get("issue_ms_all"), "gc_collections_all": r.get("gc_collections_all"),
+            "peak_gib": r["peak_gib"],
             "enabled": r.get("enabled"), "recompute_stats": r.get("recompute_stats"),
             "gradient_checkpointing": r.get("gradient_checkpointing"),
             "attn_implementation_used": r.get("attn_implementation_used"), "batching": r.get("batching"),
             "weights": r.get("weights")}
+
+
+def _per_step(per_step: list | None, warmup: int) -> list[float] | None:
+    """The mean per timed step of each generation's collections, None where the run kept none."""
+    timed = (per_step or [])[warmup:]
+    return [round(sum(s[g] for s in timed) / len(timed), 2) for g in range(len(timed[0]))] if timed else None
 
 
 def profile_stem(model: str, max_length: int, name: str) -> str:
@@ -290,6 +297,8 @@ def _row(base: dict, r: dict, results: dict, warmup: int) -> dict:
             "ms_samples": p["samples"],
             # the host's time per step, begin to end callback: a step time that follows it is host-bound
             "issue_ms": issue["p50"] if issue else None, "issue_ms_samples": issue["samples"] if issue else None,
+            # Python's cycle collections in each timed step, by generation (the collector as the run left it)
+            "gc_collections_per_step": _per_step(r.get("gc_collections_all"), warmup),
             "peak_gib": r["peak_gib"], "losses": r["losses"],
             "host_used_peak_gib": r.get("host_used_peak_gib"),
             "max_rel_loss_diff_vs_stock": diff, "gradient_checkpointing": r.get("gradient_checkpointing"),

@@ -38,7 +38,8 @@ class StepTimer:
     once training ends, so timing adds no sync to the loop. It also keeps each step's host time,
     from its begin to its end callback (``issue_ms``): where a step is host-bound, or waits on a
     sync, the step time follows it; where the GPU is the limit and nothing in the step waits for
-    it, it is shorter."""
+    it, it is shorter. And Python's cycle collections within each step, by generation
+    (``collections``): the pauses a host-bound step pays where the collector runs."""
 
     def __init__(self):
         from transformers import TrainerCallback
@@ -46,15 +47,18 @@ class StepTimer:
         timer = self
         self.marks: list = []
         self.host: list = []
+        self.gc: list = []
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
+                timer.gc.append([_collections(), None])
                 timer.host.append([time.perf_counter(), None])
                 timer.marks.append([timer._mark(), None])
 
             def on_step_end(self, args, state, control, **kw):
                 timer.marks[-1][1] = timer._mark()
                 timer.host[-1][1] = time.perf_counter()
+                timer.gc[-1][1] = _collections()
 
         self.callback = _Callback()
 
@@ -75,6 +79,16 @@ class StepTimer:
     def issue_ms(self) -> list[float]:
         """Each step's host time, from its begin callback to its end callback, in ms."""
         return [(b - a) * 1e3 for a, b in self.host]
+
+    def collections(self) -> list[list[int]]:
+        """Each step's cycle collections, from its begin callback to its end callback, by generation."""
+        return [[y - x for x, y in zip(a, b)] for a, b in self.gc]
+
+
+def _collections() -> list[int]:
+    import gc
+
+    return [g["collections"] for g in gc.get_stats()]
 
 
 class StepLosses:
@@ -164,7 +178,7 @@ def _summary(trainer, timer: StepTimer, warmup: int, losses: StepLosses | None =
     logged = _losses(trainer)
     return {"losses": losses.losses() if losses is not None else logged, "logged_losses": logged,
             "step_ms": statistics.median(ms) if ms else None, "step_ms_all": timer.ms(),
-            "issue_ms_all": timer.issue_ms(), "peak_gib": peak}
+            "issue_ms_all": timer.issue_ms(), "gc_collections_all": timer.collections(), "peak_gib": peak}
 
 
 def _one_device(args, data_parallel: bool):
