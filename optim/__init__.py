@@ -26,8 +26,8 @@
 - ``optim.regional``: each decoder layer through torch.compile, one graph shared by all layers
   (``compile_layers``); cuts the kernel launches of host-bound steps.
 - ``optim.collector``: Python's cycle collector kept out of the step: its young threshold raised
-  so a step's objects die before a collection walks them (``gc_threshold``); process-wide, only
-  ever raised, put back when the last enabled model is disabled.
+  so a step's objects die before a collection walks them (``gc_threshold``, off by default);
+  process-wide, only ever raised, put back when the last enabled model is disabled.
 - ``optim.graphs``: not a model switch but a training-loop tool: ``GraphedStep`` captures a whole
   step (forward with the loss, backward, optimizer) as CUDA graphs and replays it, so a
   host-bound step runs at the GPU's pace.

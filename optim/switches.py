@@ -263,11 +263,12 @@ DECLARED: dict[str, dict[str, Switch]] = {
             Switch(
                 "gc_threshold",
                 ("off", 10000, 20000, 50000, 100000, 200000, 500000),
-                100000,
+                "off",
                 "raise Python's cycle collector's young threshold to this many net allocations while the "
                 "model is enabled, so a training step's objects die before a collection sees them and full "
                 "collections, which stall a host-bound step, become rare; only ever raised, put back when the "
-                "last enabled model is disabled; off = the collector as the process has it",
+                "last enabled model is disabled; off (the default: with compiled layers a GPU step runs few "
+                "collections, and the raise measured no gain) = the collector as the process has it",
             ),
         )
     },

@@ -130,9 +130,9 @@ def test_trainer_bench_rows_and_their_report_table(tmp_path):
     for mode in ("stock", "compiled", "ours"):
         r = rows[mode]
         assert len(r["issue_ms_samples"]) == len(r["ms_samples"]) == 2 and r["issue_ms"] >= r["ms"] > 0, r
-    # each timed step's cycle collections: the stock run's collector as CPython sets it collects,
-    # ours (optim.enable raises its young threshold) does not
-    assert rows["stock"]["gc_collections_per_step"][0] > 0 and rows["ours"]["gc_collections_per_step"] == [0, 0, 0]
+    # each timed step's cycle collections by generation, the collector as CPython sets it: on the CPU
+    # the layers run eagerly and collect, ours too (optim.enable leaves the collector by default)
+    assert all(rows[m]["gc_collections_per_step"][0] > 0 for m in ("stock", "ours"))
     assert {r["logging_steps"] for r in rows.values()} == {500}  # Trainer's default: no log, no sync, per step
     assert {json.dumps(r["trainer_args"]) for r in rows.values()} == {'{"logging_nan_inf_filter": false}'}
     text = build_report(tmp_path, "t", tmp_path / "reports").read_text()

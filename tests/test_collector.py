@@ -15,7 +15,7 @@ import optim
 import optim.collector as C
 from harness.workload import models
 
-DEFAULT = C.SWITCHES["gc_threshold"].default
+RAISE = 100000  # the value the docs give for turning the switch on
 
 
 @pytest.fixture(autouse=True)
@@ -51,18 +51,21 @@ def _model(name="qwen3-0.6b-tiny"):
 
 def test_enable_raises_the_young_threshold_and_disable_puts_it_back():
     base, m = _base(), _model()
-    optim.enable(m, only=("collector",))
-    assert gc.get_threshold() == _raised(DEFAULT)
+    optim.enable(m, only=("collector",), gc_threshold=RAISE)
+    assert gc.get_threshold() == _raised(RAISE)
     d = optim.enabled(m)["optim.collector"]
-    assert d["gc_threshold"] == DEFAULT and f"raised from {base}" in d["collector"]
+    assert d["gc_threshold"] == RAISE and f"raised from {base}" in d["collector"]
     optim.enable(m, only=("collector",), gc_threshold=20000)  # a second enable replaces the first's request
     assert gc.get_threshold() == _raised(20000)
     optim.disable(m)
     assert gc.get_threshold() == base and not C._held
 
 
-def test_the_switch_off_and_its_environment_variable_leave_the_collector(monkeypatch):
+def test_the_switch_off_its_default_and_its_environment_variable_leave_the_collector(monkeypatch):
     base, m = _base(), _model()
+    monkeypatch.delenv("OPTIM_GC_THRESHOLD", raising=False)
+    optim.enable(m)  # off by default: compiled layers make few objects, and the raise measured no gain
+    assert gc.get_threshold() == base and not C._held
     optim.enable(m, only=("collector",), gc_threshold="off")
     assert gc.get_threshold() == base
     assert "gc_threshold=off" in optim.enabled(m)["optim.collector"]["collector"]
@@ -78,9 +81,9 @@ def test_the_switch_off_and_its_environment_variable_leave_the_collector(monkeyp
 
 def test_a_larger_threshold_or_a_disabled_collector_is_the_process_own():
     m = _model()
-    gc.set_threshold(10 * DEFAULT, 5, 5)
+    gc.set_threshold(10 * RAISE, 5, 5)
     mine = gc.get_threshold()
-    optim.enable(m, only=("collector",))
+    optim.enable(m, only=("collector",), gc_threshold=RAISE)
     assert gc.get_threshold() == mine
     assert "left as they are" in optim.enabled(m)["optim.collector"]["collector"]
     optim.disable(m)
@@ -92,7 +95,7 @@ def test_a_larger_threshold_or_a_disabled_collector_is_the_process_own():
         else:
             gc.set_threshold(0)  # automatic collection off, though gc.isenabled() stays True
         was = gc.get_threshold()
-        optim.enable(m, only=("collector",))
+        optim.enable(m, only=("collector",), gc_threshold=RAISE)
         assert gc.get_threshold() == was and gc.isenabled() == (off != "disable"), off
         assert "disabled by the process" in optim.enabled(m)["optim.collector"]["collector"]
         optim.disable(m)
@@ -101,17 +104,17 @@ def test_a_larger_threshold_or_a_disabled_collector_is_the_process_own():
 
 def test_the_last_of_two_models_puts_it_back_and_a_setting_made_since_stays():
     base, a, b = _base(), _model(), _model("gpt-oss-20b-tiny")
-    optim.enable(a, only=("collector",))
-    optim.enable(optim.owner(b), only=("collector",), gc_threshold=2 * DEFAULT)  # the base model, not its peft wrapper
-    assert gc.get_threshold() == _raised(2 * DEFAULT)  # the larger request holds
+    optim.enable(a, only=("collector",), gc_threshold=RAISE)
+    optim.enable(optim.owner(b), only=("collector",), gc_threshold=2 * RAISE)  # the base model, not its peft wrapper
+    assert gc.get_threshold() == _raised(2 * RAISE)  # the larger request holds
     optim.disable(b)  # through the wrapper: the same model
-    assert gc.get_threshold() == _raised(DEFAULT)  # a's own request
+    assert gc.get_threshold() == _raised(RAISE)  # a's own request
     optim.disable(a)
     assert gc.get_threshold() == base
-    optim.enable(a, only=("collector",))
-    gc.set_threshold(DEFAULT, 50, 50)  # the process changes the older generations while a holds
+    optim.enable(a, only=("collector",), gc_threshold=RAISE)
+    gc.set_threshold(RAISE, 50, 50)  # the process changes the older generations while a holds
     mine = gc.get_threshold()
-    optim.enable(b, only=("collector",))
+    optim.enable(b, only=("collector",), gc_threshold=RAISE)
     gc.set_threshold(5000, 10, 10)  # and then the young one
     optim.disable(b)
     optim.disable(a)
@@ -121,14 +124,14 @@ def test_the_last_of_two_models_puts_it_back_and_a_setting_made_since_stays():
 
 def test_a_model_collected_without_disable_lets_go_and_a_deep_copy_holds_nothing_of_its_own():
     base, m = _base(), _model()
-    optim.enable(m, only=("collector",))
+    optim.enable(m, only=("collector",), gc_threshold=RAISE)
     copy_ = copy.deepcopy(m)
     assert "holds no raise" in optim.enabled(copy_)["optim.collector"]["collector"]
     del m
     gc.collect()
     assert gc.get_threshold() == base and not C._held
-    optim.enable(copy_, only=("collector",))  # the copy, enabled, holds it like any model
-    assert gc.get_threshold() == _raised(DEFAULT)
+    optim.enable(copy_, only=("collector",), gc_threshold=RAISE)  # the copy, enabled, holds it like any model
+    assert gc.get_threshold() == _raised(RAISE)
     del copy_
     gc.collect()
     assert gc.get_threshold() == base
@@ -172,7 +175,7 @@ def _collections_per_step(gc_threshold, steps=4):
 def test_a_training_step_runs_without_collections_where_the_collector_would_run_dozens(one_thread):
     base = _base()
     stock = _collections_per_step("off")
-    ours = _collections_per_step(DEFAULT)
+    ours = _collections_per_step(RAISE)
     assert gc.get_threshold() == base
     assert all(young >= 10 for young, _, _ in stock), stock  # the loop this measures does collect
     assert all(young <= 1 and full == 0 for young, _, full in ours), ours

@@ -53,6 +53,9 @@ def main(argv=None) -> int:
         ap.error("--steps and --rounds must be at least 1, --warmup at least 0")
     sets = list(dict.fromkeys(_extras(x, args.stack) for x in args.trainer_extras)) if args.trainer_extras else None
     switches = dict(kv.split("=", 1) for kv in args.set)
+    if sets and any("gc" in x for x in sets) and args.stack == "user" and switches.get("gc_threshold", "off") != "off":
+        ap.error("the gc set compares optim.collector's raise against the process's collector: with --stack "
+                 "user, leave gc_threshold off so that the other sets run without the raise")
 
     import torch
 
@@ -163,7 +166,8 @@ def _step(model, opt, ids, labels, pos, kw) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-EXTRAS = ("autocast", "clip", "walks", "nan", "h2d", "batch")
+GC_RAISE = 100000  # the gc set's young threshold: the value docs/optim.md gives for turning the switch on
+EXTRAS = ("autocast", "clip", "walks", "nan", "h2d", "batch", "gc")
 EXTRAS_HELP = (
     "time these sets of transformers.Trainer's per-step additions side by side in this process, one set "
     "per word, '+' joining extras ('plain': none): autocast (bf16=True: the forward under autocast to bf16, "
@@ -173,7 +177,9 @@ EXTRAS_HELP = (
     "backward), h2d (the batch copied from pinned host memory, as Trainer's loader does before the step "
     "begins: outside the step's events), batch (user stack only: the packing metadata made anew for "
     "each step, before it begins, as a collator makes it, so the attention structures are built in "
-    "each step). Each set is warmed up once, then timed in --rounds interleaved blocks of --steps, each "
+    "each step), gc (not Trainer's: optim.collector's raise, gc_threshold=100000, held for the set's "
+    "blocks, so that the sets without it run the collector as the process has it; with --stack user it "
+    "needs gc_threshold left off). Each set is warmed up once, then timed in --rounds interleaved blocks of --steps, each "
     "block after one untimed step, so a drift of the machine reaches every set alike")
 
 
@@ -185,6 +191,17 @@ def _extras(spec: str, stack: str) -> frozenset:
     if "batch" in parts and stack != "user":
         raise SystemExit("the batch extra makes optim's packing metadata anew: it needs --stack user")
     return parts
+
+
+def _gc_block(model, extras, on: bool) -> None:
+    """Hold (or let go of) optim.collector's raise for a block of the ``gc`` set."""
+    import optim.collector
+
+    if "gc" in extras:
+        if on:
+            optim.collector.enable(model, gc_threshold=GC_RAISE)
+        else:
+            optim.collector.disable(model)
 
 
 def _before_step(batch, kw, extras, lengths):
@@ -236,9 +253,15 @@ def _compare(args, sets, model, opt, ids, labels, pos, kw, lengths, common: dict
     gpu = {"input_ids": ids, "labels": labels, "position_ids": pos}
     host = {k: v.cpu().pin_memory() for k, v in gpu.items()}
     times = {s: ([], []) for s in sets}
+    counts = {s: _Collections() for s in sets}
     for rnd in range(args.rounds + 1):  # round 0 warms each set up (autocast compiles its own graphs)
         for extras in sets:
+            for c in counts.values():  # the raise's first collection is no set's step
+                c.step_begins(timed=False)
+            _gc_block(model, extras, on=True)
             for k in range(args.warmup if rnd == 0 else args.steps + 1):
+                for c in counts.values():
+                    c.step_begins(timed=c is counts[extras] and bool(rnd and k))
                 batch, step_kw = _before_step(host if "h2d" in extras else gpu, kw, extras, lengths)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
@@ -250,11 +273,18 @@ def _compare(args, sets, model, opt, ids, labels, pos, kw, lengths, common: dict
                 if rnd and k:  # the block's first step follows another set's: untimed
                     times[extras][0].append(start.elapsed_time(end))
                     times[extras][1].append(issued * 1e3)
+            _gc_block(model, extras, on=False)
+    for c in counts.values():
+        c.step_begins(timed=False)
     for extras, (step_ms, issue_ms) in times.items():
+        gc_counts = counts[extras].summary()
+        gc_counts.pop("gc_threshold", None)
+        gc_counts.pop("gc_ms", None)
         print(json.dumps({**common, "trainer_extras": "+".join(sorted(extras)) or "plain",
                           "step_ms_p50": round(statistics.median(step_ms), 1),
                           "step_ms_p20": round(_pct(step_ms, 0.2), 1), "step_ms_p80": round(_pct(step_ms, 0.8), 1),
-                          "issue_ms_p50": round(statistics.median(issue_ms), 1), "steps": len(step_ms)}), flush=True)
+                          "issue_ms_p50": round(statistics.median(issue_ms), 1), "steps": len(step_ms),
+                          **gc_counts}), flush=True)
 
 
 def _host_profile(path: str, step) -> None:
