@@ -523,3 +523,27 @@ def test_the_collector_is_kept_out_of_measured_steps_unless_the_file_says_as_run
     with pytest.raises(experiment.ExperimentError, match="experiment.collector"):
         experiment.load(write_toml(base.replace("bandwidth = false", 'bandwidth = false\ncollector = "off"', 1) + body,
                                    "bad.toml"))
+
+
+def test_a_point_that_fails_in_a_measured_step_gives_the_collector_back(write_toml, monkeypatch):
+    """A step that raises after the collector was frozen and disabled: the row says error, and the
+    process's collector is enabled and unfrozen again (the preloaded launcher's process lives on)."""
+    import gc
+
+    from harness.run import point as point_mod
+
+    base = EXP.split("[variants.good]")[0].replace('seq_lens = [32]', 'seq_lens = [64]\nwarmup_steps = 3\nmeasured_steps = 10')
+    (p,) = experiment.load(write_toml(base + '[variants.good]\nattn_implementation = "sdpa"\n')).points()
+    step = point_mod.Prepared.step
+
+    def failing(self, point, i, *args, **kwargs):
+        if i == point.warmup_steps + 1:
+            assert not gc.isenabled() and gc.get_freeze_count() > 0  # inside the measured region
+            raise RuntimeError("a failing measured step")
+        return step(self, point, i, *args, **kwargs)
+
+    monkeypatch.setattr(point_mod.Prepared, "step", failing)
+    assert gc.isenabled()
+    row = point_mod.run_point(p)
+    assert row["status"] == "error" and "a failing measured step" in row["message"]
+    assert gc.isenabled() and gc.get_freeze_count() == 0

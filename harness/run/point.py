@@ -308,44 +308,47 @@ def _measure(point: SweepPoint, spec, timeline: Timeline) -> dict:
     compiles: list[int] = []  # graphs torch.compile made in each measured step
     compiled_before_measured = None
     collections_before = [g["collections"] for g in gc.get_stats()]
-    for i in range(n_steps):
-        if i == point.warmup_steps:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            if point.cuda_graph:
-                # Peaks from here on: a replay allocates nothing, so the step's tensors are
-                # counted when the capture (and its eager warm-up) allocates them.
-                on_phase("capturing the step as CUDA graphs")
-                graphed = run.capture(point)
-            timeline.mark("measured")
-            timer.discard()
-            warmup_losses = torch.stack(losses).float().cpu().tolist() if losses else []
-            losses.clear()
-            if "optim.packing" in optim_applied:
-                from optim import packing
+    frozen = False  # the collector, frozen and disabled for the measured steps: undone however they end
+    try:
+        for i in range(n_steps):
+            if i == point.warmup_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                if point.cuda_graph:
+                    # Peaks from here on: a replay allocates nothing, so the step's tensors are
+                    # counted when the capture (and its eager warm-up) allocates them.
+                    on_phase("capturing the step as CUDA graphs")
+                    graphed = run.capture(point)
+                timeline.mark("measured")
+                timer.discard()
+                warmup_losses = torch.stack(losses).float().cpu().tolist() if losses else []
+                losses.clear()
+                if "optim.packing" in optim_applied:
+                    from optim import packing
 
-                packing.reset_counters()  # counted over the measured steps only
-            if not point.collector:
-                # A gen-2 collection in a host-bound step stalls the GPU queue for ~0.2 s; keep
-                # the collector out of the measured region, as pyperf and timeit do. "as_run"
-                # leaves it as the stack left it: what a user's own loop pays.
-                gc.collect()
-                gc.freeze()
-                gc.disable()
-            collections_before = [g["collections"] for g in gc.get_stats()]
-            compiled_before_measured = compiled_graphs()
-        before = compiled_graphs()
-        losses.append(graphed(i, timer) if graphed is not None else run.step(point, i, timer))
-        if i >= point.warmup_steps:
-            compiles.append(compiled_graphs() - before)
-        last_end = _report_progress(i, n_steps, timer, last_end)
-
+                    packing.reset_counters()  # counted over the measured steps only
+                if not point.collector:
+                    # A gen-2 collection in a host-bound step stalls the GPU queue for ~0.2 s; keep
+                    # the collector out of the measured region, as pyperf and timeit do. "as_run"
+                    # leaves it as the stack left it: what a user's own loop pays.
+                    gc.collect()
+                    gc.freeze()
+                    gc.disable()
+                    frozen = True
+                collections_before = [g["collections"] for g in gc.get_stats()]
+                compiled_before_measured = compiled_graphs()
+            before = compiled_graphs()
+            losses.append(graphed(i, timer) if graphed is not None else run.step(point, i, timer))
+            if i >= point.warmup_steps:
+                compiles.append(compiled_graphs() - before)
+            last_end = _report_progress(i, n_steps, timer, last_end)
+        gc_collections = [g["collections"] - b for g, b in zip(gc.get_stats(), collections_before)]
+    finally:
+        if frozen:
+            gc.enable()
+            gc.unfreeze()
     times = timer.results_ms()
-    gc_collections = [g["collections"] - b for g, b in zip(gc.get_stats(), collections_before)]
-    if not point.collector:
-        gc.enable()
-        gc.unfreeze()
     optim_stats = record.optim_stats(model, optim_applied)
     losses_f = torch.stack(losses).float().cpu().tolist()
     measured = batches[point.warmup_steps:]
