@@ -3,13 +3,10 @@ moved between transformers releases."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import inspect
 import re
-import types
-import weakref
 
 # The KV cache's keyword: ``past_key_values`` up to transformers 5.23; ``cache`` from 5.24, where
 # the old name is deprecated (removed in 5.40).
@@ -52,51 +49,6 @@ def refuse_data_parallel(module, on: bool = True) -> None:
         vars(module)[REPLICATE] = _refuse_data_parallel
     elif vars(module).get(REPLICATE) is _refuse_data_parallel:
         del vars(module)[REPLICATE]
-
-
-class WeakMethod:
-    """``func`` bound to ``obj`` as a method that holds ``obj`` weakly, for optim to put in a
-    module's own ``__dict__`` (its ``forward``, ``generate``): a bound method there would be a
-    reference cycle, so ``del model`` would free the model's memory only at the next full cycle
-    collection, where a stock model is freed at once. It reads like a bound method (``__func__``,
-    ``__self__``, the signature without ``self``), so code that rebinds ``forward.__func__``
-    (accelerate's mixed precision) or reads its signature (Trainer's columns) sees what it saw. A
-    deep copy of the module binds to the copy."""
-
-    __slots__ = ("__func__", "_ref", "__signature__", "__weakref__")
-
-    def __init__(self, obj, func):
-        self.__func__ = func
-        self._ref = weakref.ref(obj)
-        self.__signature__ = inspect.signature(types.MethodType(func, obj))
-
-    @property
-    def __self__(self):
-        obj = self._ref()
-        if obj is None:
-            raise ReferenceError(f"{self.__func__.__qualname__}: its module was freed")
-        return obj
-
-    def __call__(self, *args, **kwargs):
-        return self.__func__(self.__self__, *args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        return WeakMethod(copy.deepcopy(self.__self__, memo), self.__func__)
-
-    def __getattr__(self, name):  # __name__, __qualname__ and the like: the function's
-        if name in WeakMethod.__slots__:
-            raise AttributeError(name)  # not set yet (an instance under construction)
-        return getattr(self.__func__, name)
-
-    def __repr__(self):
-        obj = self._ref()
-        return f"<optim method {self.__func__.__qualname__} of {type(obj).__name__ if obj is not None else 'a freed module'}>"
-
-
-def bound(fn, func) -> bool:
-    """Whether ``fn`` is ``func`` (or one of ``func``) bound by ``WeakMethod`` or as a method."""
-    funcs = func if isinstance(func, tuple) else (func,)
-    return isinstance(fn, (WeakMethod, types.MethodType)) and fn.__func__ in funcs
 
 
 def cache_of(kwargs: dict):

@@ -17,12 +17,10 @@ thresholds stay as they were. Cyclic garbage is still collected, just later: a s
 of it (the closures of pytree's ``tree_flatten``, which hold no tensors). Nothing is frozen, since
 a frozen model's reference cycles would never be collected after ``del model``.
 
-optim's own forwards hold their model weakly (``optim._hf.WeakMethod``), so ``del model`` frees an
-enabled model by reference count, as it frees a stock one. Compiled layers are the exception:
-torch.compile's wrapped calls hold reference cycles, as a stock ``layer.compile()`` does, so such a
-model is freed at the next full collection, and a raised threshold makes those rarer. So the first
-model to raise the threshold runs one full collection first, which frees a model deleted before
-it. To free a compiled model's GPU memory at once, call ``gc.collect()`` after ``del model``.
+An enabled model, like a compiled one, holds reference cycles, so ``del model`` frees it only at
+the next full collection, and a raised threshold makes those rarer. So the first model to raise the
+threshold runs one full collection first, which frees a model deleted before it. To free a model's
+GPU memory at once, call ``gc.collect()`` after ``del model``, as with any such model.
 
 The collector belongs to the whole process. ``enable`` only raises the threshold: a larger one the
 process set, or a disabled collector (``gc.disable()`` or a young threshold of 0), stays as it is.
@@ -99,9 +97,9 @@ def enable(model: nn.Module, *, gc_threshold: Any = None, **_ignored) -> nn.Modu
         state["reason"] = f"disabled by the process (enabled: {gc.isenabled()}, thresholds {now}): left as it is"
     else:
         if _found is None and not _held:
-            # A model with compiled layers holds reference cycles (torch.compile's wrapped calls),
-            # so a deleted one is freed by a full collection, which a raised threshold makes
-            # rarer: one now returns an earlier model's memory before this one trains.
+            # An enabled model holds reference cycles (its rebound forwards, torch.compile's
+            # wrappers), so a deleted one is freed by a full collection, which a raised threshold
+            # makes rarer: one now returns an earlier model's memory before this one trains.
             gc.collect()
         _held[key] = (weakref.finalize(own, _release, key), value)
     _apply()

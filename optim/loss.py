@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from optim._autocast import changes as autocast_changes
 from optim._autocast import off as autocast_off
 from optim._fallback import passes_through, recompile_limit
-from optim._hf import WeakMethod, cache_kwarg, causal_lm, logits_beyond_lm_head, output_cache_field, refuse_data_parallel
+from optim._hf import cache_kwarg, causal_lm, logits_beyond_lm_head, output_cache_field, refuse_data_parallel
 from optim.switches import Switch, switches_of
 
 log = logging.getLogger("optim.loss")
@@ -338,10 +339,9 @@ def enable(model, *, fused_loss: bool | None = None, loss_kernel: str | None = N
     lm.__dict__[_KERNEL] = resolve_kernel(kernel, lm.lm_head.weight.device)
     if patched:
         return model
-    stock = lm.forward  # the stock forward, or whatever forward the instance had: held weakly where bound to it
-    lm.__dict__[_ATTR] = WeakMethod(lm, stock.__func__) if getattr(stock, "__self__", None) is lm else stock
+    lm.__dict__[_ATTR] = lm.forward  # the bound stock forward
     lm.__dict__[_PATHS] = {}
-    lm.forward = WeakMethod(lm, _fused_forward)
+    lm.forward = types.MethodType(_fused_forward, lm)
     refuse_data_parallel(lm)
     return model
 

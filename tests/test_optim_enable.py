@@ -243,38 +243,3 @@ def test_packing_off_on_gpt_oss_says_its_documents_mix(caplog):
         if warns:
             assert "packing_backend='off' keeps stock gpt_oss attention" in lines[0]
             assert "position_ids" in lines[0]
-
-
-@pytest.mark.parametrize("only", [None, ("packing",), ("loss",), ("offload",)])
-def test_del_frees_an_enabled_model_by_reference_count_as_it_frees_a_stock_one(only):
-    """optim's forwards (packing's routed stack and generate, the fused loss, offload's checkpoint
-    routing) hold their module weakly, so after a training step, Trainer's second
-    gradient_checkpointing_enable and a deep copy, ``del`` frees the model and the copy with the
-    cycle collector off, as it frees a stock model. (Compiled layers aside: torch.compile's wrapped
-    calls hold cycles, as a stock ``layer.compile()`` does.)"""
-    import copy
-    import gc
-    import weakref
-
-    from harness.run.experiment import DataSpec
-    from harness.workload.data import make_batch
-
-    spec = models.get("qwen3-0.6b-tiny")
-    batch = make_batch(DataSpec(median_doc_len=24, seed=0), 96, 1, spec.vocab_size)
-    gc.collect()
-    gc.disable()
-    try:
-        refs = []
-        for enable in (False, True):
-            model = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=True)
-            if enable:
-                optim.enable(model, **({"only": only} if only else {}))
-            _step(model, batch)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            twin = copy.deepcopy(model)
-            _step(twin, batch)
-            refs.append([weakref.ref(optim.owner(m)) for m in (model, twin)])
-            del model, twin
-        assert [[r() is None for r in pair] for pair in refs] == [[True, True], [True, True]], only
-    finally:
-        gc.enable()

@@ -22,10 +22,11 @@ import contextlib
 import inspect
 import logging
 import threading
+import types
 
 import torch
 
-from optim._hf import WeakMethod, bound, cache_of, causal_lm, refuse_data_parallel
+from optim._hf import cache_of, causal_lm, refuse_data_parallel
 from optim.packing.metadata import ATTN_NAME, COUNTERS, FILLED_FROM, FORWARD_KWARG, PackedMetadata, padding_documents
 
 _LOCAL = threading.local()
@@ -181,12 +182,12 @@ def install(model, stock: str, configs: list) -> Route:
         vars(stack)[_ATTR] = route
         # prepended: optim.regional's prebuild hook must see the documents this one hands on
         stack.register_forward_pre_hook(_rewrite_kwargs, with_kwargs=True, prepend=True)
-        vars(stack)["forward"] = WeakMethod(stack, _routed_forward)
+        vars(stack)["forward"] = types.MethodType(_routed_forward, stack)
         refuse_data_parallel(stack)
     lm = causal_lm(model)
     if lm is not None and hasattr(type(lm), "generate"):
         vars(lm)[_ATTR] = route
-        vars(lm)["generate"] = WeakMethod(lm, _routed_generate)
+        vars(lm)["generate"] = types.MethodType(_routed_generate, lm)
     return route
 
 
@@ -199,7 +200,7 @@ def uninstall(model) -> Route | None:
         refuse_data_parallel(m, on=False)
         for name in ("forward", "generate"):
             fn = vars(m).get(name)
-            if bound(fn, (_routed_forward, _routed_generate)):
+            if isinstance(fn, types.MethodType) and fn.__func__ in (_routed_forward, _routed_generate):
                 del vars(m)[name]
     return route
 
