@@ -352,6 +352,29 @@ def test_trainer_gradient_checkpointing_keeps_the_offloader(tmp_path, caplog):
     assert all(mod._gradient_checkpointing_func is oo.get(m) for mod in layers) and oo.get(m) is not off
 
 
+def test_a_deep_copys_checkpointing_calls_set_the_copys_layers():
+    """A deep copy (TRL's reference model, an EMA copy) routes its own checkpointing: disabling it
+    on the copy leaves the original's layers on, and enabling it again gives the copy's layers the
+    copy's offloader, never the original's."""
+    import copy
+
+    spec = _spec("llama-3.2-1b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=True)
+    oo.enable(m, offload="double", min_bytes=0)
+    twin = copy.deepcopy(m)
+
+    def layers(model):
+        return [mod for mod in model.modules() if type(mod).__name__.endswith("DecoderLayer")]
+
+    twin.gradient_checkpointing_disable()
+    assert [mod.gradient_checkpointing for mod in layers(m)] == [True] * spec.num_hidden_layers
+    assert [mod.gradient_checkpointing for mod in layers(twin)] == [False] * spec.num_hidden_layers
+    twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert oo.get(twin) is not oo.get(m)
+    assert all(mod.gradient_checkpointing and mod._gradient_checkpointing_func is oo.get(twin) for mod in layers(twin))
+    assert all(mod._gradient_checkpointing_func is oo.get(m) for mod in layers(m))
+
+
 def test_offload_profile_is_a_switch_that_times_each_reload_and_layer_backward(monkeypatch):
     """optim.enable(model, offload=..., offload_profile=True) (or OPTIM_OFFLOAD_PROFILE) reaches the
     offloader: stats() then holds one reload time per offloaded layer and one backward time per layer,

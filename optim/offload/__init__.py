@@ -56,6 +56,8 @@ Only torch is imported here (transformers is used through the model object you p
 
 from __future__ import annotations
 
+import types
+
 from optim.offload.function import StepStats
 from optim.offload.offloader import DEFAULT_MIN_BYTES, MODES, SWITCHES, Offloader, log
 
@@ -177,22 +179,25 @@ def _keep_offloader(base) -> None:
     ``Trainer(args.gradient_checkpointing=True)`` does not silently undo ``optim.offload``."""
     if "_set_gradient_checkpointing" in vars(base):
         return  # already routed: the offloader it reads is replaced by a new enable
-    stock = base._set_gradient_checkpointing
+    # a method bound to base, not a closure over it: a deep copy's (TRL's reference model, an EMA
+    # copy) is bound to the copy, so the copy's checkpointing calls set the copy's layers
+    object.__setattr__(base, "_set_gradient_checkpointing", types.MethodType(_set_gradient_checkpointing, base))
 
-    def _set_gradient_checkpointing(enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
-        if not enable:
-            return stock(enable=False)
-        off = getattr(base, _ATTR)
-        if gradient_checkpointing_func is not None and gradient_checkpointing_func is not off \
-                and not getattr(base, "_optim_offload_own_call", False) \
-                and not getattr(base, "_optim_offload_told", False):
-            log.info("optim.offload: checkpointing enabled again (Trainer's gradient_checkpointing=True?); "
-                     "the layers keep optim.offload (%s) instead of %r", off.requested_mode,
-                     getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func))
-            object.__setattr__(base, "_optim_offload_told", True)
-        return stock(enable=True, gradient_checkpointing_func=off, every_n_layers=every_n_layers)
 
-    object.__setattr__(base, "_set_gradient_checkpointing", _set_gradient_checkpointing)
+def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+    """The model's ``_set_gradient_checkpointing`` with its offloader as the checkpoint function."""
+    stock = type(self)._set_gradient_checkpointing
+    if not enable:
+        return stock(self, enable=False)
+    off = getattr(self, _ATTR)
+    if gradient_checkpointing_func is not None and gradient_checkpointing_func is not off \
+            and not getattr(self, "_optim_offload_own_call", False) \
+            and not getattr(self, "_optim_offload_told", False):
+        log.info("optim.offload: checkpointing enabled again (Trainer's gradient_checkpointing=True?); "
+                 "the layers keep optim.offload (%s) instead of %r", off.requested_mode,
+                 getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func))
+        object.__setattr__(self, "_optim_offload_told", True)
+    return stock(self, enable=True, gradient_checkpointing_func=off, every_n_layers=every_n_layers)
 
 
 def run_stats(model) -> dict:
