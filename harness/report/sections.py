@@ -207,8 +207,8 @@ def _collector_sentence(steps) -> str:
     if not as_run:
         return "The Python garbage collector is collected, frozen and disabled for the measured steps."
     said = ("The Python garbage collector runs in the measured steps as each stack leaves it, as in a user's "
-            "own loop (`collector = \"as_run\"`; `optim.enable` raises its young threshold unless "
-            "`gc_threshold = \"off\"`)")
+            "own loop (`collector = \"as_run\"`; `optim.enable` leaves it as it is unless `gc_threshold` "
+            "raises its young threshold)")
     if as_run == len(steps):
         return said + "."
     return (f"{said} in {as_run} of {len(steps)} step rows; in the others it is collected, frozen and disabled "
