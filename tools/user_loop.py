@@ -53,15 +53,18 @@ def main(argv=None) -> int:
         ap.error("--steps and --rounds must be at least 1, --warmup at least 0")
     sets = list(dict.fromkeys(_extras(x, args.stack) for x in args.trainer_extras)) if args.trainer_extras else None
     switches = dict(kv.split("=", 1) for kv in args.set)
-    if sets and any("gc" in x for x in sets) and args.stack == "user" and switches.get("gc_threshold", "off") != "off":
-        ap.error("the gc set compares optim.collector's raise against the process's collector: with --stack "
-                 "user, leave gc_threshold off so that the other sets run without the raise")
 
     import torch
 
     import optim
+    import optim.collector
     import optim.packing
     from harness.workload import models
+
+    raise_asked = optim.collector.SWITCHES["gc_threshold"].resolve(switches.get("gc_threshold"))  # OPTIM_GC_THRESHOLD too
+    if sets and any("gc" in x for x in sets) and args.stack == "user" and raise_asked != "off":
+        ap.error("the gc set compares optim.collector's raise against the process's collector: with --stack "
+                 "user, leave gc_threshold off (also OPTIM_GC_THRESHOLD) so that the other sets run without the raise")
 
     spec = models.get(args.model)
     attn = "flex_attention" if spec.family == "gpt_oss" else "sdpa"
