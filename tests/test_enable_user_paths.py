@@ -298,6 +298,35 @@ def test_disable_through_either_wrapper_finds_the_same_state():
         sorted({k for m in wrapped.modules() for k in vars(m) if k.startswith("_optim")})
 
 
+def test_a_custom_generate_on_the_instance_runs_with_the_stock_attention_and_comes_back_on_disable():
+    """transformers sets a repo's custom_generate on the model instance (``self.generate =
+    partial(custom, model=self)``): enable keeps it, running it inside the stock attention as the
+    class's generate runs, and disable puts the same object back."""
+    import functools
+
+    spec = models.get(DENSE)
+    model = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4)
+    lm = model.get_base_model()
+    stock_impl = lm.config._attn_implementation
+    seen = []
+
+    def custom_generate(*args, model, **kwargs):
+        seen.append(model.config._attn_implementation)
+        return type(model).generate(model, *args, **kwargs)
+
+    own = functools.partial(custom_generate, model=lm)
+    lm.generate = own
+    optim.enable(model)
+    assert lm.config._attn_implementation != stock_impl  # packed outside generate
+    ids = torch.randint(1, spec.vocab_size, (1, 8))
+    model.eval()
+    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11) and seen == [stock_impl]
+    optim.disable(model)
+    assert vars(lm)["generate"] is own
+    assert not any(k.startswith("_optim") for m in model.modules() for k in vars(m))
+
+
 def test_a_deep_copy_routes_its_own_calls():
     """A reference model (TRL's create_reference_model) or an EMA copy is a deep copy: its
     generate and forwards must run its own weights and count on its own route."""

@@ -31,6 +31,7 @@ from optim.packing.metadata import ATTN_NAME, COUNTERS, FILLED_FROM, FORWARD_KWA
 
 _LOCAL = threading.local()
 _ATTR = "_optim_packing_route"
+_OWN_GENERATE = "_optim_packing_own_generate"  # a generate the instance had before enable (a repo's custom_generate)
 log = logging.getLogger("optim.packing")
 
 
@@ -163,8 +164,13 @@ def _routed_forward(self, *args, **kwargs):
 
 
 def _routed_generate(self, *args, **kwargs):
-    """``generate`` with the stock attention throughout (its masks are built before any forward)."""
+    """``generate`` with the stock attention throughout (its masks are built before any forward):
+    the instance's own generate where it had one (transformers sets a repo's ``custom_generate``
+    on the instance), else the class's."""
+    own = vars(self).get(_OWN_GENERATE)
     with _route(self).stock_attention():
+        if own is not None:
+            return own(*args, **kwargs)
         return type(self).generate(self, *args, **kwargs)
 
 
@@ -187,6 +193,8 @@ def install(model, stock: str, configs: list) -> Route:
     lm = causal_lm(model)
     if lm is not None and hasattr(type(lm), "generate"):
         vars(lm)[_ATTR] = route
+        if "generate" in vars(lm):
+            vars(lm)[_OWN_GENERATE] = vars(lm)["generate"]
         vars(lm)["generate"] = types.MethodType(_routed_generate, lm)
     return route
 
@@ -202,6 +210,9 @@ def uninstall(model) -> Route | None:
             fn = vars(m).get(name)
             if isinstance(fn, types.MethodType) and fn.__func__ in (_routed_forward, _routed_generate):
                 del vars(m)[name]
+        own = vars(m).pop(_OWN_GENERATE, None)
+        if own is not None:  # the instance's own generate, as enable found it
+            vars(m)["generate"] = own
     return route
 
 
