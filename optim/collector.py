@@ -17,6 +17,11 @@ thresholds stay as they were. Cyclic garbage is still collected, just later: a s
 of it (the closures of pytree's ``tree_flatten``, which hold no tensors). Nothing is frozen, since
 a frozen model's reference cycles would never be collected after ``del model``.
 
+The switch is off by default. With ``compile_layers`` on (the default on CUDA) a decoder layer's
+forward is one compiled graph that makes few objects, so a GPU step runs few collections, and the
+raise measured no step-time gain there (docs/optim.md). Where layers run eagerly (on a CPU, or
+``compile_layers=off``) a step collects often, and the raise keeps those collections out of it.
+
 An enabled model, like a compiled one, holds reference cycles, so ``del model`` frees it only at
 the next full collection, and a raised threshold makes those rarer. So the first model to raise the
 threshold runs one full collection first, which frees a model deleted before it. To free a model's
