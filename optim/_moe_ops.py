@@ -101,7 +101,8 @@ def gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] 
     the offsets) where the native kernel cannot run: no kernel for the device, or unaligned strides.
     """
     w = w.to(x.dtype)
-    if _GMM is not None and grouped_mm_available(x.device) and _aligned(x) and _aligned(w):
+    out_aligned = (w.shape[-1] * w.element_size()) % 16 == 0  # the output's rows (and their gradient's)
+    if _GMM is not None and grouped_mm_available(x.device) and _aligned(x) and _aligned(w) and out_aligned:
         return _ContiguousGrad.apply(_GMM(x, w, offs=offs))
     key = f"{x.device.type}/{x.dtype}/{tuple(x.stride())}/{tuple(w.stride())}"
     if key not in _warned:
@@ -167,16 +168,38 @@ def expert_mlp_grouped(mod, x, offs, eids, W, lora) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+class _GatherPairs(torch.autograd.Function):
+    """``src.index_select(0, perm // top_k)``: each row of ``src`` read ``top_k`` times, in the
+    order ``perm`` sorts the (row, slot) pairs. Its backward is the combine's
+    (``perm`` is a permutation): one scatter of the gradient rows to pair order, no atomics, and
+    a sum over the k slots. ``index_select``'s own backward is an ``index_add`` whose bf16 atomics
+    took as long as an expert GEMM on a GPU, and summed in an order that varies from run to run."""
+
+    @staticmethod
+    def forward(ctx, src, perm, top_k):
+        ctx.save_for_backward(perm)
+        ctx.top_k = top_k
+        return src.index_select(0, perm // top_k if top_k > 1 else perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (perm,) = ctx.saved_tensors
+        pairs = grad.new_empty(grad.shape).index_copy(0, perm, grad)
+        if ctx.top_k == 1:
+            return pairs, None, None
+        return pairs.view(-1, ctx.top_k, *grad.shape[1:]).sum(dim=1), None, None
+
+
 class Grouping:
     """All (token, slot) pairs of one layer grouped by expert, built without a host sync."""
 
     def __init__(self, router_indices: torch.Tensor, num_experts: int):
         flat = router_indices.reshape(-1)
+        self.top_k = router_indices.shape[-1]
         # Stable: within one expert the pairs keep token order, so results do not depend on
         # the sort implementation and ties between equal expert ids are broken the same way.
         self.perm = torch.argsort(flat, stable=True)
         self.eids = flat.index_select(0, self.perm)
-        self.token = self.perm // router_indices.shape[-1]
         # The "bincount": scatter_add into E bins. torch.bincount on CUDA sizes its output with
         # input.max().item(), a hidden sync; scatter_add into a fixed E never syncs.
         self.counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
@@ -188,8 +211,8 @@ class Grouping:
         return self.counts.tolist()
 
     def gather(self, hidden: torch.Tensor, routing_weights: torch.Tensor):
-        x = hidden.index_select(0, self.token)
-        w = routing_weights.reshape(-1).index_select(0, self.perm)
+        x = _GatherPairs.apply(hidden, self.perm, self.top_k)
+        w = _GatherPairs.apply(routing_weights.reshape(-1), self.perm, 1)
         return x, w
 
     def combine(self, out_sorted: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -273,11 +296,34 @@ def apply_gate(h: torch.Tensor, spec: tuple) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class _ExpertMinorFactor(torch.autograd.Function):
+    """peft's ``lora_B`` weight, (out, r·E) with the expert index fastest, as a contiguous
+    (E, r, out) factor in ``dtype``: one cast-and-relayout kernel forward, one back. A cast and a
+    ``.contiguous()`` are two kernels forward, and their backward two more (the cast, then a
+    reshape that copies): at LoRA r=64 on gpt-oss-20b's experts the four took a tenth of a step."""
+
+    @staticmethod
+    def forward(ctx, wb, num_experts, dtype):
+        ctx.wb_dtype = wb.dtype
+        out = wb.new_empty((num_experts, wb.shape[1] // num_experts, wb.shape[0]), dtype=dtype)
+        return out.copy_(wb.reshape(wb.shape[0], -1, num_experts).permute(2, 1, 0))
+
+    @staticmethod
+    def backward(ctx, grad):
+        num_experts, rank, out = grad.shape
+        gw = grad.new_empty((out, rank * num_experts), dtype=ctx.wb_dtype)
+        gw.view(out, rank, num_experts).permute(2, 1, 0).copy_(grad)
+        return gw, None, None
+
+
 def raw_to_factors(wa: torch.Tensor, wb: torch.Tensor, num_experts: int, dtype: torch.dtype):
-    """peft's stored LoRA weights to the (E, in, r) and (E, r, out) factors (see lora_factors)."""
-    a_t = wa.reshape(num_experts, -1, wa.shape[-1]).transpose(1, 2)
-    b_t = wb.reshape(wb.shape[0], -1, num_experts).permute(2, 1, 0)
-    return a_t.to(dtype).contiguous(), b_t.to(dtype).contiguous()
+    """peft's stored LoRA weights to the (E, in, r) and (E, r, out) factors (see lora_factors).
+
+    A_t is a transposed view of the cast ``lora_A`` (expert-major, so each expert's (in, r) is
+    column-major, which the matmuls and grouped_mm read as it is): one cast each way, no copy.
+    B_t needs a real relayout (``_ExpertMinorFactor``)."""
+    a_t = wa.to(dtype).reshape(num_experts, -1, wa.shape[-1]).transpose(1, 2)
+    return a_t, _ExpertMinorFactor.apply(wb, num_experts, dtype)
 
 
 def _pad_rank(a_t: torch.Tensor, b_t: torch.Tensor):
@@ -292,8 +338,13 @@ def _pad_rank(a_t: torch.Tensor, b_t: torch.Tensor):
 
 def compile_factors(wa, wb, num_experts: int, dtype: torch.dtype):
     """The LoRA factors as the compiled path takes them, laid out eagerly: inductor may pick its
-    own strides for a permute + contiguous inside the graph, which grouped_mm then rejects."""
-    return _pad_rank(*raw_to_factors(wa, wb, num_experts, dtype))
+    own strides for a permute + contiguous inside the graph, which grouped_mm then rejects.
+    A_t stays a column-major view where grouped_mm can read it (16-byte strides, a rank that
+    needs no padding); otherwise it is made contiguous and padded."""
+    a_t, b_t = raw_to_factors(wa, wb, num_experts, dtype)
+    if not _aligned(a_t) or -a_t.shape[-1] % (16 // a_t.element_size()):
+        a_t = a_t.contiguous()
+    return _pad_rank(a_t, b_t)
 
 
 def _proj_pure(x, offs, eids, w, b, lora):

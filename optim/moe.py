@@ -168,8 +168,8 @@ def lora_factors(wrapper, adapter: str, dtype: torch.dtype | None = None):
     peft stores ``lora_A.weight`` as (E·r, in), expert-major, and ``lora_B.weight`` as
     (out, r·E), expert-minor (see ``ParamWrapper.get_delta_factors``). Both layouts reduce to the
     same X·A·B in the (E, in, out) view whether or not the stored weight is transposed.
-    The factors are made contiguous here (the size of the LoRA parameters, not of B·A) so that
-    grouped_mm gets 16-byte aligned strides.
+    A_t is a transposed view of the cast ``lora_A``; B_t is relaid out contiguous (the size of
+    the LoRA parameters, not of B·A), so both give grouped_mm 16-byte aligned strides.
     """
     wa = wrapper.lora_A[adapter].weight
     a_t, b_t = ops.raw_to_factors(wa, wrapper.lora_B[adapter].weight, wrapper.num_experts, dtype or wa.dtype)
