@@ -172,8 +172,8 @@ class _GatherPairs(torch.autograd.Function):
     """``src.index_select(0, perm // top_k)``: each row of ``src`` read ``top_k`` times, in the
     order ``perm`` sorts the (row, slot) pairs. Its backward is the combine's
     (``perm`` is a permutation): one scatter of the gradient rows to pair order, no atomics, and
-    a sum over the k slots. ``index_select``'s own backward is an ``index_add`` whose bf16 atomics
-    took as long as an expert GEMM on a GPU, and summed in an order that varies from run to run."""
+    a sum over the k slots. ``index_select``'s own backward is an ``index_add``: bf16 atomics, slow
+    on a GPU, that sum in an order that varies from run to run."""
 
     @staticmethod
     def forward(ctx, src, perm, top_k):
@@ -300,7 +300,7 @@ class _ExpertMinorFactor(torch.autograd.Function):
     """peft's ``lora_B`` weight, (out, r·E) with the expert index fastest, as a contiguous
     (E, r, out) factor in ``dtype``: one cast-and-relayout kernel forward, one back. A cast and a
     ``.contiguous()`` are two kernels forward, and their backward two more (the cast, then a
-    reshape that copies): at LoRA r=64 on gpt-oss-20b's experts the four took a tenth of a step."""
+    reshape that copies), each over the whole factor, in every layer and every step."""
 
     @staticmethod
     def forward(ctx, wb, num_experts, dtype):

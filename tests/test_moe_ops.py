@@ -79,8 +79,8 @@ def test_compile_factors_pad_a_rank_grouped_mm_cannot_read():
 @pytest.mark.parametrize("top_k", [1, 2, 4])
 def test_routing_gathers_backward_scatters_without_index_add(top_k):
     """The gradient of the routed rows goes back to the tokens as the combine does (one scatter to
-    pair order, a sum over the k slots): no ``index_add``, whose bf16 atomics were as slow as an
-    expert GEMM on a GPU and summed in a varying order. Same gradients as index_select's."""
+    pair order, a sum over the k slots): no ``index_add``, whose bf16 atomics are slow on a GPU
+    and sum in a varying order. Same gradients as index_select's."""
     T, H, E = 10, 16, 4
     g = torch.Generator().manual_seed(top_k)
     logits = torch.randn(T, E, generator=g)
