@@ -43,6 +43,9 @@ def test_profile_cli_on_a_tiny_model(tmp_path, capsys):
     assert "CPU run: host times only" in out and "top kernels" not in out and "gpu ms" not in out
     summary = json.loads((tmp_path / "llama-3.2-1b-tiny-256-optim.summary.json").read_text())
     assert summary["phases"]["forward"]["cpu_span_ms"] > 0
+    from harness.measure.env import code_sha
+
+    assert summary["env"]["code_sha"] == code_sha() and "git_sha" in summary["env"]  # what measured it
     assert (tmp_path / "llama-3.2-1b-tiny-256-optim.cpu.txt").read_text().strip()
 
 

@@ -53,3 +53,16 @@ def test_profile_section_splits_kernel_time_by_family(tmp_path):
     (tmp_path / "x" / "profiles" / H100 / "b.summary.json").write_text('{"phases": {}}')
     with pytest.raises(profiles.ProfileFileError, match="b.summary.json: not a harness profile summary"):
         report.build_report(tmp_path, "x", tmp_path / "reports")
+
+
+def test_a_profile_says_which_commit_measured_it(tmp_path):
+    env = {"git_sha": "0123456789abcdef", "git_dirty": False, "code_sha": "feed"}
+    _write(tmp_path / "x" / "profiles" / H100 / "a.summary.json", _profile_summary(env=env))
+    _write(tmp_path / "x" / "profiles" / H100 / "b.summary.json",
+           _profile_summary(variant="stock", env={**env, "git_dirty": True}))
+    _write(tmp_path / "x" / "profiles" / H100 / "c.summary.json", _profile_summary(variant="liger"))
+    text = report.build_report(tmp_path, "x", tmp_path / "reports").read_text()
+    parts = {v: text.split(f"`{v}` on")[1].split("|")[0] for v in ("ours", "stock", "liger")}
+    assert "measured at commit `0123456`." in parts["ours"]
+    assert "measured at commit `0123456` with uncommitted changes." in parts["stock"]
+    assert "measured at" not in parts["liger"]  # a summary from before they recorded it

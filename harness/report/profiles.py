@@ -73,7 +73,17 @@ def profile_md(s: dict) -> str:
     head = (f"#### {s.get('model')} at {s.get('seq_len')} tokens, `{s.get('variant')}` on "
             f"{s.get('device_name', s.get('device'))}")
     return (f"{head}\n\n{steps} profiled step(s), {s.get('profiled', 'eager steps')}, after warm-up; from "
-            f"`results/{Path(*s['_path'].parts[-4:])}`.\n\n{phases}\n\n{kinds}")
+            f"`results/{Path(*s['_path'].parts[-4:])}`{_measured_by(s.get('env'))}.\n\n{phases}\n\n{kinds}")
+
+
+def _measured_by(env) -> str:
+    """Which code measured a profile: its commit, and whether the tree had changes on top of it
+    (a summary written before summaries recorded it says nothing)."""
+    sha = (env or {}).get("git_sha") if isinstance(env, dict) else None
+    if not sha:
+        return ""
+    dirty = " with uncommitted changes" if env.get("git_dirty") else ""
+    return f", measured at commit `{str(sha)[:7]}`{dirty}"
 
 
 def profile_sections(results_root: Path | str, experiment: str) -> list[str]:

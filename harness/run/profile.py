@@ -137,8 +137,11 @@ def write_profile(prof, out_dir: Path, stem: str, summary: dict, device, *, trac
     (out_dir / f"{stem}.kernels.txt").write_text(avg.table(sort_by=sort, row_limit=40, max_name_column_width=90))
     (out_dir / f"{stem}.cpu.txt").write_text(avg.table(sort_by="self_cpu_time_total", row_limit=40,
                                                        max_name_column_width=90))
+    from harness.measure.env import light
+
     events = trace_events(prof)
-    summary = {**summary, **analyze(events, phases)}
+    # the code, commit and host that measured it, as a sweep's row records them
+    summary = {**summary, "env": light(), **analyze(events, phases)}
     (out_dir / f"{stem}.summary.json").write_text(json.dumps(summary, indent=1))
     if trace:
         with gzip.open(out_dir / f"{stem}.trace.json.gz", "wt") as f:
