@@ -67,12 +67,22 @@ def grouped_mm_available(device: torch.device | str) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    # The kernels read rows/columns with 16-byte vector loads: the base pointer and every
-    # non-unit stride must be 16-byte multiples (bf16: dims that are multiples of 8).
-    if t.data_ptr() % 16:
+    """Whether grouped_mm takes ``t`` as it is. Its kernels read rows or columns with 16-byte
+    vector loads: the base pointer 16-byte aligned, and each matrix row-major (last stride 1) or
+    column-major (the one before it 1), with the other stride spanning the contiguous dim and a
+    16-byte multiple, whatever the sizes (a (1, 36) bf16 row has a 72-byte stride and is
+    refused). Batch strides are held to 16-byte multiples too."""
+    if t.dim() < 2 or t.data_ptr() % 16:
         return False
-    es = t.element_size()
-    return all(s == 1 or (s * es) % 16 == 0 for s, n in zip(t.stride(), t.shape) if n > 1)
+    align = 16 // t.element_size()
+    (s_m, s_n), (n_m, n_n) = t.stride()[-2:], t.shape[-2:]
+    if s_n == 1 and s_m >= max(1, n_n):  # row-major, tried first as the kernel does
+        inner = s_m
+    elif s_m == 1 and s_n >= max(1, n_m):  # column-major
+        inner = s_n
+    else:
+        return False
+    return inner % align == 0 and all(s % align == 0 for s, n in zip(t.stride()[:-2], t.shape[:-2]) if n > 1)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -218,7 +228,7 @@ class Grouping:
     def combine(self, out_sorted: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
         # Undo the permutation (a permutation: deterministic, no atomics) and sum the k slots.
         pairs = out_sorted.new_empty(out_sorted.shape).index_copy(0, self.perm, out_sorted)
-        return pairs.view(num_tokens, top_k, -1).sum(dim=1)
+        return pairs.view(num_tokens, top_k, out_sorted.shape[-1]).sum(dim=1)
 
 
 def loop_forward(mod, hidden, router_indices, routing_weights, lora) -> torch.Tensor:
@@ -250,7 +260,7 @@ def sorted_forward(mod, hidden, router_indices, routing_weights, lora) -> torch.
         for e, xs in enumerate(torch.split(x, counts))
         if xs.shape[0]  # experts with no tokens contribute no rows and no work
     ]
-    y = torch.cat(outs) * w[:, None]
+    y = (torch.cat(outs) if outs else x) * w[:, None]  # no rows at all: x is the (0, hidden) result
     return g.combine(y, *router_indices.shape).to(hidden.dtype)
 
 

@@ -168,12 +168,13 @@ def lora_factors(wrapper, adapter: str, dtype: torch.dtype | None = None):
     peft stores ``lora_A.weight`` as (E·r, in), expert-major, and ``lora_B.weight`` as
     (out, r·E), expert-minor (see ``ParamWrapper.get_delta_factors``). Both layouts reduce to the
     same X·A·B in the (E, in, out) view whether or not the stored weight is transposed.
-    A_t is a transposed view of the cast ``lora_A``; B_t is relaid out contiguous (the size of
-    the LoRA parameters, not of B·A), so both give grouped_mm 16-byte aligned strides.
+    Both are new contiguous tensors (the size of the LoRA parameters, not of B·A), never views
+    of peft's weights, and differentiable with respect to them. (The backends take A_t as a
+    transposed view of the cast ``lora_A`` instead, which saves a copy each way.)
     """
     wa = wrapper.lora_A[adapter].weight
     a_t, b_t = ops.raw_to_factors(wa, wrapper.lora_B[adapter].weight, wrapper.num_experts, dtype or wa.dtype)
-    return a_t, b_t, wrapper.scaling[adapter]
+    return a_t.clone(memory_format=torch.contiguous_format), b_t, wrapper.scaling[adapter]
 
 
 if ParamWrapper is not None:
