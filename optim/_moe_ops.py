@@ -178,6 +178,13 @@ def expert_mlp_grouped(mod, x, offs, eids, W, lora) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def _unpermute_sum(rows: torch.Tensor, perm: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows in sorted order put back in (token, slot) pair order (``perm`` is a permutation: one
+    scatter, deterministic, no atomics), then summed over each token's ``top_k`` slots."""
+    pairs = rows.new_empty(rows.shape).index_copy(0, perm, rows)
+    return pairs if top_k == 1 else pairs.view(rows.shape[0] // top_k, top_k, *rows.shape[1:]).sum(dim=1)
+
+
 class _GatherPairs(torch.autograd.Function):
     """``src.index_select(0, perm // top_k)``: each row of ``src`` read ``top_k`` times, in the
     order ``perm`` sorts the (row, slot) pairs. Its backward is the combine's
@@ -194,10 +201,7 @@ class _GatherPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (perm,) = ctx.saved_tensors
-        pairs = grad.new_empty(grad.shape).index_copy(0, perm, grad)
-        if ctx.top_k == 1:
-            return pairs, None, None
-        return pairs.view(-1, ctx.top_k, *grad.shape[1:]).sum(dim=1), None, None
+        return _unpermute_sum(grad, perm, ctx.top_k), None, None
 
 
 class Grouping:
@@ -225,10 +229,8 @@ class Grouping:
         w = _GatherPairs.apply(routing_weights.reshape(-1), self.perm, 1)
         return x, w
 
-    def combine(self, out_sorted: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-        # Undo the permutation (a permutation: deterministic, no atomics) and sum the k slots.
-        pairs = out_sorted.new_empty(out_sorted.shape).index_copy(0, self.perm, out_sorted)
-        return pairs.view(num_tokens, top_k, out_sorted.shape[-1]).sum(dim=1)
+    def combine(self, out_sorted: torch.Tensor) -> torch.Tensor:
+        return _unpermute_sum(out_sorted, self.perm, self.top_k)  # (num_tokens, hidden)
 
 
 def loop_forward(mod, hidden, router_indices, routing_weights, lora) -> torch.Tensor:
@@ -261,7 +263,7 @@ def sorted_forward(mod, hidden, router_indices, routing_weights, lora) -> torch.
         if xs.shape[0]  # experts with no tokens contribute no rows and no work
     ]
     y = (torch.cat(outs) if outs else x) * w[:, None]  # no rows at all: x is the (0, hidden) result
-    return g.combine(y, *router_indices.shape).to(hidden.dtype)
+    return g.combine(y).to(hidden.dtype)
 
 
 def grouped_forward(mod, hidden, router_indices, routing_weights, lora) -> torch.Tensor:
@@ -270,7 +272,7 @@ def grouped_forward(mod, hidden, router_indices, routing_weights, lora) -> torch
     g = Grouping(router_indices, mod.num_experts)
     x, w = g.gather(hidden, routing_weights)
     y = expert_mlp_grouped(mod, x.contiguous(), g.offs, g.eids, W, lora) * w[:, None]
-    return g.combine(y, *router_indices.shape).to(hidden.dtype)
+    return g.combine(y).to(hidden.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +378,7 @@ def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, 
     h = _proj_pure(x.contiguous(), g.offs, g.eids, w_gu, b_gu, lora_gu)
     h = apply_gate(h, gate).contiguous()
     y = _proj_pure(h, g.offs, g.eids, w_d, b_d, lora_d) * w[:, None]
-    return g.combine(y, *router_indices.shape).to(hidden.dtype)
+    return g.combine(y).to(hidden.dtype)
 
 
 _compiled = None
@@ -426,7 +428,7 @@ def dispatch_only(backend: str, hidden, router_indices, routing_weights, num_exp
     if backend == "sorted":
         counts = g.counts_host()
         x = torch.cat([xs for xs in torch.split(x, counts) if xs.shape[0]])
-    return g.combine(x * w[:, None], *router_indices.shape)
+    return g.combine(x * w[:, None])
 
 
 BACKENDS = {"loop": loop_forward, "sorted": sorted_forward, "grouped_mm": grouped_forward}
