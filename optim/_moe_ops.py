@@ -235,6 +235,8 @@ class Grouping:
 
 def loop_forward(mod, hidden, router_indices, routing_weights, lora) -> torch.Tensor:
     """Reference: one data-dependent ``torch.where`` per expert (E host syncs per layer)."""
+    if hidden.shape[0] == 0:  # nothing routed: an empty result still in the graph, as the grouped paths give
+        return hidden * routing_weights.sum(-1, keepdim=True).to(hidden.dtype)
     W = expert_weights(mod)
     top_k = router_indices.shape[-1]
     out = torch.zeros_like(hidden)

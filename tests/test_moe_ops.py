@@ -123,7 +123,8 @@ def test_aligned_follows_grouped_mms_stride_contract(shape, strides, dtype, ok):
 
 
 def test_no_routed_tokens_give_an_empty_output_and_backward():
-    """A batch with no tokens: the grouped and sorted backends return (0, hidden) and back-propagate."""
+    """A batch with no tokens: every backend returns (0, hidden) and back-propagates to the hidden
+    states and the routing weights (the loop's zero buffer alone is not in the graph)."""
     from types import SimpleNamespace
 
     E, H, I = 4, 16, 8
@@ -133,7 +134,7 @@ def test_no_routed_tokens_give_an_empty_output_and_backward():
                           down_proj=torch.randn(E, I, H, generator=g),
                           _apply_gate=lambda h: h[..., ::2] * torch.sigmoid(h[..., 1::2]))
     wa, wb = _peft_factors(E, d_in=H, d_out=2 * I)
-    for backend in ("grouped_mm", "sorted"):
+    for backend in ("grouped_mm", "sorted", "loop"):
         hidden = torch.randn(0, H, requires_grad=True)
         wts = torch.rand(0, 2, requires_grad=True)
         lora = {"gate_up_proj": [(*ops.raw_to_factors(wa, wb, E, torch.float32), 1.0)]}
