@@ -61,6 +61,8 @@ packing_backend = "flex"
                                                 "a variant that sets ['packing_backend'] is 'ours'"),
     ('role = "user"\ncuda_graph = true', "[variants.x.role] role 'user' runs as its stack: a user or peer stack "
                                          "runs the step eagerly"),  # the key the file has, not the implied stack
+    ('stack = "liger"\ncuda_graph = true', "[variants.x.stack] a user or peer stack runs the step eagerly"),
+    ('role = "user"\nstack = "user"\ncuda_graph = true', "[variants.x.stack] a user or peer stack runs the step"),
 ])
 def test_a_role_the_variant_cannot_play_is_one_error(write_toml, body, message):
     with pytest.raises(ExperimentError) as e:
@@ -130,3 +132,20 @@ def test_only_a_stock_variant_whose_layers_were_compiled_reads_as_stock_compiled
         return {"variant": "stock-x", "baseline_variant": "stock", "role": "stock", "switches": sw}
     assert roles.role_of(row(compile_layers=True)) == "stock-compiled"
     assert roles.role_of(row(compile_layers="auto")) == roles.role_of(row()) == "stock"  # not compiled, or not said
+
+
+def test_enable_with_its_defaults_may_be_replayed_as_cuda_graphs_as_a_variant_of_ours(write_toml):
+    """optim.enable(model) with every default, the step captured: a variant of ours (the loop that
+    captures gets it), never the user role, which is the eager loop."""
+    exp = experiment.load(write_toml(HEAD + """
+[variants.user-graph]
+role = "ours"
+stack = "user"
+cuda_graph = true
+[variants.user]
+role = "user"
+"""))
+    got = {p.variant: (p.role, p.stack, p.cuda_graph) for p in exp.points()}
+    assert got["user-graph"] == ("ours", "user", True) and got["user"] == ("user", "user", False), got
+    user = {p.variant: p.switches for p in exp.points()}
+    assert user["user-graph"] == user["user"], user  # the same call: no switch set
