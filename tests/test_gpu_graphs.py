@@ -121,3 +121,20 @@ def test_a_graphed_point_is_a_timed_row_beside_its_eager_twin(tmp_path):
     assert all(torch.isfinite(torch.tensor(graphed["loss"])))
     # the same model, data and seed: the first measured losses agree
     assert graphed["loss"][0] == pytest.approx(eager["loss"][0], rel=0.05)
+
+
+def test_the_one_call_replayed_as_graphs_keeps_its_recompute_decision(tmp_path):
+    """optim.enable(model) with every default (stack 'user'), the step captured: every module is on,
+    as in the eager user row, and the capture skips the recomputes the eager steps skip."""
+    exp = small_gpu_experiment("gpu-user-graph", {"user": {"role": "user"},
+                                                  "user-graph": {"role": "ours", "stack": "user", "cuda_graph": True}})
+    summary = sweep.run(exp, tmp_path, progress=False)
+    assert summary.statuses == {"ok": 2}
+    rows = {r["variant"]: r for r in res.read_rows(summary.results_path)}
+    graphed, eager = rows["user-graph"], rows["user"]
+    assert graphed["cuda_graph"] is True and eager["cuda_graph"] is False
+    assert set(graphed["optim"]) == set(eager["optim"]), (set(graphed["optim"]), set(eager["optim"]))
+    rs_g, rs_e = graphed["optim"]["optim.recompute"], eager["optim"]["optim.recompute"]
+    assert rs_e["layers_skipped"]["last"] > 0, rs_e  # a 0.6B model at 1024 tokens fits: the test can fail
+    assert rs_g["layers_skipped"]["last"] == rs_e["layers_skipped"]["last"], (rs_g, rs_e)
+    assert graphed["loss"][0] == pytest.approx(eager["loss"][0], rel=0.05)
