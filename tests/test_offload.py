@@ -414,3 +414,33 @@ def test_host_memory_is_registered_only_where_its_error_can_be_cleared():
     t = torch.zeros(16, dtype=torch.uint8)
     hostmem.release(t)
     assert t.data_ptr() not in hostmem._OWNED and int(t.sum()) == 0
+
+
+def test_another_librarys_checkpointing_setter_is_kept_and_given_the_offloader():
+    """A library that set its own ``_set_gradient_checkpointing`` on the model (a patch of its own
+    before optim) keeps it: a later re-enable (Trainer's gradient_checkpointing=True) runs it with
+    the offloader as the checkpoint function, and disable puts it back as it was."""
+    import types
+
+    spec = _spec("llama-3.2-1b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
+    base = oo._hf_model(m)
+    calls = []
+
+    def theirs(self, enable=True, gradient_checkpointing_func=None, every_n_layers=1):
+        calls.append((enable, gradient_checkpointing_func))
+        return type(self)._set_gradient_checkpointing(self, enable=enable, gradient_checkpointing_func=gradient_checkpointing_func)
+
+    theirs_bound = types.MethodType(theirs, base)
+    object.__setattr__(base, "_set_gradient_checkpointing", theirs_bound)
+    oo.enable(m, offload="double", min_bytes=0)
+    off = oo.get(m)
+    base.gradient_checkpointing_enable()  # transformers' own checkpoint function, as Trainer passes it
+    layers = [mod for mod in m.modules() if getattr(mod, "gradient_checkpointing", False)]
+    assert layers and all(mod._gradient_checkpointing_func is off for mod in layers)
+    assert calls and all(func is off for enable, func in calls if enable), calls  # theirs ran, with ours
+    ids = _batch()
+    m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert off.stats()["offloaded"] == spec.num_hidden_layers - 2
+    oo.disable(m)
+    assert vars(base)["_set_gradient_checkpointing"] is theirs_bound

@@ -56,6 +56,7 @@ Only torch is imported here (transformers is used through the model object you p
 
 from __future__ import annotations
 
+import functools
 import types
 
 from optim.offload.function import StepStats
@@ -136,6 +137,8 @@ def disable(model):
     saved = vars(base).pop(_SAVED)
     for attr in (_ATTR, "_set_gradient_checkpointing", "_optim_offload_own_call", "_optim_offload_told"):
         vars(base).pop(attr, None)
+    if (prev := vars(base).pop(_PREV_SET, None)) is not None:  # the other library's, as it was
+        object.__setattr__(base, "_set_gradient_checkpointing", prev)
     flags, hooks, attrs = saved
     for m, (on, func) in flags.items():
         m.gradient_checkpointing = on
@@ -159,6 +162,7 @@ def disable(model):
 
 _SAVED = "_optim_offload_saved"
 _MISSING = object()
+_PREV_SET = "_optim_offload_prev_set"  # another library's _set_gradient_checkpointing on the model, kept
 _HOOK_ATTRS = ("_require_grads_hook", "_require_grads_hooks")  # transformers' record of those hooks
 
 
@@ -177,18 +181,23 @@ def _keep_offloader(base) -> None:
     ``gradient_checkpointing_enable`` and ``activation_checkpointing_enable`` call, with
     transformers' own checkpoint function) through the model's offloader, so that
     ``Trainer(args.gradient_checkpointing=True)`` does not silently undo ``optim.offload``."""
-    if "_set_gradient_checkpointing" in vars(base):
+    current = vars(base).get("_set_gradient_checkpointing")
+    if getattr(current, "__func__", None) is _set_gradient_checkpointing:
         return  # already routed: the offloader it reads is replaced by a new enable
+    if current is not None:  # another library's, set on this model: ours calls it, with the offloader
+        object.__setattr__(base, _PREV_SET, current)
     # a method bound to base, not a closure over it: a deep copy's (TRL's reference model, an EMA
     # copy) is bound to the copy, so the copy's checkpointing calls set the copy's layers
     object.__setattr__(base, "_set_gradient_checkpointing", types.MethodType(_set_gradient_checkpointing, base))
 
 
 def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
-    """The model's ``_set_gradient_checkpointing`` with its offloader as the checkpoint function."""
-    stock = type(self)._set_gradient_checkpointing
+    """The model's ``_set_gradient_checkpointing`` (the class's, or the one another library set on
+    the model before optim.offload) with its offloader as the checkpoint function."""
+    prev = vars(self).get(_PREV_SET)
+    stock = functools.partial(type(self)._set_gradient_checkpointing, self) if prev is None else prev
     if not enable:
-        return stock(self, enable=False)
+        return stock(enable=False)
     off = getattr(self, _ATTR)
     if gradient_checkpointing_func is not None and gradient_checkpointing_func is not off \
             and not getattr(self, "_optim_offload_own_call", False) \
@@ -197,7 +206,7 @@ def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointin
                  "the layers keep optim.offload (%s) instead of %r", off.requested_mode,
                  getattr(gradient_checkpointing_func, "func", gradient_checkpointing_func))
         object.__setattr__(self, "_optim_offload_told", True)
-    return stock(self, enable=True, gradient_checkpointing_func=off, every_n_layers=every_n_layers)
+    return stock(enable=True, gradient_checkpointing_func=off, every_n_layers=every_n_layers)
 
 
 def run_stats(model) -> dict:
