@@ -444,3 +444,33 @@ def test_another_librarys_checkpointing_setter_is_kept_and_given_the_offloader()
     assert off.stats()["offloaded"] == spec.num_hidden_layers - 2
     oo.disable(m)
     assert vars(base)["_set_gradient_checkpointing"] is theirs_bound
+
+
+def test_a_wrapper_set_around_the_offloaders_routing_survives_enable_again_and_disable():
+    """A library that wraps the model's setter after optim.offload (its wrapper calls ours): a
+    second enable keeps the wrapper and routes to the new offloader without recursing, and after
+    disable the wrapper stays and its calls reach the class's setter with their own function."""
+    import types
+
+    spec = _spec("llama-3.2-1b-tiny")
+    m = models.build(spec, device="cpu", dtype=torch.float32, lora_rank=4, gradient_checkpointing=False)
+    base = oo._hf_model(m)
+    oo.enable(m, offload="double", min_bytes=0)
+    inner = vars(base)["_set_gradient_checkpointing"]
+    calls = []
+
+    def wrapper(self, **kw):
+        calls.append(kw.get("enable"))
+        return inner(**kw)
+
+    object.__setattr__(base, "_set_gradient_checkpointing", types.MethodType(wrapper, base))
+    oo.enable(m, offload="single", min_bytes=0)
+    layers = [mod for mod in m.modules() if getattr(mod, "gradient_checkpointing", False)]
+    assert layers and all(mod._gradient_checkpointing_func is oo.get(m) for mod in layers) and calls
+    oo.disable(m)
+    assert vars(base)["_set_gradient_checkpointing"].__func__ is wrapper
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert oo.get(m) is None and all(mod.gradient_checkpointing for mod in layers)
+    assert not any(type(mod._gradient_checkpointing_func).__name__ == "Offloader" for mod in layers)
+    oo.enable(m, offload="double", min_bytes=0)  # and once more: through the wrapper, to the new offloader
+    assert all(mod._gradient_checkpointing_func is oo.get(m) for mod in layers)

@@ -135,10 +135,16 @@ def disable(model):
     off.close()
     base = _hf_model(model)
     saved = vars(base).pop(_SAVED)
-    for attr in (_ATTR, "_set_gradient_checkpointing", "_optim_offload_own_call", "_optim_offload_told"):
+    for attr in (_ATTR, "_optim_offload_own_call", "_optim_offload_told"):
         vars(base).pop(attr, None)
-    if (prev := vars(base).pop(_PREV_SET, None)) is not None:  # the other library's, as it was
-        object.__setattr__(base, "_set_gradient_checkpointing", prev)
+    current = vars(base).get("_set_gradient_checkpointing")
+    if getattr(current, "__func__", None) is _set_gradient_checkpointing:  # ours: the setter as it was before
+        prev = vars(base).pop(_PREV_SET, None)
+        if prev is None:
+            vars(base).pop("_set_gradient_checkpointing")
+        else:
+            object.__setattr__(base, "_set_gradient_checkpointing", prev)
+    # else a wrapper around ours, set since: it stays, and ours passes its calls through unchanged
     flags, hooks, attrs = saved
     for m, (on, func) in flags.items():
         m.gradient_checkpointing = on
@@ -181,11 +187,11 @@ def _keep_offloader(base) -> None:
     ``gradient_checkpointing_enable`` and ``activation_checkpointing_enable`` call, with
     transformers' own checkpoint function) through the model's offloader, so that
     ``Trainer(args.gradient_checkpointing=True)`` does not silently undo ``optim.offload``."""
+    if _PREV_SET in vars(base):
+        return  # routed by an earlier enable (ours, or a wrapper around ours set since): it reads the new offloader
     current = vars(base).get("_set_gradient_checkpointing")
-    if getattr(current, "__func__", None) is _set_gradient_checkpointing:
-        return  # already routed: the offloader it reads is replaced by a new enable
-    if current is not None:  # another library's, set on this model: ours calls it, with the offloader
-        object.__setattr__(base, _PREV_SET, current)
+    # another library's, set on this model before us: ours calls it, with the offloader (None: the class's)
+    object.__setattr__(base, _PREV_SET, current)
     # a method bound to base, not a closure over it: a deep copy's (TRL's reference model, an EMA
     # copy) is bound to the copy, so the copy's checkpointing calls set the copy's layers
     object.__setattr__(base, "_set_gradient_checkpointing", types.MethodType(_set_gradient_checkpointing, base))
@@ -196,9 +202,12 @@ def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointin
     the model before optim.offload) with its offloader as the checkpoint function."""
     prev = vars(self).get(_PREV_SET)
     stock = functools.partial(type(self)._set_gradient_checkpointing, self) if prev is None else prev
+    off = vars(self).get(_ATTR)
     if not enable:
         return stock(enable=False)
-    off = getattr(self, _ATTR)
+    if off is None:  # reached after disable, through a wrapper someone set around ours: their call, unchanged
+        func = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
+        return stock(enable=True, every_n_layers=every_n_layers, **func)
     if gradient_checkpointing_func is not None and gradient_checkpointing_func is not off \
             and not getattr(self, "_optim_offload_own_call", False) \
             and not getattr(self, "_optim_offload_told", False):
