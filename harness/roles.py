@@ -13,7 +13,8 @@ Roles (an experiment file's ``role``; a row's ``role``):
   builds a model (``stack = "unsloth"``: its loader, LoRA and checkpointing).
 - ``user``: ``optim.enable(model)`` with its defaults, as a user calls it (``stack = "user"``,
   which this role implies).
-- ``ours``: a setting of optim beyond its defaults.
+- ``ours``: a setting of optim beyond its defaults, or the defaults run beyond the user's eager loop
+  (``stack = "user"`` with ``cuda_graph = true``: the step replayed as CUDA graphs).
 - ``reference``: the numerics or speed reference a comparison starts from.
 - ``ablation``: a step between them, kept to show what each part buys.
 

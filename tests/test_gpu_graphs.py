@@ -136,5 +136,7 @@ def test_the_one_call_replayed_as_graphs_keeps_its_recompute_decision(tmp_path):
     assert set(graphed["optim"]) == set(eager["optim"]), (set(graphed["optim"]), set(eager["optim"]))
     rs_g, rs_e = graphed["optim"]["optim.recompute"], eager["optim"]["optim.recompute"]
     assert rs_e["layers_skipped"]["last"] > 0, rs_e  # a 0.6B model at 1024 tokens fits: the test can fail
-    assert rs_g["layers_skipped"]["last"] == rs_e["layers_skipped"]["last"], (rs_g, rs_e)
+    # layers_skipped is the eager forwards' decision; the capture's own shows in the recompute count: the
+    # step's Python runs once more at the capture, so a capture that kept every recompute counts more
+    assert rs_g["recomputes"] == rs_e["recomputes"], (rs_g, rs_e)
     assert graphed["loss"][0] == pytest.approx(eager["loss"][0], rel=0.05)

@@ -348,14 +348,15 @@ def parse(raw: dict[str, Any], path: str | Path = "<memory>") -> Experiment:
                                       f"{why}a user or peer stack takes the model's own loss (model(..., labels=...)), "
                                       "which optim.loss or Liger patches; drop loss = 'chunked'")
             variant_loss[vname] = "full"  # whatever the experiment's default
-            # A peer's loop and the user's path run the step eagerly. optim.enable(model) with its
-            # defaults may be replayed as CUDA graphs in a variant of ours: what a loop that
-            # captures its step with optim.graphs.GraphedStep gets from the one call.
+            # A peer's loop and the user's path run the step eagerly. A variant of stack "user" that
+            # plays ours or an ablation (optim.enable(model), with its defaults or the switches it
+            # sets) may be replayed as CUDA graphs: what a loop that captures its step with
+            # optim.graphs.GraphedStep gets from the call.
             if settings.get("cuda_graph") and not (stack == "user" and role in ("ours", "ablation")):
                 raise ExperimentError(path, where,
                                       f"{why}a user or peer stack runs the step eagerly, as their own loop does; "
                                       "drop cuda_graph from this variant (a variant of stack 'user' with role "
-                                      "'ours' may replay its step as CUDA graphs)")
+                                      "'ours' or 'ablation' may replay its step as CUDA graphs)")
         if "cuda_graph" in settings:  # how the harness runs the step (optim.graphs), not a model switch
             graphed = settings.pop("cuda_graph")
             if not isinstance(graphed, bool):
