@@ -357,6 +357,36 @@ def test_a_peer_only_a_later_partial_run_measured_still_sets_the_fastest_and_the
     assert goals["`user-lowmem` peak ≤ 1.2× the lowest peer's" + at_][0] == (pytest.approx(1.84 / 1.80), 1.84, 1.80)
 
 
+def test_a_peer_variant_the_users_run_lacks_still_sets_the_lowest_peak():
+    """A partial rerun of the user's path beside one of a peer's two variants (Unsloth without
+    checkpointing) leaves the peer's other variant (checkpointed, the lower peak) in the earlier
+    run. The lowest peak is still that variant's, marked as from another run, and not a higher peak
+    of another peer; a variant that ran out of memory in the user's run is not filled in from an
+    older run."""
+    roles = {"stock": ("stock", ""), "stock-compiled": ("stock-compiled", "compiled"), "unsloth": ("unsloth", "unsloth"),
+             "unsloth-nockpt": ("unsloth", "unsloth"), "user": ("user", "user")}
+
+    def row(v, ms, peak, when, code, **kw):
+        return {**_row("gpt-oss-20b", 2048, v, ms, peak, **kw), "recorded_at": when, "env": {"code_sha": code},
+                "baseline_variant": "stock", "role": roles[v][0], "stack": roles[v][1]}
+
+    old = [row(v, ms, pk, "2026-11-29T08:10:00+00:00", "a")
+           for v, ms, pk in (("stock", 540.5, 52.60), ("stock-compiled", 328.1, 52.53), ("unsloth", 312.5, 50.86),
+                             ("unsloth-nockpt", 266.9, 58.17), ("user", 142.8, 56.18))]
+    new = [row(v, ms, pk, "2026-11-29T09:45:00+00:00", "b")
+           for v, ms, pk in (("unsloth-nockpt", 268.1, 58.17), ("user", 125.7, 56.18))]
+    (p,) = user_points(old + new, {})
+    assert (p["fastest_peer"], p["elsewhere"]) == ("unsloth", {"stock", "compiled"})
+    assert p["peak"]["unsloth"] == 50.86 and p["peak_elsewhere"] == {"stock", "compiled", "unsloth"}
+    spec = {"targets": [{"model": "gpt-oss-20b", "seq_len": 2048, "max_peak_over_lowest": 1.0}]}
+    ((goal, measured, met),) = user_targets([p], spec["targets"])
+    assert str(measured) == f"{56.18 / 50.86:.3f}× (56.18 vs Unsloth's 50.86 GiB, another run; Liger-Kernel not run)"
+    # the checkpointed variant out of memory in the user's run: its failure is the newest word on it
+    oom = row("unsloth", None, None, "2026-11-29T09:44:00+00:00", "b", status="oom", message="CUDA out of memory")
+    (p,) = user_points(old + new + [oom], {})
+    assert p["peak"]["unsloth"] == 58.17 and "unsloth" not in p["peak_elsewhere"]
+
+
 def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not_filled_in():
     """A variant whose latest run measured no peer is not judged across runs; a variant judged in a
     paired run is not, once a later run measured it alone. A peer that failed in the user's run

@@ -153,12 +153,13 @@ def _memory_first(f: cite.Figures, root: Path) -> str:
             settings = ", ".join(f"{k}={sw[k]!r}" for k in ("recompute", "offload", "mlp_chunk") if k in sw)
             apart = {c: ", another run" if c in v["elsewhere"] else "" for c in user_report.PEERS}
             low_role = next(c for c in user_report.PEERS if v["low"].get(c) is low)
+            low_apart = ", another run" if low_role in v["peak_elsewhere"] else ""
             missing = user_report.not_run(v)
             short = f"; {', '.join(missing)} not run" if missing else ""
             said.append(f"`{variant}` ({settings}) at {model} {p['seq_len']} on the {data.gpu_short(str(row.get('device_name')))}: "
                         f"{f.ms(row)}, {f.ratio(fastest, row)} against the fastest other "
                         f"({user_report.PEER_LABEL[v['fastest_peer']]}{apart[v['fastest_peer']]}{short}), peak {f.gib(row)} "
-                        f"against the lowest other's {f.gib(low)} ({user_report.PEER_LABEL[low_role]}{apart[low_role]}{short})")
+                        f"against the lowest other's {f.gib(low)} ({user_report.PEER_LABEL[low_role]}{low_apart}{short})")
     if not said:
         return ""
     return ("**Memory first**, the same call with the switches that trade speed for memory (a variant of "

@@ -108,12 +108,23 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
     fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
     peak = {role: _peak(r) for role, r in got.items()}
     low = {role: r for role, r in got.items() if peak[role]}
-    for role in PEERS:  # a peer's lowest peak over its variants (checkpointed or not), of the same run
-        src = at if role in elsewhere else mine
-        lows = [r for v in names[role] if _peak(r := median_repeat([x for x in src if x.get("variant") == v]))]
+    # A peer's lowest peak over its variants (checkpointed or not): each variant's row of the user's
+    # run, or, where that run lacks the variant (a partial rerun of another one), its latest ok row
+    # from another run, marked so. A variant that failed in the user's run keeps its failure.
+    peak_elsewhere = set()
+    ok_at = [r for r in at if r.get("status") == "ok"]
+    for role in PEERS:
+        lows = []
+        for v in names[role]:
+            here = [x for x in mine if x.get("variant") == v] if role not in elsewhere else []
+            r = median_repeat(here) if here else _latest(ok_at, v)
+            if _peak(r):
+                lows.append((r, not here))
         if lows:
-            low[role] = min(lows, key=_peak)
+            low[role], apart = min(lows, key=lambda c: _peak(c[0]))
             peak[role] = _peak(low[role])
+            if apart:
+                peak_elsewhere.add(role)
     return {
         "rows": got, "ms": ms, "peak": peak,
         "low": low,  # each role's row of its lowest peak (a peer's may be another variant than its fastest)
@@ -123,6 +134,7 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
         "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
         "fastest_peer": fastest,  # of the peers measured ok here
         "elsewhere": elsewhere,  # peers whose row is from another run than the user's
+        "peak_elsewhere": peak_elsewhere,  # peers whose lowest peak is from another run than the user's
         "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
         "run": mine,
         "paired": mine is not at,  # some run has the user's column beside an ok peer
@@ -315,7 +327,7 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
                 u = p and p["peak"]["user"]
                 low = min(((p["peak"][c], c) for c in PEERS if p["peak"][c]), default=(None, None)) if p else (None, None)
                 v = u / low[0] if u and low[0] else None
-                other = ", another run" if v and low[1] in p["elsewhere"] else ""
+                other = ", another run" if v and low[1] in p["peak_elsewhere"] else ""
                 checks.append((f"{subject} peak ≤ {t['max_peak_over_lowest']:g}× the lowest peer's",
                                fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {PEER_LABEL[low[1]]}'s {_gib(low[0])} GiB{other}{unjudged})",
                                         (v, u, low[0]))
