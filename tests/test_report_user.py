@@ -385,6 +385,17 @@ def test_a_peer_variant_the_users_run_lacks_still_sets_the_lowest_peak():
     oom = row("unsloth", None, None, "2026-11-29T09:44:00+00:00", "b", status="oom", message="CUDA out of memory")
     (p,) = user_points(old + new + [oom], {})
     assert p["peak"]["unsloth"] == 58.17 and "unsloth" not in p["peak_elsewhere"]
+    # a memory-first variant of the earlier run, whose Unsloth without checkpointing a later run
+    # superseded: judged against that faster Unsloth row, not the slower checkpointed one beside it
+    roles["user-lowmem"] = ("ablation", "user")
+    earlier = [r for r in old if r["variant"] not in ("unsloth-nockpt", "user")]
+    earlier.append(row("user-lowmem", 192.8, 50.44, "2026-11-29T08:15:00+00:00", "a"))
+    (p,) = user_points(earlier + new, {})
+    spec = {"targets": [{"model": "gpt-oss-20b", "seq_len": 2048, "variant": "user-lowmem",
+                         "min_speedup_over_fastest": 1.0, "max_peak_over_lowest": 1.0}]}
+    speed, mem = user_targets([p], spec["targets"])
+    assert fmt.value(speed[1]) == pytest.approx(268.1 / 192.8) and "(vs Unsloth, another run;" in str(speed[1])
+    assert fmt.value(mem[1]) == (pytest.approx(50.44 / 50.86), 50.44, 50.86) and "another run" not in str(mem[1])
 
 
 def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not_filled_in():

@@ -93,38 +93,33 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
     """The columns at one point, from the latest run with an ok row of ``names["user"]`` beside a
     peer (``_side_by_side``), and the ratios a reader asks for."""
     mine = _side_by_side(at, names)
-    got = {role: _best(mine, v) if v else None for role, v in names.items()}
-    # A peer that run lacks (a partial rerun, a crashed point) but another run measured: its
-    # latest ok row, so the fastest peer and the lowest peak are of every peer measured here. A
-    # peer that failed in that run keeps its failure: the newest word on it.
-    elsewhere = set()
-    for role in PEERS:
-        if names[role] and got[role] is None:
-            row = _latest([r for r in at if r.get("status") == "ok"], names[role])
-            if row is not None:
-                got[role] = row
-                elsewhere.add(role)
-    ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
-    fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
-    peak = {role: _peak(r) for role, r in got.items()}
-    low = {role: r for role, r in got.items() if peak[role]}
-    # A peer's lowest peak over its variants (checkpointed or not): each variant's row of the user's
-    # run, or, where that run lacks the variant (a partial rerun of another one), its latest ok row
-    # from another run, marked so. A variant that failed in the user's run keeps its failure.
-    peak_elsewhere = set()
     ok_at = [r for r in at if r.get("status") == "ok"]
-    for role in PEERS:
-        lows = []
-        for v in names[role]:
-            here = [x for x in mine if x.get("variant") == v] if role not in elsewhere else []
-            r = median_repeat(here) if here else _latest(ok_at, v)
-            if _peak(r):
-                lows.append((r, not here))
-        if lows:
-            low[role], apart = min(lows, key=lambda c: _peak(c[0]))
-            peak[role] = _peak(low[role])
+    # Each of a column's variants as that run has it (its median repeat, else its failure: the
+    # newest word on it). A peer's variant the run lacks (a partial rerun, a crashed point) but
+    # another run measured: its latest ok row, marked as another run's, so the fastest peer and the
+    # lowest peak are of every variant measured here, whichever run holds it.
+    got, low, elsewhere, peak_elsewhere = {}, {}, set(), set()
+    for role, vs in names.items():
+        cand = []
+        for v in vs or ():
+            here = [x for x in mine if x.get("variant") == v]
+            if here:
+                cand.append((median_repeat(here) or here[0], False))
+            elif role in PEERS and (r := _latest(ok_at, v)) is not None:
+                cand.append((r, True))
+        ok = [c for c in cand if c[0].get("status") == "ok" and fmt.stat(c[0], "step_ms") is not None]
+        pick = min(ok, key=lambda c: fmt.stat(c[0], "step_ms")) if ok else (cand[0] if cand else (None, False))
+        got[role] = pick[0]
+        if pick[1]:
+            elsewhere.add(role)
+        peaked = [c for c in ok if _peak(c[0])]
+        if peaked:
+            low[role], apart = min(peaked, key=lambda c: _peak(c[0]))
             if apart:
                 peak_elsewhere.add(role)
+    ms = {role: fmt.stat(r, "step_ms") if (r or {}).get("status") == "ok" else None for role, r in got.items()}
+    fastest = min((c for c in PEERS if ms[c]), key=lambda c: ms[c], default=None)
+    peak = {role: _peak(low.get(role)) for role in got}
     return {
         "rows": got, "ms": ms, "peak": peak,
         "low": low,  # each role's row of its lowest peak (a peer's may be another variant than its fastest)
