@@ -13,7 +13,7 @@
 - ``optim.offload``: checkpointed layer inputs in pinned host memory, double-buffered reload
   (``offload``, ``offload_guard``, ``offload_profile``); off by default, since it trades time for memory.
 - ``optim.moe``: grouped expert routing, grouped_mm and split LoRA on experts
-  (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_train_router``); a dense model is left
+  (``moe_backend``, ``moe_lora``, ``moe_compile``, ``moe_saved``, ``moe_train_router``); a dense model is left
   unchanged.
 - ``optim.lora``: peft's LoRA Linear layers as one autograd function in the model's dtype, the
   layer's input saved once instead of an fp32 copy per projection (``lora``).

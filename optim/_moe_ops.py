@@ -371,10 +371,22 @@ def _proj_pure(x, offs, eids, w, b, lora):
 
 
 def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, lora_gu, lora_d,
-                 gate: tuple, num_experts: int) -> torch.Tensor:
+                 gate: tuple, num_experts: int, lean: bool = False) -> torch.Tensor:
     """The grouped_mm experts layer from tensors and plain data only (no module, no host sync).
     ``w_*``: (E, in, out) views; ``b_*``: (E, out) or None; ``lora_*``: [(A_t, B_t, scaling)]
-    with contiguous (E, in, r) / (E, r, out) factors, rank padded (``compile_factors``)."""
+    with contiguous (E, in, r) / (E, r, out) factors, rank padded (``compile_factors``).
+
+    ``lean`` (``moe_saved="lean"``): the layer as a selective checkpoint that keeps the grouped
+    GEMMs' outputs and recomputes everything else in backward (``_lean_body``)."""
+    args = (hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, lora_gu, lora_d, gate, num_experts)
+    if lean:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(_lean_body, *args, use_reentrant=False, context_fn=_lean_contexts)
+    return _body(*args)
+
+
+def _body(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, lora_gu, lora_d, gate, num_experts):
     g = Grouping(router_indices, num_experts)
     x, w = g.gather(hidden, routing_weights)
     h = _proj_pure(x.contiguous(), g.offs, g.eids, w_gu, b_gu, lora_gu)
@@ -383,13 +395,50 @@ def grouped_pure(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, 
     return g.combine(y).to(hidden.dtype)
 
 
+def _lean_body(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, lora_gu, lora_d, gate, num_experts):
+    """``_body`` with the routing weights on the down projection's input rows, ``(h·w)·W_d + w·b_d``
+    for ``(h·W_d + b_d)·w``: their gradient then reads the gate's output, which backward
+    recomputes from the gate/up GEMM's kept output, and not the down GEMM's output, which it could
+    not without that GEMM."""
+    g = Grouping(router_indices, num_experts)
+    x, w = g.gather(hidden, routing_weights)
+    h = _proj_pure(x.contiguous(), g.offs, g.eids, w_gu, b_gu, lora_gu)
+    hw = (apply_gate(h, gate) * w[:, None]).to(h.dtype).contiguous()
+    y = _proj_pure(hw, g.offs, g.eids, w_d, None, lora_d)
+    if b_d is not None:
+        y = y + (b_d.index_select(0, g.eids) * w[:, None]).to(y.dtype)
+    return g.combine(y).to(hidden.dtype)
+
+
+def _lean_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_lean_policy)
+
+
+def _lean_policy(ctx, op, *args, **kwargs):
+    """Keep a grouped GEMM's output, and the sum of two row blocks of one shape (the gate/up
+    projection with its LoRA, or with its bias); recompute the rest: the gather, the gate, the
+    scaling and the weighting. Backward keeps of these only what it reads: the gate/up output
+    (for the gate) and the LoRA middles (for the B factors); a GEMM output that a kept sum
+    holds, and the down side's, it never reads."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.aten._grouped_mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    if (op is torch.ops.aten.add.Tensor and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2])
+            and args[0].dim() >= 2 and args[0].shape == args[1].shape):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 _compiled = None
 COMPILE_FAILED: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the error
 
 
 def compiled_grouped(device: torch.device, dtype: torch.dtype):
     """``grouped_pure`` under torch.compile (one per process), or None where compiling failed
-    before for this device type and dtype."""
+    before for this device type and dtype (``lean``, a constant, compiles a graph of its own)."""
     if (device.type, dtype) in COMPILE_FAILED:
         return None
     global _compiled

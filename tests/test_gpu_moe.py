@@ -68,8 +68,8 @@ def _check_modes(model, modes, ids):
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     moe.enable(model, moe_backend="loop", moe_lora="merged")
     ref_loss, ref_logits, ref_grads = run_model(model, ids, params)
-    for backend, lora, comp in modes:
-        moe.enable(model, moe_backend=backend, moe_lora=lora, moe_compile=comp)
+    for backend, lora, comp, *saved in modes:
+        moe.enable(model, moe_backend=backend, moe_lora=lora, moe_compile=comp, moe_saved=(saved or ["all"])[0])
         loss, logits, grads = run_model(model, ids, params)
         assert "moe_compile_errors" not in moe.describe(model), moe.describe(model)
         assert abs(loss.item() - ref_loss.item()) < 1e-2 * abs(ref_loss.item()), (backend, lora, comp)
@@ -90,7 +90,8 @@ def test_compiled_matches_loop_bf16(model):
     routing so that the comparison is about rounding only."""
     ids = torch.randint(0, 512, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with dense_routing(model):
-        _check_modes(model, [(b, lo, "auto") for b, lo in MODES[1:]] + [("auto", "split", "auto")], ids)
+        _check_modes(model, [(b, lo, "auto") for b, lo in MODES[1:]] + [("auto", "split", "auto"),
+                                                                          ("auto", "split", "auto", "lean")], ids)
 
 
 def test_routing_edge_cases_bf16(model):

@@ -240,17 +240,23 @@ def test_compiled_grouped_matches_loop(name, rank):
         ("ref", torch.float32, dict(moe_backend="loop", moe_lora="merged"), False),
         ("loop_bf16", torch.bfloat16, dict(moe_backend="loop", moe_lora="merged"), False),
         ("compiled", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True), True),
+        # what backward keeps differs (moe_saved); the routing weights scale the down input, not its output
+        ("lean", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True,
+                                      moe_saved="lean"), False),
+        # and inside a checkpointed layer, recomputed whole in backward
+        ("lean_ckpt", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True,
+                                           moe_saved="lean"), True),
         ("eager", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=False), False),
     ):
         m = build(name, "cpu", dtype, rank, gradient_checkpointing=ckpt)
         moe.enable(m, **settings)
         runs[label] = run_model(m, ids, _lora_params(m))
-        if label == "compiled":
+        if label in ("compiled", "lean", "lean_ckpt"):
             assert ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
             assert "moe_compile_errors" not in moe.describe(m)
     (rl, rg, rgr), (bl, bg, bgr) = runs["ref"], runs["loop_bf16"]
     bar = lambda a, b: 1.5 * rel_err(a.float(), b.float()) + 2e-2  # noqa: E731
-    for label in ("compiled", "eager"):
+    for label in ("compiled", "lean", "lean_ckpt", "eager"):
         cl, cg, cgr = runs[label]
         assert abs(cl.float() - rl) <= 1.5 * abs(bl.float() - rl) + 2e-2, label
         assert rel_err(cg.float(), rg) <= bar(bg, rg), label
