@@ -396,6 +396,16 @@ def test_a_peer_variant_the_users_run_lacks_still_sets_the_lowest_peak():
     speed, mem = user_targets([p], spec["targets"])
     assert fmt.value(speed[1]) == pytest.approx(268.1 / 192.8) and "(vs Unsloth, another run;" in str(speed[1])
     assert fmt.value(mem[1]) == (pytest.approx(50.44 / 50.86), 50.44, 50.86) and "another run" not in str(mem[1])
+    # the table marks a peak read from another run, beside a step of the user's run
+    md = user_md(old + new, {})
+    assert "| 52.60 † / 52.53 † / – / 50.86 † / 56.18 |" in md and "| 268.1 [267.1–269.1] |" in md
+    # a peer whose only variant in the user's run ran out of memory keeps that failure: an older
+    # row of its other variant does not stand in for it
+    lone = [row("unsloth", None, None, "2026-11-29T09:44:00+00:00", "b", status="oom", message="CUDA out of memory")]
+    (p,) = user_points([r for r in old if r["variant"] != "unsloth"] + [x for x in new if x["variant"] == "user"] + lone
+                       + [row("stock", 541.0, 52.60, "2026-11-29T09:43:00+00:00", "b")], {})
+    assert p["rows"]["unsloth"]["status"] == "oom" and p["peak"]["unsloth"] is None
+    assert "unsloth" not in p["elsewhere"] | p["peak_elsewhere"] and p["fastest_peer"] == "compiled"
 
 
 def test_a_variant_with_no_peer_in_its_latest_run_and_a_peer_that_failed_are_not_filled_in():

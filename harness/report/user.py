@@ -85,11 +85,15 @@ def _latest(rows: list[dict], variants) -> dict | None:
     return _best(runs[-1], variants) if runs else None
 
 
+def _ok(r: dict | None) -> bool:
+    return (r or {}).get("status") == "ok" and fmt.stat(r, "step_ms") is not None
+
+
 def _peak(r: dict | None) -> float | None:
     return fmt.number((r or {}).get("peak_allocated_gib")) if (r or {}).get("status") == "ok" else None
 
 
-def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
+def _columns(at: list[dict], names: dict[str, tuple[str, ...]]) -> dict:
     """The columns at one point, from the latest run with an ok row of ``names["user"]`` beside a
     peer (``_side_by_side``), and the ratios a reader asks for."""
     mine = _side_by_side(at, names)
@@ -97,7 +101,8 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
     # Each of a column's variants as that run has it (its median repeat, else its failure: the
     # newest word on it). A peer's variant the run lacks (a partial rerun, a crashed point) but
     # another run measured: its latest ok row, marked as another run's, so the fastest peer and the
-    # lowest peak are of every variant measured here, whichever run holds it.
+    # lowest peak are of every variant measured here, whichever run holds it. A peer that only
+    # failed in that run keeps its failure: an older row of its other variant does not stand in.
     got, low, elsewhere, peak_elsewhere = {}, {}, set(), set()
     for role, vs in names.items():
         cand = []
@@ -107,7 +112,9 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
                 cand.append((median_repeat(here) or here[0], False))
             elif role in PEERS and (r := _latest(ok_at, v)) is not None:
                 cand.append((r, True))
-        ok = [c for c in cand if c[0].get("status") == "ok" and fmt.stat(c[0], "step_ms") is not None]
+        if any(not apart for _, apart in cand) and not any(not apart and _ok(r) for r, apart in cand):
+            cand = [c for c in cand if not c[1]]
+        ok = [c for c in cand if _ok(c[0])]
         pick = min(ok, key=lambda c: fmt.stat(c[0], "step_ms")) if ok else (cand[0] if cand else (None, False))
         got[role] = pick[0]
         if pick[1]:
@@ -127,7 +134,7 @@ def _columns(at: list[dict], names: dict[str, str | None]) -> dict:
         "hfu_stale": bool((got["user"] or {}).get("hfu")) and hfu_of(got["user"] or {}) is None,
         "over_stock": ms["stock"] / ms["user"] if ms["stock"] and ms["user"] else None,
         "over_liger": ms["liger"] / ms["user"] if ms["liger"] and ms["user"] else None,
-        "fastest_peer": fastest,  # of the peers measured ok here
+        "fastest_peer": fastest,  # of the peers' variants measured ok, in the user's run or another
         "elsewhere": elsewhere,  # peers whose row is from another run than the user's
         "peak_elsewhere": peak_elsewhere,  # peers whose lowest peak is from another run than the user's
         "over_fastest": ms[fastest] / ms["user"] if fastest and ms["user"] else None,
@@ -199,7 +206,8 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
         body.append([*([p["gpu"]] if many else []), p["model"], p["seq_len"],
                      *(_marked(_cell(p["rows"][role])) if role in p["elsewhere"] else _cell(p["rows"][role])
                        for role in ROLES),
-                     fmt.joined(" / ", *(_gib(p["peak"][role]) for role in ROLES)),
+                     fmt.joined(" / ", *(_gib(p["peak"][role]) + (" †" if role in p["peak_elsewhere"] else "")
+                                         for role in ROLES)),
                      _over_fastest(p) if p["over_fastest"] else DASH,
                      fmt.times(p["over_stock"]) if p["over_stock"] else DASH,
                      fmt.times(p["over_liger"]) if p["over_liger"] else DASH,
@@ -214,8 +222,9 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
             "stock transformers + peft, the same with its decoder layers compiled, the same with Liger-Kernel's "
             "patches, Unsloth as its documentation builds a model, and `optim.enable(model)` with its defaults (the variant's `stack`; – where the file has no "
             "such variant). The headline ratio is against the fastest of the peers measured at that point. Peak "
-            "is `torch.cuda.max_memory_allocated` over the measured steps. † marks a peer that the run of "
-            "the user's path lacks, from the latest run that measured it."
+            "is `torch.cuda.max_memory_allocated` over the measured steps, a peer's the lowest of its variants. † "
+            "marks a peer's step or peak from a variant that the run of the user's path lacks, read from the "
+            "latest run that measured it."
             + (" " + fmt.OVERLAP_NOTE if any(_overlap(p) for p in pts) else ""),
             fmt.table(header, body)]
     others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
@@ -338,7 +347,7 @@ def user_targets(pts: list[dict], targets: list[dict], trainer_rows: list[dict] 
             if "max_peak_over_liger" in t:
                 u, lg = (p["peak"]["user"], p["peak"]["liger"]) if p else (None, None)
                 v = u / lg if u and lg else None
-                liger_apart = ", another run" if v and "liger" in p["elsewhere"] else ""
+                liger_apart = ", another run" if v and "liger" in p["peak_elsewhere"] else ""
                 checks.append((f"{subject} peak ≤ {t['max_peak_over_liger']:g}× Liger's",
                                fmt.Cell(f"{v:.3f}× ({_gib(u)} vs {_gib(lg)} GiB{liger_apart})", (v, u, lg)) if v else "not measured",
                                v <= t["max_peak_over_liger"] if v else None))
