@@ -109,7 +109,7 @@ def _make_impl(backend: str):
                         ops.weight_of(self, "gate_up_proj"), getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
                         ops.weight_of(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
                         lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts,
-                        getattr(self.config, "_optim_moe_saved", "all") == "lean",
+                        getattr(self.config, "_optim_moe_saved_mode", "all") == "lean",
                     )
                 except Exception as e:  # a compiler failure must not stop training
                     if passes_through(e):
@@ -305,7 +305,7 @@ def enable(model: nn.Module, **settings: Any) -> nn.Module:
     for conf in {id(m.config): m.config for m in experts}.values():
         conf._experts_implementation = IMPL_PREFIX + cfg["moe_backend"]
         conf._optim_moe_compile = cfg["moe_compile"]
-        conf._optim_moe_saved = cfg["moe_saved"]
+        conf._optim_moe_saved_mode = cfg["moe_saved"]
     # LoRA: swap the class of peft's expert ParamWrappers (parameters and state-dict keys unchanged).
     wrappers = _expert_wrappers(model)
     for w in wrappers:
@@ -335,7 +335,7 @@ def disable(model: nn.Module) -> nn.Module:
     for conf, impl in configs:
         conf._experts_implementation = impl
         vars(conf).pop("_optim_moe_compile", None)
-        vars(conf).pop("_optim_moe_saved", None)
+        vars(conf).pop("_optim_moe_saved_mode", None)
     for w, cls in wrappers:
         w.__class__ = cls
     for p, requires_grad in router_params:
