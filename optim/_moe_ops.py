@@ -433,13 +433,20 @@ def _lean_policy(ctx, op, *args, **kwargs):
 
 
 _compiled = None
-COMPILE_FAILED: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> the error
+# (device type, dtype) -> the error; (device type, dtype, "lean") for moe_saved="lean"'s graph, so
+# that a failure of that one leaves the default compiled path on
+COMPILE_FAILED: dict[tuple, str] = {}
 
 
-def compiled_grouped(device: torch.device, dtype: torch.dtype):
+def _failed_key(device: torch.device, dtype: torch.dtype, lean: bool) -> tuple:
+    return (device.type, dtype, "lean") if lean else (device.type, dtype)
+
+
+def compiled_grouped(device: torch.device, dtype: torch.dtype, lean: bool = False):
     """``grouped_pure`` under torch.compile (one per process), or None where compiling failed
-    before for this device type and dtype (``lean``, a constant, compiles a graph of its own)."""
-    if (device.type, dtype) in COMPILE_FAILED:
+    before for this device type and dtype (``lean``, a constant, compiles a graph of its own and
+    fails on its own)."""
+    if _failed_key(device, dtype, lean) in COMPILE_FAILED:
         return None
     global _compiled
     if _compiled is None:
@@ -453,11 +460,12 @@ def compiled_grouped(device: torch.device, dtype: torch.dtype):
     return _compiled
 
 
-def compile_failed(device: torch.device, dtype: torch.dtype, err: BaseException) -> None:
+def compile_failed(device: torch.device, dtype: torch.dtype, err: BaseException, lean: bool = False) -> None:
     msg = f"{type(err).__name__}: {err}"
-    COMPILE_FAILED[(device.type, dtype)] = msg
-    log.warning("optim.moe: torch.compile of the grouped experts failed on %s/%s (%s); the eager "
-                "grouped path runs instead", device.type, dtype, msg.splitlines()[0][:300])
+    COMPILE_FAILED[_failed_key(device, dtype, lean)] = msg
+    log.warning("optim.moe: torch.compile of the grouped experts%s failed on %s/%s (%s); the eager "
+                "grouped path runs instead", " (moe_saved=lean)" if lean else "", device.type, dtype,
+                msg.splitlines()[0][:300])
 
 
 def dispatch_only(backend: str, hidden, router_indices, routing_weights, num_experts):

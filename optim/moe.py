@@ -99,7 +99,8 @@ def _make_impl(backend: str):
         if name == "grouped_mm" and _compile_wanted(self, hidden_states):
             gate = ops.gate_spec(self)
             dev, dtype = hidden_states.device, hidden_states.dtype
-            fn = ops.compiled_grouped(dev, dtype) if gate is not None else None
+            lean = getattr(self.config, "_optim_moe_saved_mode", "all") == "lean"
+            fn = ops.compiled_grouped(dev, dtype, lean) if gate is not None else None
             if fn is not None:
                 lora_c = {proj: [(*ops.compile_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
                           for proj, factors in raw.items()}
@@ -108,13 +109,12 @@ def _make_impl(backend: str):
                         hidden_states, router_indices, routing_weights,
                         ops.weight_of(self, "gate_up_proj"), getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
                         ops.weight_of(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
-                        lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts,
-                        getattr(self.config, "_optim_moe_saved_mode", "all") == "lean",
+                        lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts, lean,
                     )
                 except Exception as e:  # a compiler failure must not stop training
                     if passes_through(e):
                         raise
-                    ops.compile_failed(dev, dtype, e)
+                    ops.compile_failed(dev, dtype, e, lean)
         dtype = self.gate_up_proj.dtype
         lora = {proj: [(*ops.raw_to_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
                 for proj, factors in raw.items()}
@@ -353,7 +353,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
     if ex is not None and s.moe_backend == "auto":
         d["moe_backend_resolved"] = auto_backend(next(ex.parameters()).device)
     if ops.COMPILE_FAILED:
-        d["moe_compile_errors"] = {f"{k[0]}/{k[1]}": v[:300] for k, v in ops.COMPILE_FAILED.items()}
+        d["moe_compile_errors"] = {"/".join(map(str, k)): v[:300] for k, v in ops.COMPILE_FAILED.items()}
     return d
 
 

@@ -318,6 +318,36 @@ def test_compile_failure_falls_back_to_eager(caplog):
         torch.testing.assert_close(got[2][n], ref[2][n], rtol=0, atol=0)
 
 
+def test_a_lean_compile_failure_leaves_the_default_compiled_path_on(monkeypatch, caplog):
+    """A failure that only moe_saved="lean"'s graph hits is recorded as lean's: that layer runs the
+    eager grouped path, and a model on the default setting still runs compiled."""
+    from optim import _moe_ops as ops
+
+    def broken(*args):
+        raise NotImplementedError("lean graph broken on purpose")
+
+    monkeypatch.setattr(ops, "_lean_body", broken)
+    key = ("cpu", torch.bfloat16, "lean")
+    ids = torch.randint(0, 512, (1, 12))
+    m = build("qwen3-30b-a3b-tiny", "cpu", torch.bfloat16, 8)
+    try:
+        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="lean")
+        with caplog.at_level("WARNING", logger="optim._moe_ops"):
+            run_model(m, ids, _lora_params(m))
+        assert key in ops.COMPILE_FAILED and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
+        assert "cpu/torch.bfloat16/lean" in moe.describe(m)["moe_compile_errors"]
+        assert sum("(moe_saved=lean) failed" in r.message for r in caplog.records) == 1
+        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True)
+        calls = []
+        real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
+        monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
+        run_model(m, ids, _lora_params(m))
+        assert calls and not any(calls) and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
+    finally:
+        ops.COMPILE_FAILED.pop(key, None)
+        moe.enable(m)
+
+
 def test_compiled_path_survives_many_shapes():
     """More shapes than dynamo's default recompile limit (8) through the one compiled function:
     still compiled, no fallback (the GPU suite hit the limit before it was raised)."""
