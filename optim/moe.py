@@ -26,10 +26,11 @@ made trainable through peft (``modules_to_save``, an adapter on it) is left as p
 ``moe_compile`` (``auto`` = on CUDA): the grouped_mm layer runs as one ``torch.compile``'d pure
 function (``_moe_ops.grouped_pure``) shared by every layer; the gate, bias gathers and routing
 weights fuse around the grouped GEMMs (the LoRA factors are cast and laid out eagerly first). A compiler failure logs one line and falls back
-to the eager grouped path. ``moe_saved="lean"`` (off by default until measured on a GPU) has that
+to the eager grouped path. ``moe_saved="lean"`` (the default) has that
 compiled layer keep its input and the gate/up projection's output for backward, and recompute the
 per-expert gather, the gate and the routing weights' product there: less than half the activation
-memory per routed token, no GEMM recomputed (``_moe_ops.grouped_pure``).
+memory per routed token, no GEMM recomputed (``_moe_ops.grouped_pure``). A compiler failure of
+that graph logs one line and the partitioner's graph (``moe_saved="all"``) runs instead.
 
 Only torch, transformers and peft are imported here.
 """
@@ -99,22 +100,28 @@ def _make_impl(backend: str):
         if name == "grouped_mm" and _compile_wanted(self, hidden_states):
             gate = ops.gate_spec(self)
             dev, dtype = hidden_states.device, hidden_states.dtype
-            lean = getattr(self.config, "_optim_moe_saved_mode", "all") == "lean"
-            fn = ops.compiled_grouped(dev, dtype, lean) if gate is not None else None
-            if fn is not None:
-                lora_c = {proj: [(*ops.compile_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
-                          for proj, factors in raw.items()}
+            lean = getattr(self.config, "_optim_moe_saved_mode", SWITCHES["moe_saved"].default) == "lean"
+            lora_c = None
+            # lean's graph first where asked; a failure of it falls back to the partitioner's graph,
+            # and a failure of that one to the eager grouped path below
+            for mode in ((True, False) if lean else (False,)):
+                fn = ops.compiled_grouped(dev, dtype, mode) if gate is not None else None
+                if fn is None:
+                    continue
+                if lora_c is None:
+                    lora_c = {proj: [(*ops.compile_factors(wa, wb, self.num_experts, dtype), s)
+                                     for wa, wb, s in factors] for proj, factors in raw.items()}
                 try:
                     return fn(
                         hidden_states, router_indices, routing_weights,
                         ops.weight_of(self, "gate_up_proj"), getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
                         ops.weight_of(self, "down_proj"), getattr(self, "down_proj_bias", None) if self.has_bias else None,
-                        lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts, lean,
+                        lora_c.get("gate_up_proj", []), lora_c.get("down_proj", []), gate, self.num_experts, mode,
                     )
                 except Exception as e:  # a compiler failure must not stop training
                     if passes_through(e):
                         raise
-                    ops.compile_failed(dev, dtype, e, lean)
+                    ops.compile_failed(dev, dtype, e, mode)
         dtype = self.gate_up_proj.dtype
         lora = {proj: [(*ops.raw_to_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
                 for proj, factors in raw.items()}

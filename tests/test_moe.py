@@ -239,7 +239,8 @@ def test_compiled_grouped_matches_loop(name, rank):
     for label, dtype, settings, ckpt in (
         ("ref", torch.float32, dict(moe_backend="loop", moe_lora="merged"), False),
         ("loop_bf16", torch.bfloat16, dict(moe_backend="loop", moe_lora="merged"), False),
-        ("compiled", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True), True),
+        ("compiled", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True,
+                                          moe_saved="all"), True),
         # what backward keeps differs (moe_saved); the routing weights scale the down input, not its output
         ("lean", torch.bfloat16, dict(moe_backend="grouped_mm", moe_lora="split", moe_compile=True,
                                       moe_saved="lean"), False),
@@ -296,9 +297,11 @@ def test_lean_experts_match_loop_with_biases(name, wdtype):
     moe.enable(m)
 
 
-def test_compile_failure_falls_back_to_eager(caplog):
-    """fp32 on CPU: the compiled grouped_mm rejects fp32, so the layer logs once and runs eager,
-    with the eager grouped path's exact numbers."""
+@pytest.mark.parametrize("saved", ["lean", "all"])
+def test_compile_failure_falls_back_to_eager(caplog, saved):
+    """fp32 on CPU: the compiled grouped_mm rejects fp32, so the layer logs once per graph tried
+    (lean's, the default, then the partitioner's) and runs eager, with the eager grouped path's exact
+    numbers."""
     from optim import _moe_ops as ops
 
     name = "qwen3-30b-a3b-tiny"
@@ -307,40 +310,55 @@ def test_compile_failure_falls_back_to_eager(caplog):
     moe.enable(eager, moe_backend="grouped_mm", moe_compile=False)
     ref = run_model(eager, ids, _lora_params(eager))
     comp = build(name, "cpu", torch.float32, RANK)
-    moe.enable(comp, moe_backend="grouped_mm", moe_compile=True)
+    moe.enable(comp, moe_backend="grouped_mm", moe_compile=True, **({} if saved == "lean" else {"moe_saved": saved}))
+    ops.COMPILE_FAILED.clear()
     with caplog.at_level("WARNING", logger="optim._moe_ops"):
         got = run_model(comp, ids, _lora_params(comp))
     assert ("cpu", torch.float32) in ops.COMPILE_FAILED
+    assert (("cpu", torch.float32, "lean") in ops.COMPILE_FAILED) == (saved == "lean")
     assert "cpu/torch.float32" in moe.describe(comp)["moe_compile_errors"]
     assert sum("torch.compile of the grouped experts failed" in r.message for r in caplog.records) == 1
+    assert sum("torch.compile of the grouped experts (moe_saved=lean) failed" in r.message
+               for r in caplog.records) == (saved == "lean")
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
     for n in ref[2]:
         torch.testing.assert_close(got[2][n], ref[2][n], rtol=0, atol=0)
 
 
-def test_a_lean_compile_failure_leaves_the_default_compiled_path_on(monkeypatch, caplog):
-    """A failure that only moe_saved="lean"'s graph hits is recorded as lean's: that layer runs the
-    eager grouped path, and a model on the default setting still runs compiled."""
+def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch, caplog):
+    """A failure that only moe_saved="lean"'s graph (the default) hits is recorded as lean's: that
+    layer and every later one run the compiled graph of moe_saved="all", with the loop's numbers,
+    and a model set to "all" runs it too."""
     from optim import _moe_ops as ops
 
     def broken(*args):
         raise NotImplementedError("lean graph broken on purpose")
 
-    monkeypatch.setattr(ops, "_lean_body", broken)
     key = ("cpu", torch.bfloat16, "lean")
     ids = torch.randint(0, 512, (1, 12))
+    ref = build("qwen3-30b-a3b-tiny", "cpu", torch.bfloat16, 8)
+    moe.enable(ref, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="all")
+    want = run_model(ref, ids, _lora_params(ref))
+    monkeypatch.setattr(ops, "_lean_body", broken)
     m = build("qwen3-30b-a3b-tiny", "cpu", torch.bfloat16, 8)
+    calls = []
+    real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
     try:
-        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="lean")
+        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True)  # lean by default
         with caplog.at_level("WARNING", logger="optim._moe_ops"):
-            run_model(m, ids, _lora_params(m))
+            got = run_model(m, ids, _lora_params(m))
         assert key in ops.COMPILE_FAILED and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
         assert "cpu/torch.bfloat16/lean" in moe.describe(m)["moe_compile_errors"]
         assert sum("(moe_saved=lean) failed" in r.message for r in caplog.records) == 1
-        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True)
-        calls = []
-        real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
-        monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
+        # lean's graph tried once, then the partitioner's graph for that layer and every later one
+        layers = sum(1 for x in m.modules() if moe._is_experts(x))
+        assert calls == [True] + [False] * layers, calls
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for n in want[2]:
+            torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0)
+        calls.clear()
+        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="all")
         run_model(m, ids, _lora_params(m))
         assert calls and not any(calls) and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
     finally:
