@@ -410,6 +410,16 @@ def _lean_body(hidden, router_indices, routing_weights, w_gu, b_gu, w_d, b_d, lo
     return g.combine(y).to(hidden.dtype)
 
 
+def lean_fits(router_indices: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``moe_saved="lean"``'s graph can take this batch: its routed rows (tokens × top-k)
+    a multiple of 16 bytes of ``dtype``. Lean's backward recomputes the gathered rows, and inductor
+    may lay them out already transposed for the weight gradients' grouped GEMMs, (hidden, rows) with
+    a row stride of ``rows`` elements, which grouped_mm refuses unless it is a 16-byte multiple
+    (gpt-oss, top-4 in bf16, at an odd token count). The partitioner's graph keeps those rows as
+    they were computed, (rows, hidden), and takes any count. A shape only: no device sync."""
+    return (router_indices.numel() * dtype.itemsize) % 16 == 0
+
+
 def _lean_contexts():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 

@@ -26,11 +26,13 @@ made trainable through peft (``modules_to_save``, an adapter on it) is left as p
 ``moe_compile`` (``auto`` = on CUDA): the grouped_mm layer runs as one ``torch.compile``'d pure
 function (``_moe_ops.grouped_pure``) shared by every layer; the gate, bias gathers and routing
 weights fuse around the grouped GEMMs (the LoRA factors are cast and laid out eagerly first). A compiler failure logs one line and falls back
-to the eager grouped path. ``moe_saved="lean"`` (the default) has that
-compiled layer keep its input and the gate/up projection's output for backward, and recompute the
+to the eager grouped path. ``moe_saved="lean"`` (off by default: it slows the backward more than a
+step can spare where activations fit) has that compiled layer keep its input and the gate/up projection's output for backward, and recompute the
 per-expert gather, the gate and the routing weights' product there: less than half the activation
 memory per routed token, no GEMM recomputed (``_moe_ops.grouped_pure``). A compiler failure of
-that graph logs one line and the partitioner's graph (``moe_saved="all"``) runs instead.
+that graph logs one line and the partitioner's graph (``moe_saved="all"``) runs instead, as it does
+for a batch whose routed rows (tokens × top-k) are not a 16-byte multiple of the dtype
+(``_moe_ops.lean_fits``).
 
 Only torch, transformers and peft are imported here.
 """
@@ -100,7 +102,8 @@ def _make_impl(backend: str):
         if name == "grouped_mm" and _compile_wanted(self, hidden_states):
             gate = ops.gate_spec(self)
             dev, dtype = hidden_states.device, hidden_states.dtype
-            lean = getattr(self.config, "_optim_moe_saved_mode", SWITCHES["moe_saved"].default) == "lean"
+            lean = (getattr(self.config, "_optim_moe_saved_mode", SWITCHES["moe_saved"].default) == "lean"
+                    and ops.lean_fits(router_indices, dtype))
             lora_c = None
             # lean's graph first where asked; a failure of it falls back to the partitioner's graph,
             # and a failure of that one to the eager grouped path below

@@ -131,12 +131,12 @@ DECLARED: dict[str, dict[str, Switch]] = {
             Switch(
                 "moe_saved",
                 ("all", "lean"),
-                "lean",
-                "what the compiled grouped_mm experts layer keeps for backward: lean = the layer's input and "
-                "the gate/up output only (2.25 hidden-size rows per routed token), the routing weights applied "
-                "before the down projection, the gather and gate recomputed in backward (no GEMM recomputed); "
-                "all = the partitioner's default (the routed rows, the gate/up output, the gate's output and "
-                "the down output: 5 rows)",
+                "all",
+                "what the compiled grouped_mm experts layer keeps for backward: all = the partitioner's "
+                "default (the routed rows, the gate/up output, the gate's output and the down output: 5 "
+                "hidden-size rows per routed token); lean = the layer's input and the gate/up output only "
+                "(2.25 rows), the routing weights applied before the down projection, the gather and gate "
+                "recomputed in backward (no GEMM recomputed): less activation memory for a slower backward",
             ),
             Switch(
                 "moe_train_router",

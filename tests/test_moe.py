@@ -300,7 +300,7 @@ def test_lean_experts_match_loop_with_biases(name, wdtype):
 @pytest.mark.parametrize("saved", ["lean", "all"])
 def test_compile_failure_falls_back_to_eager(caplog, saved):
     """fp32 on CPU: the compiled grouped_mm rejects fp32, so the layer logs once per graph tried
-    (lean's, the default, then the partitioner's) and runs eager, with the eager grouped path's exact
+    (lean's where set, then the partitioner's, the default) and runs eager, with the eager grouped path's exact
     numbers."""
     from optim import _moe_ops as ops
 
@@ -310,7 +310,7 @@ def test_compile_failure_falls_back_to_eager(caplog, saved):
     moe.enable(eager, moe_backend="grouped_mm", moe_compile=False)
     ref = run_model(eager, ids, _lora_params(eager))
     comp = build(name, "cpu", torch.float32, RANK)
-    moe.enable(comp, moe_backend="grouped_mm", moe_compile=True, **({} if saved == "lean" else {"moe_saved": saved}))
+    moe.enable(comp, moe_backend="grouped_mm", moe_compile=True, **({} if saved == "all" else {"moe_saved": saved}))
     ops.COMPILE_FAILED.clear()
     with caplog.at_level("WARNING", logger="optim._moe_ops"):
         got = run_model(comp, ids, _lora_params(comp))
@@ -326,7 +326,7 @@ def test_compile_failure_falls_back_to_eager(caplog, saved):
 
 
 def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch, caplog):
-    """A failure that only moe_saved="lean"'s graph (the default) hits is recorded as lean's: that
+    """A failure that only moe_saved="lean"'s graph hits is recorded as lean's: that
     layer and every later one run the compiled graph of moe_saved="all", with the loop's numbers,
     and a model set to "all" runs it too."""
     from optim import _moe_ops as ops
@@ -345,7 +345,7 @@ def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch
     real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
     try:
-        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True)  # lean by default
+        moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="lean")
         with caplog.at_level("WARNING", logger="optim._moe_ops"):
             got = run_model(m, ids, _lora_params(m))
         assert key in ops.COMPILE_FAILED and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
@@ -364,6 +364,32 @@ def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch
     finally:
         ops.COMPILE_FAILED.pop(key, None)
         moe.enable(m)
+
+
+@pytest.mark.parametrize("tokens,lean", [(5, False), (8, True), (1, False), (4, True)])
+def test_lean_graph_takes_only_row_counts_of_16_bytes(monkeypatch, tokens, lean):
+    """moe_saved="lean" runs its graph only where the routed rows (tokens × top-k)
+    make a 16-byte multiple in the dtype: its backward may lay the recomputed rows out transposed,
+    with a row stride grouped_mm refuses otherwise (seen on CUDA at 20 rows of bf16). Other
+    batches run the partitioner's graph, with nothing recorded as failed, and the loop's numbers."""
+    from optim import _moe_ops as ops
+
+    name = "gpt-oss-20b-tiny"  # top-2 in bf16: 4 bytes a token, a 16-byte multiple at 4, 8, ... tokens
+    ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(2))
+    ref = build(name, "cpu", torch.float32, 8)
+    moe.enable(ref, moe_backend="loop", moe_lora="merged")
+    want = run_model(ref, ids, _lora_params(ref))
+    m = build(name, "cpu", torch.bfloat16, 8)
+    moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="lean")
+    calls = []
+    real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
+    got = run_model(m, ids, _lora_params(m))
+    assert calls and all(c is lean for c in calls), calls
+    assert not any(k[:2] == ("cpu", torch.bfloat16) for k in ops.COMPILE_FAILED), ops.COMPILE_FAILED
+    assert abs(got[0].float() - want[0]) < 3e-2 * abs(want[0])
+    for n in want[2]:
+        assert rel_err(got[2][n].float(), want[2][n]) < 5e-2, n
 
 
 def test_compiled_path_survives_many_shapes():
