@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.report import cite, fmt
+from harness.report import cite, defaults, fmt
 from harness.report.blog import data
 from harness.report.blog.style import ROLE_LABEL
 from harness.report.runs import other_code
@@ -69,6 +69,8 @@ def _table(f: cite.Figures, points: list[data.RolePoint], dirty) -> str:
         exp = str((user or p.rows.get("stock") or {}).get("experiment"))
         env = (user or {}).get("env") or {}
         code = f"`{str(env.get('git_sha') or '?')[:7]}`" + (" (dirty)" if dirty(user or {}) else "")
+        if then := defaults.note(user):
+            code += f" ({then})"
         body.append([p.gpu_name, _workload(user or p.rows["stock"]), *(_cell(f, p, r) for r in PEERS),
                      _cell(f, p, "user"), vs, mem, code, f"[{exp}](reports/{exp}/README.md)"])
     return fmt.table(["GPU", "workload", *(ROLE_LABEL[r] for r in PEERS), "`optim.enable(model)`",
@@ -181,6 +183,9 @@ def render(results_root: Path | str) -> str:
                 "column is the faster run and the memory column reads the lower peak."
                 if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else "")
              + (" (dirty) marks a commit that the measured code had changes on top of." if any(other_code(rows)(p.rows["user"]) for p in user) else "")
+             + (" A switch named beside a commit (`moe_saved=lean, all now`) is one whose default that code had "
+                "and the call no longer has: the row measured the old default."
+                if any(defaults.changed(p.rows["user"]) for p in user) else "")
              + (" " + fmt.OVERLAP_NOTE if any(_overlaps(p) for p in user) else ""),
              _table(f, user, other_code(rows))]
     if line := _memory_first(f, root):

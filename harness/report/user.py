@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from harness.measure.flops import hfu_of
 from harness.report.fmt import DASH
-from harness.report import fmt
+from harness.report import defaults, fmt
 from harness.report.runs import from_one_run, median_repeat, other_code, run_note, split_runs, steps_by_gpu
 from harness.roles import role_of
 
@@ -235,6 +235,12 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
         text += ["Every other variant of the file at those points (ablations of the defaults), each from the "
                  "latest run that has it; \"vs user\" only where that is the run of the columns above:",
                  fmt.table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
+    then = [f"{p['model']} at {p['seq_len']} tokens ({p['gpu']}): {note}"
+            for p in pts if (note := defaults.note(p["rows"]["user"]))]
+    if then:
+        text.append("The user's path ran a default that has changed since (the switch as that code resolved it, "
+                    "then its default now), so its column measured the old default; a rerun measures the "
+                    "call as it is: " + "; ".join(then) + ".")
     for p in pts:
         labelled = [(str(r.get("variant")), [r]) for role in ROLES if (r := p["rows"][role]) is not None]
         if len(labelled) > 1:
