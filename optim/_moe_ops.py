@@ -414,9 +414,11 @@ def lean_fits(router_indices: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether ``moe_saved="lean"``'s graph can take this batch: its routed rows (tokens × top-k)
     a multiple of 16 bytes of ``dtype``. Lean's backward recomputes the gathered rows, and inductor
     may lay them out already transposed for the weight gradients' grouped GEMMs, (hidden, rows) with
-    a row stride of ``rows`` elements, which grouped_mm refuses unless it is a 16-byte multiple
-    (gpt-oss, top-4 in bf16, at an odd token count). The partitioner's graph keeps those rows as
-    they were computed, (rows, hidden), and takes any count. A shape only: no device sync."""
+    a row stride of ``rows`` elements, which grouped_mm refuses unless it is a 16-byte multiple (seen
+    on CUDA at 20 rows of bf16: gpt-oss-20b's tiny twin, top-2, 10 tokens; for gpt-oss-20b, top-4,
+    any odd token count). The partitioner's graph keeps those rows as they were computed, (rows,
+    hidden), and takes any count: such a batch runs it, with its memory. A shape only: no device
+    sync."""
     return (router_indices.numel() * dtype.itemsize) % 16 == 0
 
 
@@ -473,9 +475,9 @@ def compiled_grouped(device: torch.device, dtype: torch.dtype, lean: bool = Fals
 def compile_failed(device: torch.device, dtype: torch.dtype, err: BaseException, lean: bool = False) -> None:
     msg = f"{type(err).__name__}: {err}"
     COMPILE_FAILED[_failed_key(device, dtype, lean)] = msg
-    log.warning("optim.moe: torch.compile of the grouped experts%s failed on %s/%s (%s); the eager "
-                "grouped path runs instead", " (moe_saved=lean)" if lean else "", device.type, dtype,
-                msg.splitlines()[0][:300])
+    log.warning("optim.moe: torch.compile of the grouped experts%s failed on %s/%s (%s); %s runs instead",
+                " (moe_saved=lean)" if lean else "", device.type, dtype, msg.splitlines()[0][:300],
+                "the partitioner's graph (moe_saved=all)" if lean else "the eager grouped path")
 
 
 def dispatch_only(backend: str, hidden, router_indices, routing_weights, num_experts):

@@ -29,10 +29,10 @@ weights fuse around the grouped GEMMs (the LoRA factors are cast and laid out ea
 to the eager grouped path. ``moe_saved="lean"`` (off by default: it slows the backward more than a
 step can spare where activations fit) has that compiled layer keep its input and the gate/up projection's output for backward, and recompute the
 per-expert gather, the gate and the routing weights' product there: less than half the activation
-memory per routed token, no GEMM recomputed (``_moe_ops.grouped_pure``). A compiler failure of
-that graph logs one line and the partitioner's graph (``moe_saved="all"``) runs instead, as it does
-for a batch whose routed rows (tokens × top-k) are not a 16-byte multiple of the dtype
-(``_moe_ops.lean_fits``).
+memory per routed token, no GEMM recomputed (``_moe_ops.grouped_pure``). Where that graph fails
+to compile (in the forward), it logs one line and the partitioner's graph (``moe_saved="all"``)
+runs instead, as it does, silently, for a batch whose routed rows (tokens × top-k) are not a
+16-byte multiple of the dtype (``_moe_ops.lean_fits``): those batches keep the default's memory.
 
 Only torch, transformers and peft are imported here.
 """

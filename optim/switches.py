@@ -136,7 +136,8 @@ DECLARED: dict[str, dict[str, Switch]] = {
                 "default (the routed rows, the gate/up output, the gate's output and the down output: 5 "
                 "hidden-size rows per routed token); lean = the layer's input and the gate/up output only "
                 "(2.25 rows), the routing weights applied before the down projection, the gather and gate "
-                "recomputed in backward (no GEMM recomputed): less activation memory for a slower backward",
+                "recomputed in backward (no GEMM recomputed): less activation memory for a slower backward; "
+                "a batch whose tokens x top-k rows are not a 16-byte multiple runs all",
             ),
             Switch(
                 "moe_train_router",

@@ -95,7 +95,7 @@ def test_compiled_matches_loop_bf16(model):
 
 
 @pytest.mark.parametrize("tokens", [10, 16])
-def test_routing_edge_cases_bf16(model, tokens):
+def test_routing_edge_cases_bf16(model, tokens, monkeypatch):
     """Every backend at its defaults (grouped_mm compiled) and the compiled grouped_mm with
     moe_saved="lean", on routings with empty experts, one expert, one token. With
     top-2, 10 tokens route 20 rows (40 bytes of bf16: lean's graph refuses them and the partitioner's
@@ -106,6 +106,11 @@ def test_routing_edge_cases_bf16(model, tokens):
     E, H, k = base.num_experts, model.config.hidden_size, model.config.num_experts_per_tok
     params = {n: p for n, p in experts.named_parameters() if p.requires_grad}
     modes = [(b, lo, {}) for b, lo in MODES[1:]] + [("grouped_mm", "split", {"moe_saved": "lean"})]
+    from optim import _moe_ops as ops
+
+    graphs = []  # the compiled graph each call ran: lean's (True) or the partitioner's (False)
+    real = ops.compiled_grouped(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(ops, "_compiled", lambda *a: graphs.append(a[11]) or real(*a))
     for name, idx in routings(tokens, E, k, "cuda"):
         T = idx.shape[0]
         hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -114,7 +119,10 @@ def test_routing_edge_cases_bf16(model, tokens):
         ref_out, ref_grads = run_experts(experts, hidden, idx, wts, params)
         for backend, lora, more in modes:
             moe.enable(model, moe_backend=backend, moe_lora=lora, **more)
+            graphs.clear()
             out, grads = run_experts(experts, hidden, idx, wts, params)
+            if more:  # lean's graph where the routed rows make 16 bytes, the partitioner's elsewhere
+                assert graphs == [(T * k * 2) % 16 == 0], (name, T, graphs)
             assert "moe_compile_errors" not in moe.describe(model), (name, backend, lora, more)
             assert rel_err(out, ref_out) < TOL, (name, backend, lora, more)
             for n in ref_grads:

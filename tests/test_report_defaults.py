@@ -62,4 +62,9 @@ def test_the_user_report_says_which_point_ran_an_old_default():
     text = user_md(rows, {})
     assert f"gpt-oss-20b at 2048 tokens (nvidia-h200): moe_saved={then}, {NOW['moe_saved']} now" in text
     rows[1]["switches_resolved"] = dict(NOW)
-    assert "has changed since" not in user_md(rows, {})
+    assert "the old default" not in user_md(rows, {})
+    # an ablation of the same run that ran the old default is marked in its own table
+    rows.append({**_row("user-varlen", 160.0, {**NOW, "moe_saved": then}), "role": "ablation"})
+    text = user_md(rows, {})
+    assert f"| user-varlen (moe_saved={then}, {NOW['moe_saved']} now) |" in text and "the old default" in text
+    assert "The user's path ran so" not in text
