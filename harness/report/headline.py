@@ -183,9 +183,9 @@ def render(results_root: Path | str) -> str:
                 "column is the faster run and the memory column reads the lower peak."
                 if any(_no_checkpointing(p.rows.get(r)) for p in user for r in PEERS) else "")
              + (" (dirty) marks a commit that the measured code had changes on top of." if any(other_code(rows)(p.rows["user"]) for p in user) else "")
-             + (" A switch named beside a commit (`moe_saved=lean, all now`) is one whose default that code had "
-                "and the call no longer has: the row measured the old default."
-                if any(defaults.changed(p.rows["user"]) for p in user) else "")
+             + (f" A switch named beside a commit (`{then}`) is one that the measured code defaulted to the "
+                "first value and the call now defaults to the second: the row measured the old default."
+                if (then := next((n for p in user if (n := defaults.note(p.rows["user"]))), "")) else "")
              + (" " + fmt.OVERLAP_NOTE if any(_overlaps(p) for p in user) else ""),
              _table(f, user, other_code(rows))]
     if line := _memory_first(f, root):

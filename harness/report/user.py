@@ -227,7 +227,8 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
             "latest run that measured it."
             + (" " + fmt.OVERLAP_NOTE if any(_overlap(p) for p in pts) else ""),
             fmt.table(header, body)]
-    others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"], v, _cell(r), _gib(_peak(r)),
+    others = [[*([p["gpu"]] if many else []), p["model"], p["seq_len"],
+               v + (f" ({note})" if (note := defaults.note(r)) else ""), _cell(r), _gib(_peak(r)),
                (fmt.times(p["ms"]["user"] / fmt.stat(r, "step_ms")) if p["others_same_run"][v] else "other run")
                if p["ms"]["user"] and _peak(r) is not None else DASH]
               for p in pts for v, r in p["others"].items()]
@@ -237,10 +238,11 @@ def user_md(rows: list[dict], spec: dict, trainer_rows: list[dict] | None = None
                  fmt.table([*(["GPU"] if many else []), "model", "tokens", "variant", "ms", "peak GiB", "vs user"], others)]
     then = [f"{p['model']} at {p['seq_len']} tokens ({p['gpu']}): {note}"
             for p in pts if (note := defaults.note(p["rows"]["user"]))]
-    if then:
-        text.append("The user's path ran a default that has changed since (the switch as that code resolved it, "
-                    "then its default now), so its column measured the old default; a rerun measures the "
-                    "call as it is: " + "; ".join(then) + ".")
+    if then or any(defaults.changed(r) for p in pts for r in p["others"].values()):
+        text.append("A switch named beside a row (`switch=value, default now`) is one that the measuring code "
+                    "defaulted to that value and the call now defaults otherwise: the row measured the old "
+                    "default, and a rerun measures the call as it is."
+                    + (" The user's path ran so at " + "; ".join(then) + "." if then else ""))
     for p in pts:
         labelled = [(str(r.get("variant")), [r]) for role in ROLES if (r := p["rows"][role]) is not None]
         if len(labelled) > 1:
