@@ -24,15 +24,15 @@ weight). The router's own weights are frozen unless ``moe_train_router=True``; a
 made trainable through peft (``modules_to_save``, an adapter on it) is left as peft set it.
 
 ``moe_compile`` (``auto`` = on CUDA): the grouped_mm layer runs as one ``torch.compile``'d pure
-function (``_moe_ops.grouped_pure``) shared by every layer; the gate, bias gathers and routing
+function (``_moe_compiled.grouped_pure``) shared by every layer; the gate, bias gathers and routing
 weights fuse around the grouped GEMMs (the LoRA factors are cast and laid out eagerly first). A compiler failure logs one line and falls back
 to the eager grouped path. ``moe_saved="lean"`` (off by default: it slows the backward more than a
 step can spare where activations fit) has that compiled layer keep its input and the gate/up projection's output for backward, and recompute the
 per-expert gather, the gate and the routing weights' product there: less than half the activation
-memory per routed token, no GEMM recomputed (``_moe_ops.grouped_pure``). Where that graph fails
+memory per routed token, no GEMM recomputed (``_moe_compiled.grouped_pure``). Where that graph fails
 to compile (in the forward), it logs one line and the partitioner's graph (``moe_saved="all"``)
 runs instead, as it does, silently, for a batch whose routed rows (tokens × top-k) are not a
-16-byte multiple of the dtype (``_moe_ops.lean_fits``): those batches keep the default's memory.
+16-byte multiple of the dtype (``_moe_compiled.lean_fits``): those batches keep the default's memory.
 
 Only torch, transformers and peft are imported here.
 """
@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from optim import _moe_compiled as compiled
 from optim import _moe_ops as ops
 from optim._fallback import passes_through
 from optim._hf import owner
@@ -100,19 +101,19 @@ def _make_impl(backend: str):
         name = auto_backend(hidden_states.device) if backend == "auto" else backend
         raw = getattr(self, _LORA_ATTR, None) or {}
         if name == "grouped_mm" and _compile_wanted(self, hidden_states):
-            gate = ops.gate_spec(self)
+            gate = compiled.gate_spec(self)
             dev, dtype = hidden_states.device, hidden_states.dtype
             lean = (getattr(self.config, "_optim_moe_saved_mode", SWITCHES["moe_saved"].default) == "lean"
-                    and ops.lean_fits(router_indices, dtype))
+                    and compiled.lean_fits(router_indices, dtype))
             lora_c = None
             # lean's graph first where asked; a failure of it falls back to the partitioner's graph,
             # and a failure of that one to the eager grouped path below
             for mode in ((True, False) if lean else (False,)):
-                fn = ops.compiled_grouped(dev, dtype, mode) if gate is not None else None
+                fn = compiled.compiled_grouped(dev, dtype, mode) if gate is not None else None
                 if fn is None:
                     continue
                 if lora_c is None:
-                    lora_c = {proj: [(*ops.compile_factors(wa, wb, self.num_experts, dtype), s)
+                    lora_c = {proj: [(*compiled.compile_factors(wa, wb, self.num_experts, dtype), s)
                                      for wa, wb, s in factors] for proj, factors in raw.items()}
                 try:
                     return fn(
@@ -124,7 +125,7 @@ def _make_impl(backend: str):
                 except Exception as e:  # a compiler failure must not stop training
                     if passes_through(e):
                         raise
-                    ops.compile_failed(dev, dtype, e, mode)
+                    compiled.compile_failed(dev, dtype, e, mode)
         dtype = self.gate_up_proj.dtype
         lora = {proj: [(*ops.raw_to_factors(wa, wb, self.num_experts, dtype), s) for wa, wb, s in factors]
                 for proj, factors in raw.items()}
@@ -362,8 +363,8 @@ def describe(model: nn.Module) -> dict[str, Any]:
     ex = next((m for m in model.modules() if _is_experts(m)), None)
     if ex is not None and s.moe_backend == "auto":
         d["moe_backend_resolved"] = auto_backend(next(ex.parameters()).device)
-    if ops.COMPILE_FAILED:
-        d["moe_compile_errors"] = {"/".join(map(str, k)): v[:300] for k, v in ops.COMPILE_FAILED.items()}
+    if compiled.COMPILE_FAILED:
+        d["moe_compile_errors"] = {"/".join(map(str, k)): v[:300] for k, v in compiled.COMPILE_FAILED.items()}
     return d
 
 

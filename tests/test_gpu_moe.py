@@ -106,11 +106,11 @@ def test_routing_edge_cases_bf16(model, tokens, monkeypatch):
     E, H, k = base.num_experts, model.config.hidden_size, model.config.num_experts_per_tok
     params = {n: p for n, p in experts.named_parameters() if p.requires_grad}
     modes = [(b, lo, {}) for b, lo in MODES[1:]] + [("grouped_mm", "split", {"moe_saved": "lean"})]
-    from optim import _moe_ops as ops
+    from optim import _moe_compiled as compiled
 
     graphs = []  # the compiled graph each call ran: lean's (True) or the partitioner's (False)
-    real = ops.compiled_grouped(torch.device("cuda"), torch.bfloat16)
-    monkeypatch.setattr(ops, "_compiled", lambda *a: graphs.append(a[11]) or real(*a))
+    real = compiled.compiled_grouped(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(compiled, "_compiled", lambda *a: graphs.append(a[11]) or real(*a))
     for name, idx in routings(tokens, E, k, "cuda"):
         T = idx.shape[0]
         hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

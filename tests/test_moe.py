@@ -232,7 +232,7 @@ def test_import_does_not_pull_harness():
 def test_compiled_grouped_matches_loop(name, rank):
     """Rank 4 in bf16 is padded to 8 for the compiled kernel (the eager grouped path falls back per
     expert there); rank 8 gives both the LoRA A factor as a transposed view of peft's weight."""
-    from optim import _moe_ops as ops
+    from optim import _moe_compiled as compiled
 
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
     runs = {}
@@ -253,7 +253,7 @@ def test_compiled_grouped_matches_loop(name, rank):
         moe.enable(m, **settings)
         runs[label] = run_model(m, ids, _lora_params(m))
         if label in ("compiled", "lean", "lean_ckpt"):
-            assert ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
+            assert ("cpu", torch.bfloat16) not in compiled.COMPILE_FAILED
             assert "moe_compile_errors" not in moe.describe(m)
     (rl, rg, rgr), (bl, bg, bgr) = runs["ref"], runs["loop_bf16"]
     bar = lambda a, b: 1.5 * rel_err(a.float(), b.float()) + 2e-2  # noqa: E731
@@ -302,7 +302,7 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog, saved):
     """fp32 on CPU: the compiled grouped_mm rejects fp32, so the layer logs once per graph tried
     (lean's where set, then the partitioner's, the default) and runs eager, with the eager grouped path's exact
     numbers."""
-    from optim import _moe_ops as ops
+    from optim import _moe_compiled as compiled
 
     name = "qwen3-30b-a3b-tiny"
     ids = torch.randint(0, 512, (1, 16))
@@ -311,11 +311,11 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog, saved):
     ref = run_model(eager, ids, _lora_params(eager))
     comp = build(name, "cpu", torch.float32, RANK)
     moe.enable(comp, moe_backend="grouped_mm", moe_compile=True, **({} if saved == "all" else {"moe_saved": saved}))
-    monkeypatch.setattr(ops, "COMPILE_FAILED", {})  # this test's failures alone, none left behind
-    with caplog.at_level("WARNING", logger="optim._moe_ops"):
+    monkeypatch.setattr(compiled, "COMPILE_FAILED", {})  # this test's failures alone, none left behind
+    with caplog.at_level("WARNING", logger="optim._moe_compiled"):
         got = run_model(comp, ids, _lora_params(comp))
-    assert ("cpu", torch.float32) in ops.COMPILE_FAILED
-    assert (("cpu", torch.float32, "lean") in ops.COMPILE_FAILED) == (saved == "lean")
+    assert ("cpu", torch.float32) in compiled.COMPILE_FAILED
+    assert (("cpu", torch.float32, "lean") in compiled.COMPILE_FAILED) == (saved == "lean")
     assert "cpu/torch.float32" in moe.describe(comp)["moe_compile_errors"]
     assert sum("torch.compile of the grouped experts failed" in r.message for r in caplog.records) == 1
     assert sum("torch.compile of the grouped experts (moe_saved=lean) failed" in r.message
@@ -329,7 +329,7 @@ def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch
     """A failure that only moe_saved="lean"'s graph hits is recorded as lean's: that
     layer and every later one run the compiled graph of moe_saved="all", with that graph's exact
     numbers, and a model set to "all" runs it too."""
-    from optim import _moe_ops as ops
+    from optim import _moe_compiled as compiled
 
     def broken(*args):
         raise NotImplementedError("lean graph broken on purpose")
@@ -339,16 +339,16 @@ def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch
     ref = build("qwen3-30b-a3b-tiny", "cpu", torch.bfloat16, 8)
     moe.enable(ref, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="all")
     want = run_model(ref, ids, _lora_params(ref))
-    monkeypatch.setattr(ops, "_lean_body", broken)
+    monkeypatch.setattr(compiled, "_lean_body", broken)
     m = build("qwen3-30b-a3b-tiny", "cpu", torch.bfloat16, 8)
     calls = []
-    real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
+    real = compiled.compiled_grouped(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(compiled, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
     try:
         moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="lean")
-        with caplog.at_level("WARNING", logger="optim._moe_ops"):
+        with caplog.at_level("WARNING", logger="optim._moe_compiled"):
             got = run_model(m, ids, _lora_params(m))
-        assert key in ops.COMPILE_FAILED and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
+        assert key in compiled.COMPILE_FAILED and ("cpu", torch.bfloat16) not in compiled.COMPILE_FAILED
         assert "cpu/torch.bfloat16/lean" in moe.describe(m)["moe_compile_errors"]
         assert sum("(moe_saved=lean) failed" in r.message and "the partitioner's graph (moe_saved=all) runs instead"
                    in r.message for r in caplog.records) == 1
@@ -361,9 +361,9 @@ def test_a_lean_compile_failure_falls_back_to_the_partitioners_graph(monkeypatch
         calls.clear()
         moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="all")
         run_model(m, ids, _lora_params(m))
-        assert calls and not any(calls) and ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED
+        assert calls and not any(calls) and ("cpu", torch.bfloat16) not in compiled.COMPILE_FAILED
     finally:
-        ops.COMPILE_FAILED.pop(key, None)
+        compiled.COMPILE_FAILED.pop(key, None)
         moe.enable(m)
 
 
@@ -373,7 +373,7 @@ def test_lean_graph_takes_only_row_counts_of_16_bytes(monkeypatch, tokens, lean)
     make a 16-byte multiple in the dtype: its backward may lay the recomputed rows out transposed,
     with a row stride grouped_mm refuses otherwise (seen on CUDA at 20 rows of bf16). Other
     batches run the partitioner's graph, with nothing recorded as failed, and the loop's numbers."""
-    from optim import _moe_ops as ops
+    from optim import _moe_compiled as compiled
 
     name = "gpt-oss-20b-tiny"  # top-2 in bf16: 4 bytes a token, a 16-byte multiple at 4, 8, ... tokens
     ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(2))
@@ -383,11 +383,11 @@ def test_lean_graph_takes_only_row_counts_of_16_bytes(monkeypatch, tokens, lean)
     m = build(name, "cpu", torch.bfloat16, 8)
     moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True, moe_saved="lean")
     calls = []
-    real = ops.compiled_grouped(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setattr(ops, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
+    real = compiled.compiled_grouped(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(compiled, "_compiled", lambda *a: calls.append(a[11]) or real(*a))
     got = run_model(m, ids, _lora_params(m))
     assert calls and all(c is lean for c in calls), calls
-    assert not any(k[:2] == ("cpu", torch.bfloat16) for k in ops.COMPILE_FAILED), ops.COMPILE_FAILED
+    assert not any(k[:2] == ("cpu", torch.bfloat16) for k in compiled.COMPILE_FAILED), compiled.COMPILE_FAILED
     assert abs(got[0].float() - want[0]) < 3e-2 * abs(want[0])
     for n in want[2]:
         assert rel_err(got[2][n].float(), want[2][n]) < 5e-2, n
@@ -396,7 +396,7 @@ def test_lean_graph_takes_only_row_counts_of_16_bytes(monkeypatch, tokens, lean)
 def test_compiled_path_survives_many_shapes():
     """More shapes than dynamo's default recompile limit (8) through the one compiled function:
     still compiled, no fallback (the GPU suite hit the limit before it was raised)."""
-    from optim import _moe_ops as ops
+    from optim import _moe_compiled as compiled
 
     m = build("qwen3-30b-a3b-tiny", "cpu", torch.bfloat16, 8)
     moe.enable(m, moe_backend="grouped_mm", moe_lora="split", moe_compile=True)
@@ -406,7 +406,7 @@ def test_compiled_path_survives_many_shapes():
             m(input_ids=torch.randint(0, 512, (1, t)), use_cache=False).logits.sum().backward()
     finally:
         torch._dynamo.config.automatic_dynamic_shapes = True
-    assert ("cpu", torch.bfloat16) not in ops.COMPILE_FAILED, ops.COMPILE_FAILED
+    assert ("cpu", torch.bfloat16) not in compiled.COMPILE_FAILED, compiled.COMPILE_FAILED
 
 
 def test_experts_with_a_norm_after_each_expert_keep_transformers_own(caplog):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from optim import _moe_compiled as compiled
 from optim import _moe_ops as ops
 
 COPIES = ("aten._to_copy", "aten.copy_", "aten.clone", "aten._unsafe_view")
@@ -70,10 +71,10 @@ def test_compile_factors_pad_a_rank_grouped_mm_cannot_read():
     rank 8 (zero columns: X·A·B unchanged); rank 8 keeps A a view."""
     for r, padded in ((4, True), (8, False)):
         wa, wb = _peft_factors(r=r)
-        a_t, b_t = ops.compile_factors(wa, wb, 4, torch.bfloat16)
+        a_t, b_t = compiled.compile_factors(wa, wb, 4, torch.bfloat16)
         assert a_t.shape[-1] == b_t.shape[1] == 8
         assert a_t.is_contiguous() == padded
-        assert ops._aligned(a_t) and ops._aligned(b_t)
+        assert ops.aligned(a_t) and ops.aligned(b_t)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
@@ -114,7 +115,7 @@ def test_routing_gathers_backward_scatters_without_index_add(top_k):
 ])
 def test_aligned_follows_grouped_mms_stride_contract(shape, strides, dtype, ok):
     t = torch.empty_strided(shape, strides, dtype=dtype).copy_(torch.randn(shape))
-    assert ops._aligned(t) is ok
+    assert ops.aligned(t) is ok
     if len(shape) == 2:  # as gmm's input: the kernel where it says yes, the per-expert fallback where no
         w = torch.randn(2, shape[-1], 8, dtype=dtype)
         half = shape[0] // 2
