@@ -12,9 +12,10 @@ from typing import Any
 
 
 def _switches() -> dict:
-    from optim.switches import DECLARED
+    """optim's switches, as experiment files take them (``harness.variant_keys``)."""
+    from harness.variant_keys import OWNER, SWITCHES
 
-    return {name: sw for module in DECLARED.values() for name, sw in module.items()}
+    return {name: SWITCHES[name] for name in OWNER}
 
 
 def changed(row: dict | None) -> dict[str, tuple[Any, Any]]:
