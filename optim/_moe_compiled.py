@@ -135,13 +135,17 @@ def _lean_contexts():
 
 
 def _lean_policy(ctx, op, *args, **kwargs):
-    """Keep a grouped GEMM's output, and the sum of two row blocks of one shape (the gate/up
-    projection with its LoRA, or with its bias); recompute the rest: the gather, the gate, the
-    scaling and the weighting. Backward keeps of these only what it reads: the gate/up output
+    """Keep a grouped GEMM's output, the sum of two row blocks of one shape (the gate/up
+    projection with its LoRA, or with its bias), and every op on the routing's integers (the sort,
+    the expert ids, the counts and offsets: a few int64 per routed row, where recomputing them
+    would sort again in backward); recompute the rest: the gather, the gate, the scaling and the
+    weighting. Backward keeps of these only what it reads: the gate/up output
     (for the gate) and the LoRA middles (for the B factors); a GEMM output that a kept sum
     holds, and the down side's, it never reads."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+        return CheckpointPolicy.MUST_SAVE  # the routing's integers: sort order, expert ids, offsets
     if op is torch.ops.aten._grouped_mm.default:
         return CheckpointPolicy.MUST_SAVE
     if (op is torch.ops.aten.add.Tensor and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2])

@@ -57,9 +57,12 @@ def test_lean_keeps_the_input_and_the_gate_up_output_per_routed_token(name):
         per_token[saved] = (b - a) / 128 / 2  # bf16 values per token
     moe.enable(model)
     lora_mid = 2 * k * RANK  # x·A of each projection, per routed row
-    # lean: the input row once, the gate/up output per routed row, the LoRA middles; and the sort
-    # order (int64: four bf16 values per routed row) and the routing weights (one each)
-    lean = H + k * 2 * inter + lora_mid + k * (4 + 1)
+    # lean: the input row once, the gate/up output per routed row, the LoRA middles; the routing's
+    # integers, kept so that backward never sorts again (int64, four bf16 values each per routed
+    # row: the sort order, the token index, and the expert ids where the bias gathers read them);
+    # and the routing weights (one each)
+    biased = getattr(experts_of(model).get_base_layer(), "gate_up_proj_bias", None) is not None
+    lean = H + k * 2 * inter + lora_mid + k * (4 * (2 + biased) + 1)
     assert per_token["lean"] == lean, (per_token, lean)
     # all: the routed rows, the gate/up output, the gate's output and the down output as well
-    assert per_token["all"] >= per_token["lean"] - H + k * (H + inter + H), per_token
+    assert per_token["all"] >= k * (H + 2 * inter + inter + H) + lora_mid, per_token
