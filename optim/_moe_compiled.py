@@ -134,6 +134,9 @@ def _lean_contexts():
     return create_selective_checkpoint_contexts(_lean_policy)
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # not bool: a mask may pick large rows
+
+
 def _lean_policy(ctx, op, *args, **kwargs):
     """Keep a grouped GEMM's output, the sum of two row blocks of one shape (the gate/up
     projection with its LoRA, or with its bias), and every op on the routing's integers (the sort,
@@ -144,7 +147,7 @@ def _lean_policy(ctx, op, *args, **kwargs):
     holds, and the down side's, it never reads."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+    if args and isinstance(args[0], torch.Tensor) and args[0].dtype in _INDEX_DTYPES:
         return CheckpointPolicy.MUST_SAVE  # the routing's integers: sort order, expert ids, offsets
     if op is torch.ops.aten._grouped_mm.default:
         return CheckpointPolicy.MUST_SAVE
