@@ -97,7 +97,7 @@ def test_report_writes_the_block_and_a_newer_measurement_makes_the_old_figures_s
     readme.write_text(f"# x\n\n{headline.BEGIN}\n{headline.END}\n\nThe rest.\n")
     assert cli.main(["report", "--results", str(results), "--reports", str(tmp_path / "reports")]) == 0
     text = readme.read_text()
-    assert "| H100 | m, LoRA r=16, 2048 tokens | 800.0 ms | not run | 600.0 ms | not run | 200.0 ms | 3.00× (Liger-Kernel, 2 of 4 peers run) " \
+    assert "| H100 | m, LoRA r=16, 2048 tokens | 800.0 ms | not run | 600.0 ms | not run | 200.0 ms | the defaults | 3.00× (Liger-Kernel, 2 of 4 peers run) " \
            "| 2.50 GiB / 2.00 GiB | `c1c1c1c` |" in text and text.endswith("\n\nThe rest.\n")
     assert headline.problems(text, results) == []
     # the user's path measured again by newer code: the README's figure is now stale

@@ -179,3 +179,20 @@ def test_a_speedup_whose_spreads_overlap_is_marked():
     tie.rows["user"]["step_ms"].update(p80=255.7)  # just below the peer's p20: apart
     assert _ratio_cell(tie) == "1.01× (Unsloth, 2 of 4 peers run)"
     assert not fmt.spreads_overlap(tie.rows["user"], {"step_ms": {"p50": 250.0}})  # a spread unknown: no claim
+
+
+def _cells(p):
+    head, _, row = headline._table(cite.Figures(), [p], other_code(list(p.rows.values()))).splitlines()
+    return dict(zip(head.strip("|").split(" | "), (c.strip() for c in row.strip("|").split(" | "))))
+
+
+def test_ours_at_its_best_is_a_column_named_by_its_variant_or_the_defaults():
+    # the sixth role beside the five: a setting beyond the defaults shows its step and its name
+    p = _point(stock=(540.5, 52.6), unsloth=(325.5, 58.2), user=(165.3, 56.2))
+    p.rows["best"] = dict(_row("ours-graph", 120.4, 56.3), point_id="p-graph")
+    assert _cells(p)["ours, best setting"] == "120.4 ms (`ours-graph`)"
+    assert _cells(p)["enable() against the fastest other"].startswith("1.96× (Unsloth")  # the ratio stays the one call's
+    p.rows["best"] = p.rows["user"]  # no setting of ours beat the defaults
+    assert _cells(p)["ours, best setting"] == "the defaults"
+    del p.rows["best"]
+    assert _cells(p)["ours, best setting"] == "–"
