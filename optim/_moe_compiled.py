@@ -137,18 +137,27 @@ def _lean_contexts():
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # not bool: a mask may pick large rows
 
 
+def _on_integers(args, kwargs) -> bool:
+    """An op that reads integer tensors only and makes integers: the routing's bookkeeping (a cast of
+    an integer weight to float, or a mask, is not)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return (bool(tensors) and all(t.dtype in _INDEX_DTYPES for t in tensors)
+            and kwargs.get("dtype") in (None, *_INDEX_DTYPES))
+
+
 def _lean_policy(ctx, op, *args, **kwargs):
     """Keep a grouped GEMM's output, the sum of two row blocks of one shape (the gate/up
-    projection with its LoRA, or with its bias), and every op on the routing's integers (the sort,
-    the expert ids, the counts and offsets: a few int64 per routed row, where recomputing them
-    would sort again in backward); recompute the rest: the gather, the gate, the scaling and the
+    projection with its LoRA, or with its bias), and every op on the routing's integers (the sort
+    order, the token index and, where biases are gathered, the expert ids: two or three int64 per
+    routed row; the counts and offsets, a few per expert), which recomputing would sort again in
+    backward; recompute the rest: the gather, the gate, the scaling and the
     weighting. Backward keeps of these only what it reads: the gate/up output
     (for the gate) and the LoRA middles (for the B factors); a GEMM output that a kept sum
     holds, and the down side's, it never reads."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if args and isinstance(args[0], torch.Tensor) and args[0].dtype in _INDEX_DTYPES:
-        return CheckpointPolicy.MUST_SAVE  # the routing's integers: sort order, expert ids, offsets
+    if _on_integers(args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
     if op is torch.ops.aten._grouped_mm.default:
         return CheckpointPolicy.MUST_SAVE
     if (op is torch.ops.aten.add.Tensor and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2])

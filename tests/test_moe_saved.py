@@ -62,7 +62,8 @@ def test_lean_keeps_the_input_and_the_gate_up_output_per_routed_token(name):
     # row: the sort order, the token index, and the expert ids where the bias gathers read them);
     # and the routing weights (one each)
     biased = getattr(experts_of(model).get_base_layer(), "gate_up_proj_bias", None) is not None
-    lean = H + k * 2 * inter + lora_mid + k * (4 * (2 + biased) + 1)
+    ints = 1 + (k > 1) + biased  # the token index is the sort order itself at top-1
+    lean = H + k * 2 * inter + lora_mid + k * (4 * ints + 1)
     assert per_token["lean"] == lean, (per_token, lean)
     # all: the routed rows, the gate/up output, the gate's output and the down output as well
     assert per_token["all"] >= k * (H + 2 * inter + inter + H) + lora_mid, per_token
