@@ -189,10 +189,18 @@ def _cells(p):
 def test_ours_at_its_best_is_a_column_named_by_its_variant_or_the_defaults():
     # the sixth role beside the five: a setting beyond the defaults shows its step and its name
     p = _point(stock=(540.5, 52.6), unsloth=(325.5, 58.2), user=(165.3, 56.2))
-    p.rows["best"] = dict(_row("ours-graph", 120.4, 56.3), point_id="p-graph")
-    assert _cells(p)["ours, best setting"] == "120.4 ms (`ours-graph`)"
+    p.rows["user"].update(role="user", stack="user")
+    p.rows["best"] = dict(_row("ours-graph", 120.4, 56.3), point_id="p-graph", role="ours", stack="user")
+    f = cite.Figures()
+    head, _, row = headline._table(f, [p], other_code(list(p.rows.values()))).splitlines()
+    assert dict(zip(head.strip("|").split(" | "), (c.strip() for c in row.strip("|").split(" | "))))[
+        "ours, best setting"] == "120.4 ms (`ours-graph`)"
+    assert any(k.startswith("120.4 ms = ms user/nvidia-h200/p-graph@") for k in cite.keys_comment(f).splitlines())
     assert _cells(p)["enable() against the fastest other"].startswith("1.96× (Unsloth")  # the ratio stays the one call's
-    p.rows["best"] = p.rows["user"]  # no setting of ours beat the defaults
+    # the defaults were fastest: said so, even where best's row is another run's repeat of the user's variant
+    p.rows["best"] = dict(p.rows["user"], recorded_at="2026-11-22T10:00:00+00:00")
     assert _cells(p)["ours, best setting"] == "the defaults"
     del p.rows["best"]
     assert _cells(p)["ours, best setting"] == "–"
+    p.failed["best"] = "oom"
+    assert _cells(p)["ours, best setting"] == "oom"

@@ -15,7 +15,7 @@ from harness.report import cite, defaults, fmt
 from harness.report.blog import data
 from harness.report.blog.style import ROLE_LABEL
 from harness.report.runs import other_code
-from harness.roles import PEERS
+from harness.roles import PEERS, role_of
 
 BEGIN = "<!-- headline: written by `python -m harness report` from results/; edit harness/report/headline.py, not this block -->"
 END = "<!-- /headline -->"
@@ -82,9 +82,8 @@ def _best(f: cite.Figures, p: data.RolePoint) -> str:
     variant; "the defaults" where no other setting was faster."""
     best = p.rows.get("best")
     if best is None:
-        return "–"
-    user = p.rows.get("user") or {}
-    if (best.get("point_id"), best.get("recorded_at")) == (user.get("point_id"), user.get("recorded_at")):
+        return p.failed.get("best", "–")
+    if role_of(best) == "user":  # the defaults themselves, whichever run's row was picked
         return "the defaults"
     return f"{_cell(f, p, 'best')} (`{best.get('variant')}`)"
 
