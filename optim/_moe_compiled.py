@@ -22,8 +22,6 @@ from optim._moe_ops import GMM, Grouping, aligned, raw_to_factors
 
 log = logging.getLogger(__name__)
 
-# one compiled graph serves every layer of the model.
-
 
 def gate_spec(mod) -> tuple | None:
     """The module's gate as plain data (``None`` if we do not know it: the eager path runs)."""
